@@ -1,0 +1,273 @@
+"""Typed configuration schema: the only source of truth for every key lctrain reads.
+
+The dataclasses are registered as Hydra structured configs (``base_config``); YAML under conf/
+and recipes/ only sets values. Derived quantities (dp when -1, gradient accumulation, Ulysses and
+Ring degrees) are computed by `Derived`, never written back into the config: the config describes
+the model and the layout, not the shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ATTENTION_ALGORITHMS = ("ulysses", "ring", "usp", "allgather")
+LOAD_BALANCE = ("zigzag", "none")
+DTYPES = ("fp32", "bf16")
+DP_ENGINES = ("fsdp", "ddp")
+SCHEDULES = ("cosine", "constant")
+DATA_SOURCES = ("synthetic",)
+DEVICES = ("auto", "cpu", "cuda")
+START_METHODS = ("fork", "spawn")
+RESUME_MODES = ("none", "auto")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    """Preset name, for logs only."""
+    vocab_size: int = 512
+    """Vocabulary size (rows of the embedding and of the output layer)."""
+    dim: int = 128
+    """Model (hidden) dimension D."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 8
+    """Query heads H; head dim d = dim / n_heads."""
+    n_kv_heads: int = 2
+    """Key/value heads (GQA). Equal to n_heads for MHA, 1 for MQA."""
+    ffn_dim: int = 384
+    """SwiGLU hidden size (w1/w3 output, w2 input)."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output layer."""
+    init_std: float = 0.02
+    """Std of the normal init of linear and embedding weights (output projections scaled by depth)."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size (Megatron column/row split of the block matmuls)."""
+    sp: bool = False
+    """Megatron sequence parallelism inside the TP group (no extra device dimension)."""
+    cp: int = 1
+    """Context-parallel size: ranks holding different token slices of the same sequences."""
+    pp: int = 1
+    """Pipeline-parallel size (layers split into pp stages)."""
+    dp: int = -1
+    """Data-parallel size; -1 derives it as world_size / (tp * cp * pp)."""
+    attention: str = "ring"
+    """Context-parallel attention: ulysses | ring | usp | allgather (ignored when cp = 1)."""
+    ulysses_degree: int = 1
+    """Ulysses degree inside usp; the ring degree is cp / ulysses_degree."""
+    load_balance: str = "zigzag"
+    """Sequence split across cp ranks: zigzag (2*cp chunks, causal balance) | none (contiguous)."""
+    dp_engine: str = "fsdp"
+    """Data-parallel engine: fsdp (FSDP2, parameters sharded over dp x cp) | ddp."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    """Optimizer steps to run."""
+    seed: int = 0
+    """Seed for weights, data order and dropout-free RNG streams."""
+    seq_len: int = 256
+    """Tokens per sequence (the global, unsplit context length)."""
+    micro_batch: int = 1
+    """Sequences per data-parallel rank per forward/backward."""
+    global_batch: int = 8
+    """Sequences per optimizer step over all dp ranks; accumulation = global / (micro * dp)."""
+    dtype: str = "fp32"
+    """Compute dtype under autocast: fp32 | bf16 (parameters and optimizer stay fp32)."""
+    device: str = "auto"
+    """auto (cuda if available, else cpu) | cpu | cuda."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"
+    """Where sequences come from: synthetic (built in, deterministic, learnable)."""
+    path: str | None = None
+    """Dataset path (files or folder) for file-based sources; must exist."""
+    tokenizer: str | None = None
+    """Tokenizer file or directory for file-based sources; must exist."""
+    doc_len_min: int = 32
+    """Synthetic: shortest document in tokens (documents are packed with EOS separators)."""
+    doc_len_max: int = 256
+    """Synthetic: longest document in tokens."""
+    branching: int = 4
+    """Synthetic: successors each token may have in the hidden bigram chain (entropy floor ln b)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 10
+    """Linear warmup steps from 0 to lr."""
+    schedule: str = "cosine"
+    """cosine | constant (after warmup)."""
+    weight_decay: float = 0.1
+    """AdamW decay for matrices; norms and embeddings are never decayed."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip over all shards; 0 disables clipping (the norm is still logged)."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save every N steps (0 = never)."""
+    resume: str = "none"
+    """none | auto (newest complete checkpoint in the run dir)."""
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1
+    """Log (console, metrics.jsonl, W&B) every N steps; the last step is always logged."""
+    progress: bool = True
+    """Show a progress bar on rank 0 (plain lines when the output is not a terminal)."""
+    wandb: bool = False
+    """Log to Weights & Biases (rank 0)."""
+    wandb_project: str = "lctrain"
+    """W&B project."""
+    wandb_mode: str = "offline"
+    """W&B mode: online | offline | disabled."""
+
+
+@dataclass
+class SlurmConfig:
+    nodes: int = 1
+    """Nodes to request."""
+    gpus_per_node: int = 8
+    """GPUs (= ranks) per node."""
+    cpus_per_gpu: int = 8
+    """CPU cores per GPU rank."""
+    partition: str | None = None
+    """SLURM partition (-p)."""
+    account: str | None = None
+    """SLURM account (-A)."""
+    qos: str | None = None
+    """SLURM QoS."""
+    time: str = "24:00:00"
+    """Wall-clock limit."""
+    job_name: str = "lctrain"
+    """Job name."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run before srun (module load, source venv, ...)."""
+
+
+@dataclass
+class LaunchConfig:
+    nproc: int | None = None
+    """Local processes when started plainly; default tp*cp*pp*dp (dp=-1 counts as 1)."""
+    backend: str = "auto"
+    """auto (nccl on CUDA, else gloo) | gloo | nccl."""
+    start_method: str = "fork"
+    """How local ranks start: fork (fast, CPU) | spawn (needed once CUDA is initialised)."""
+    master_port: int = 0
+    """Rendezvous port for local launches; 0 picks a free one."""
+    timeout_s: int = 600
+    """Collective timeout in seconds."""
+
+
+@dataclass
+class PlanConfig:
+    format: str = "text"
+    """text | json (same as `lctrain plan --json`)."""
+    max_rank_rows: int = 64
+    """Rank-table rows printed in text format (all rows in json)."""
+
+
+@dataclass
+class LctrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+
+
+class ConfigError(ValueError):
+    """A configuration a user wrote is invalid; carries every problem found."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(f"  - {p}" for p in self.problems))
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Quantities that follow from the config and a world size (never written back)."""
+
+    world_size: int
+    dp: int
+    cp_ulysses: int
+    cp_ring: int
+    grad_accum: int
+    kv_replication: int
+    """Each KV head is repeated this many times before the Ulysses all-to-all (1 = none)."""
+    local_seq_len: int
+    """Tokens of each sequence held by one cp rank (before SP splits it further over tp)."""
+    tokens_per_step: int
+    """Tokens consumed by one optimizer step over all ranks."""
+
+
+def derive(cfg: LctrainConfig, world_size: int) -> Derived:
+    """Derived values of a config that `validate` accepted for this world size."""
+    p, t = cfg.parallel, cfg.train
+    dp = p.dp if p.dp != -1 else world_size // (p.tp * p.cp * p.pp)
+    cp_ulysses = ulysses_degree(p)
+    return Derived(
+        world_size=world_size,
+        dp=dp,
+        cp_ulysses=cp_ulysses,
+        cp_ring=p.cp // cp_ulysses,
+        grad_accum=t.global_batch // (t.micro_batch * dp),
+        kv_replication=kv_replication(cfg.model.n_heads, cfg.model.n_kv_heads, p.tp, cp_ulysses) or 1,
+        local_seq_len=t.seq_len // p.cp,
+        tokens_per_step=t.global_batch * t.seq_len,
+    )
+
+
+def ulysses_degree(p: ParallelConfig) -> int:
+    """Ulysses (all-to-all) degree inside the cp group."""
+    if p.cp == 1:
+        return 1
+    if p.attention == "ulysses":
+        return p.cp
+    if p.attention == "usp":
+        return p.ulysses_degree
+    return 1
+
+
+def kv_replication(n_heads: int, n_kv_heads: int, tp: int, cp_ulysses: int) -> int | None:
+    """Smallest r so that r * (local kv heads) splits over Ulysses and still groups the q heads.
+
+    Returns None when no such r exists (the layout must be rejected).
+    """
+    if n_kv_heads <= 0 or tp <= 0 or cp_ulysses <= 0 or n_kv_heads % tp or n_heads % tp:
+        return None
+    local_q, local_kv = n_heads // tp, n_kv_heads // tp
+    for r in range(1, local_q // local_kv + 1):
+        kv = local_kv * r
+        if kv % cp_ulysses == 0 and local_q % kv == 0 and (local_q // cp_ulysses) % (kv // cp_ulysses) == 0:
+            return r
+    return None

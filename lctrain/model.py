@@ -1,0 +1,156 @@
+"""Single-device Llama: RMSNorm, RoPE, GQA, SwiGLU. Plain code; parallelism is applied elsewhere.
+
+Parameter names follow torchtitan (`tok_embeddings`, `layers.{i}.attention.wq`, ...); layers live
+in a ModuleDict keyed by their global id so that a pipeline split deletes modules without
+renaming checkpoint keys. `forward` tolerates a missing embedding (input is then a hidden state)
+and a missing output layer (the hidden state is returned). RoPE uses the "rotate half" layout of
+Hugging Face Llama, so HF weights map one to one (see `lctrain.hf`).
+
+The attention core is injected: `attention_fn(q, k, v) -> out` with q [B, S, H, d] and
+k, v [B, S, H_kv, d], causal, scale 1/sqrt(d). Context-parallel algorithms plug in there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lctrain.config import ModelConfig
+
+AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Local causal attention with PyTorch SDPA. [B, S, H, d] x [B, S, H_kv, d] -> [B, S, H, d]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+        enable_gqa=k.shape[2] != q.shape[2])
+    return out.transpose(1, 2)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 (as HF Llama does), scale in the input dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for given positions, computed in float32 like HF, cast to the input dtype."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        # positions [B or 1, S] -> cos, sin [B or 1, S, 1, d]
+        freqs = positions.float()[..., None] * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention_fn: AttentionFn) -> Tensor:
+        b, s, _ = x.shape
+        # Head counts come from the weights so that TP-sharded projections work unchanged.
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attention_fn(q, k, v)  # [B, S, H, d]
+        return self.wo(out.reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention_fn: AttentionFn) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, attention_fn)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention_fn: AttentionFn = sdpa_attention):
+        super().__init__()
+        self.cfg = cfg
+        self.attention_fn = attention_fn
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.rope = RotaryEmbedding(cfg.dim // cfg.n_heads, cfg.rope_theta)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+        """tokens [B, S] (or hidden [B, S, D] without an embedding) -> logits [B, S, V]."""
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        if positions is None:
+            positions = torch.arange(h.shape[1], device=h.device)[None]
+        cos, sin = self.rope(positions, h.dtype if not torch.is_autocast_enabled(h.device.type)
+                             else torch.get_autocast_dtype(h.device.type))
+        for layer in self.layers.values():
+            h = layer(h, cos, sin, self.attention_fn)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from `seed`, identical on every rank and for every layout."""
+        gen = torch.Generator().manual_seed(seed)
+        std, out_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():  # fixed order: module registration order
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                scale = out_std if name.endswith(("wo.weight", "w2.weight")) else std
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * scale)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embedding and self.tok_embeddings is not None:
+            n -= self.tok_embeddings.weight.numel()
+        return n

@@ -1,0 +1,205 @@
+"""The training loop: build everything in data-flow order, then train() -> train_step() ->
+forward_backward(). Runs on every rank; nothing else in lctrain imports this module.
+
+Loss: the sum of token losses over valid targets, divided by the number of valid targets summed
+over dp x cp and over the accumulation micro-steps of the step (token-weighted, never a mean of
+per-rank means). Gradient reduction averages over dp x cp, so the backward loss is scaled by that
+group size to make the reduced gradient the exact gradient of the global token mean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lctrain.config import LctrainConfig, derive
+from lctrain.data import IGNORE_INDEX, DataParallelSampler, MicroBatch, SyntheticLM
+from lctrain.launch import env_from_environment
+from lctrain.metrics import MetricsLogger
+from lctrain.model import Llama
+from lctrain.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from lctrain.topology import ParallelMesh, Topology
+
+
+def check_supported(cfg: LctrainConfig) -> list[str]:
+    """Valid layouts this version cannot run yet (lctrain plan still accepts them)."""
+    p, problems = cfg.parallel, []
+    for key, value in (("parallel.tp", p.tp), ("parallel.cp", p.cp), ("parallel.pp", p.pp)):
+        if value != 1:
+            problems.append(f"{key}={value}: this version trains with data parallelism only; set "
+                            f"{key}=1 (lctrain plan accepts the layout)")
+    if cfg.checkpoint.every or cfg.checkpoint.resume != "none":
+        problems.append("checkpoint.every / checkpoint.resume: checkpointing is not implemented in "
+                        "this version; set checkpoint.every=0 checkpoint.resume=none")
+    return problems
+
+
+@dataclass
+class Runtime:
+    rank: int
+    world_size: int
+    device: torch.device
+    topology: Topology
+    mesh: ParallelMesh | None
+    """Meshes and groups by name (None when running a single process)."""
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup | None:
+        """Gradient and loss reduction group."""
+        return self.mesh.group("dp_cp") if self.mesh is not None else None
+
+
+def setup_distributed(cfg: LctrainConfig) -> Runtime:
+    env = env_from_environment()
+    world = env.world_size if env else 1
+    want = cfg.train.device
+    use_cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        local_rank = env.local_rank if env else 0
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    topology = Topology.from_config(cfg, world)
+    if world == 1:
+        return Runtime(0, 1, device, topology, None)
+    if not dist.is_initialized():
+        backend = cfg.launch.backend if cfg.launch.backend != "auto" else (
+            "nccl" if use_cuda else "gloo")
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.launch.timeout_s))
+    return Runtime(dist.get_rank(), world, device, topology, topology.build_mesh(device.type))
+
+
+def _agree_run_dir(run_dir: Path, rt: Runtime) -> Path:
+    """Rank 0's run dir: ranks started on different nodes may have resolved ${now:} differently."""
+    if rt.world_size == 1:
+        return run_dir
+    box = [str(run_dir)]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def build_model(cfg: LctrainConfig, device: torch.device) -> Llama:
+    """Full fp32 model, initialised identically on every rank from train.seed."""
+    model = Llama(cfg.model)
+    model.init_weights(cfg.train.seed)
+    return model.to(device)
+
+
+def apply_data_parallel(model: Llama, cfg: LctrainConfig, rt: Runtime) -> nn.Module:
+    """FSDP2 over dp x cp (each block, then the root), or DDP; identity for one process."""
+    if rt.world_size == 1:
+        return model
+    if cfg.parallel.dp_engine == "ddp":
+        return nn.parallel.DistributedDataParallel(model, process_group=rt.dp_cp_group)
+    from torch.distributed.fsdp import fully_shard
+
+    dp_cp_mesh = rt.mesh["dp_cp"]
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=dp_cp_mesh)
+    fully_shard(model, mesh=dp_cp_mesh)
+    return model
+
+
+def _no_sync(model: nn.Module, sync: bool):
+    """Skip gradient reduction on all but the last accumulation micro-step."""
+    if sync:
+        return contextlib.nullcontext()
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext()
+
+
+def forward_backward(model: nn.Module, mb: MicroBatch, loss_scale: float,
+                     autocast_dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
+    """Backward of (sum of token losses) * loss_scale; returns the detached loss sum."""
+    inputs, labels = mb.inputs.to(device), mb.labels.to(device)
+    autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype
+                else contextlib.nullcontext())
+    with autocast:
+        logits = model(inputs)
+    loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+    (loss_sum * loss_scale).backward()
+    return loss_sum.detach()
+
+
+def _all_reduce(x: torch.Tensor, rt: Runtime) -> torch.Tensor:
+    if rt.dp_cp_group is not None:
+        dist.all_reduce(x, group=rt.dp_cp_group)
+    return x
+
+
+def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[MicroBatch],
+               cfg: LctrainConfig, rt: Runtime) -> dict:
+    """One optimizer step over this rank's accumulation micro-batches."""
+    local_tokens = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in micro_batches)
+    tokens = _all_reduce(torch.tensor(float(local_tokens), device=rt.device), rt)
+    group_size = rt.topology.group_size("dp_cp")
+    loss_scale = group_size / tokens.item()
+    dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else None
+    loss_sum = torch.zeros((), device=rt.device, dtype=torch.float32)
+    for i, mb in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        if last and hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(True)
+        with _no_sync(model, last):
+            loss_sum += forward_backward(model, mb, loss_scale, dtype, rt.device)
+    grad_norm = clip_grad_norm_(list(model.parameters()), cfg.optim.grad_clip)
+    lr = scheduler.get_last_lr()[0]
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss = _all_reduce(loss_sum, rt) / tokens
+    return {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
+            "valid_tokens": int(tokens.item())}
+
+
+def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
+    """Train on this rank; returns the metrics of every step (identical on all ranks)."""
+    rt = setup_distributed(cfg)
+    run_dir = _agree_run_dir(Path(run_dir), rt)
+    if rt.rank == 0:
+        from lctrain.compose import to_yaml
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    derived = derive(cfg, rt.world_size)
+    torch.manual_seed(cfg.train.seed)
+    model = apply_data_parallel(build_model(cfg, rt.device), cfg, rt)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    dataset = SyntheticLM(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed)
+    sampler = DataParallelSampler(dataset, rt.topology.axis_rank(rt.rank, "dp"), derived.dp,
+                                  cfg.train.micro_batch, derived.grad_accum)
+    metrics = MetricsLogger(cfg.logging, run_dir, rt.rank, cfg.train.steps)
+    metrics.info(f"lctrain: {rt.world_size} rank(s) on {rt.device.type}, layout "
+                 f"{rt.topology.shape} (pp, dp, cp_ring, cp_ulysses, tp), grad_accum "
+                 f"{derived.grad_accum}, {Llama.num_params(model):,} parameters")
+    history, tokens_seen = [], 0
+    try:
+        for step in range(1, cfg.train.steps + 1):
+            t0 = time.perf_counter()
+            out = train_step(model, optimizer, scheduler, sampler.next_step(), cfg, rt)
+            elapsed = time.perf_counter() - t0
+            tokens_seen += derived.tokens_per_step
+            out.update(step=step, tokens=tokens_seen, step_time=elapsed,
+                       tokens_per_sec=derived.tokens_per_step / elapsed)
+            history.append(out)
+            if metrics.should_log(step):
+                metrics.log(step, {k: v for k, v in out.items() if k != "step"})
+    finally:
+        metrics.close()
+    return history

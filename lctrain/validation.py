@@ -1,0 +1,227 @@
+"""validate(cfg, world_size): every problem of a configuration at once, before any process group.
+
+Each message names the override to type: the key, the value it has, and a valid alternative.
+Rules that depend on a size are skipped while that size is itself invalid, so one mistake does
+not produce a cascade of follow-up messages.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from lctrain import config as C
+from lctrain.config import LctrainConfig
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def nearest_multiple(x: int, m: int) -> int:
+    """The multiple of m closest to x (ties go up), never below m."""
+    return max(m, (x + m // 2) // m * m)
+
+
+def _choice(key: str, value: object, allowed: tuple[str, ...]) -> list[str]:
+    if value in allowed:
+        return []
+    return [f"{key}={value!r} is not one of {', '.join(allowed)}; pick one of them"]
+
+
+def _positive(cfg: LctrainConfig) -> list[str]:
+    keys = {
+        "parallel.tp": cfg.parallel.tp, "parallel.cp": cfg.parallel.cp,
+        "parallel.pp": cfg.parallel.pp, "parallel.ulysses_degree": cfg.parallel.ulysses_degree,
+        "model.vocab_size": cfg.model.vocab_size, "model.dim": cfg.model.dim,
+        "model.n_layers": cfg.model.n_layers, "model.n_heads": cfg.model.n_heads,
+        "model.n_kv_heads": cfg.model.n_kv_heads, "model.ffn_dim": cfg.model.ffn_dim,
+        "train.steps": cfg.train.steps, "train.seq_len": cfg.train.seq_len,
+        "train.micro_batch": cfg.train.micro_batch, "train.global_batch": cfg.train.global_batch,
+        "logging.log_every": cfg.logging.log_every, "launch.timeout_s": cfg.launch.timeout_s,
+        "slurm.nodes": cfg.slurm.nodes, "slurm.gpus_per_node": cfg.slurm.gpus_per_node,
+    }
+    problems = [f"{k}={v} must be a positive integer; try {k}=1" for k, v in keys.items() if v < 1]
+    if cfg.parallel.dp == 0 or cfg.parallel.dp < -1:
+        problems.append(f"parallel.dp={cfg.parallel.dp} must be positive or -1 (derive from the "
+                        "world size); try parallel.dp=-1")
+    if cfg.launch.nproc is not None and cfg.launch.nproc < 1:
+        problems.append(f"launch.nproc={cfg.launch.nproc} must be positive; try launch.nproc=null "
+                        "(= tp*cp*pp*dp)")
+    return problems
+
+
+def _choices(cfg: LctrainConfig) -> list[str]:
+    return (
+        _choice("parallel.attention", cfg.parallel.attention, C.ATTENTION_ALGORITHMS)
+        + _choice("parallel.load_balance", cfg.parallel.load_balance, C.LOAD_BALANCE)
+        + _choice("parallel.dp_engine", cfg.parallel.dp_engine, C.DP_ENGINES)
+        + _choice("train.dtype", cfg.train.dtype, C.DTYPES)
+        + _choice("train.device", cfg.train.device, C.DEVICES)
+        + _choice("optim.schedule", cfg.optim.schedule, C.SCHEDULES)
+        + _choice("data.source", cfg.data.source, C.DATA_SOURCES)
+        + _choice("checkpoint.resume", cfg.checkpoint.resume, C.RESUME_MODES)
+        + _choice("launch.backend", cfg.launch.backend, ("auto", "gloo", "nccl"))
+        + _choice("launch.start_method", cfg.launch.start_method, C.START_METHODS)
+        + _choice("logging.wandb_mode", cfg.logging.wandb_mode, ("online", "offline", "disabled"))
+        + _choice("plan.format", cfg.plan.format, ("text", "json"))
+    )
+
+
+def _world(cfg: LctrainConfig, world_size: int) -> list[str]:
+    p = cfg.parallel
+    model_par = p.tp * p.cp * p.pp
+    shape = f"parallel.tp={p.tp} x cp={p.cp} x pp={p.pp}"
+    if p.dp == -1:
+        if world_size % model_par:
+            return [f"world size {world_size} is not divisible by {shape} = {model_par}; run "
+                    f"{nearest_multiple(world_size, model_par)} processes (launch.nproc or "
+                    "slurm.nodes x slurm.gpus_per_node) or change the parallel sizes"]
+        return []
+    if model_par * p.dp != world_size:
+        fix = (f"set parallel.dp=-1 (derives dp={world_size // model_par})"
+               if world_size % model_par == 0 else f"run {model_par * p.dp} processes")
+        return [f"world size {world_size} != {shape} x dp={p.dp} = {model_par * p.dp}; {fix}"]
+    return []
+
+
+def _heads(cfg: LctrainConfig) -> list[str]:
+    m, p = cfg.model, cfg.parallel
+    problems = []
+    if m.dim % m.n_heads:
+        problems.append(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; try "
+                        f"model.dim={nearest_multiple(m.dim, m.n_heads)}")
+    elif (m.dim // m.n_heads) % 2:
+        problems.append(f"head dim model.dim / model.n_heads = {m.dim // m.n_heads} must be even "
+                        f"for RoPE; try model.dim={nearest_multiple(m.dim, 2 * m.n_heads)}")
+    if m.n_heads % m.n_kv_heads:
+        problems.append(f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads="
+                        f"{m.n_kv_heads} (GQA groups); try n_kv_heads in {divisors(m.n_heads)}")
+    if m.n_kv_heads > m.n_heads:
+        problems.append(f"model.n_kv_heads={m.n_kv_heads} exceeds model.n_heads={m.n_heads}")
+    if m.n_heads % p.tp:
+        problems.append(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}; try "
+                        f"parallel.tp in {divisors(m.n_heads)}")
+    elif m.n_kv_heads % p.tp:
+        problems.append(f"model.n_kv_heads={m.n_kv_heads} is not divisible by parallel.tp={p.tp} "
+                        f"(each TP rank holds whole KV heads); try parallel.tp in "
+                        f"{divisors(m.n_kv_heads)}")
+    for key, size in (("model.vocab_size", m.vocab_size), ("model.ffn_dim", m.ffn_dim)):
+        if size % p.tp:
+            problems.append(f"{key}={size} is not divisible by parallel.tp={p.tp}; try "
+                            f"{key}={nearest_multiple(size, p.tp)}")
+    u = C.ulysses_degree(p)
+    if u > 1 and m.n_heads % p.tp == 0 and (m.n_heads // p.tp) % u:
+        key = "parallel.cp" if p.attention == "ulysses" else "parallel.ulysses_degree"
+        local = m.n_heads // p.tp
+        problems.append(
+            f"{key}={u} with parallel.attention={p.attention} needs the heads per TP rank "
+            f"(model.n_heads / parallel.tp = {local}) divisible by the Ulysses degree {u}; try "
+            f"{key} in {[d for d in divisors(local) if d > 1] or [1]} or parallel.attention=ring")
+    return problems
+
+
+def _context(cfg: LctrainConfig) -> list[str]:
+    p, s = cfg.parallel, cfg.train.seq_len
+    problems = []
+    if p.ulysses_degree != 1 and p.attention != "usp":
+        problems.append(f"parallel.ulysses_degree={p.ulysses_degree} is only used with "
+                        f"parallel.attention=usp (got {p.attention}); set parallel.ulysses_degree=1 "
+                        "or parallel.attention=usp")
+    if p.attention == "usp" and p.cp % p.ulysses_degree:
+        problems.append(f"parallel.ulysses_degree={p.ulysses_degree} does not divide parallel.cp="
+                        f"{p.cp} (ring degree = cp / ulysses_degree); try ulysses_degree in "
+                        f"{divisors(p.cp)}")
+    needs, why = 1, []
+    if p.cp > 1:
+        chunks = 2 * p.cp if p.load_balance == "zigzag" else p.cp
+        needs = chunks
+        why.append(f"parallel.cp={p.cp} with load_balance={p.load_balance} splits it into "
+                   f"{chunks} chunks")
+    if p.sp and p.tp > 1:
+        needs = math.lcm(needs, p.cp * p.tp)
+        why.append(f"parallel.sp=true splits each cp shard over parallel.tp={p.tp}")
+    if s % needs:
+        problems.append(f"train.seq_len={s} must be a multiple of {needs} ({'; '.join(why)}); "
+                        f"try train.seq_len={nearest_multiple(s, needs)}")
+    return problems
+
+
+def _batch(cfg: LctrainConfig, world_size: int) -> list[str]:
+    p, t = cfg.parallel, cfg.train
+    dp = p.dp if p.dp != -1 else world_size // (p.tp * p.cp * p.pp)
+    per_step = t.micro_batch * dp
+    if t.global_batch % per_step:
+        return [f"train.global_batch={t.global_batch} is not divisible by train.micro_batch="
+                f"{t.micro_batch} x dp={dp} = {per_step}; try train.global_batch="
+                f"{nearest_multiple(t.global_batch, per_step)}"]
+    accum = t.global_batch // per_step
+    if p.pp > 1 and accum < p.pp:
+        return [f"parallel.pp={p.pp} needs at least {p.pp} micro-batches per step to fill the "
+                f"pipeline; train.global_batch / (micro_batch x dp) = {accum}; try "
+                f"train.global_batch={p.pp * per_step}"]
+    return []
+
+
+def _layers(cfg: LctrainConfig) -> list[str]:
+    m, p = cfg.model, cfg.parallel
+    if m.n_layers % p.pp:
+        return [f"model.n_layers={m.n_layers} is not divisible by parallel.pp={p.pp} (every stage "
+                f"holds the same number of layers); try parallel.pp in {divisors(m.n_layers)}"]
+    return []
+
+
+def _scalars(cfg: LctrainConfig) -> list[str]:
+    o, d, ck = cfg.optim, cfg.data, cfg.checkpoint
+    problems = []
+    if o.lr <= 0:
+        problems.append(f"optim.lr={o.lr} must be > 0; try optim.lr=3e-4")
+    elif not 0 <= o.min_lr <= o.lr:
+        problems.append(f"optim.min_lr={o.min_lr} must lie in [0, optim.lr={o.lr}]; try "
+                        f"optim.min_lr={o.lr / 10:g}")
+    for key, v in (("optim.warmup_steps", o.warmup_steps), ("optim.weight_decay", o.weight_decay),
+                   ("optim.grad_clip", o.grad_clip), ("checkpoint.every", ck.every)):
+        if v < 0:
+            problems.append(f"{key}={v} must be >= 0; try {key}=0")
+    for key, v in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
+        if not 0 <= v < 1:
+            problems.append(f"{key}={v} must lie in [0, 1); try {key}=0.9")
+    if d.source == "synthetic":
+        if d.doc_len_min < 2 or d.doc_len_max < d.doc_len_min:
+            problems.append(f"data.doc_len_min={d.doc_len_min}, data.doc_len_max={d.doc_len_max} "
+                            "need 2 <= doc_len_min <= doc_len_max; try data.doc_len_min=32 "
+                            "data.doc_len_max=256")
+        if not 1 <= d.branching < cfg.model.vocab_size:
+            problems.append(f"data.branching={d.branching} must lie in [1, model.vocab_size); "
+                            "try data.branching=4")
+    for key, path in (("data.path", d.path), ("data.tokenizer", d.tokenizer)):
+        if path is not None and not os.path.exists(path):
+            problems.append(f"{key}={path} does not exist (cwd {os.getcwd()}); give an existing "
+                            "path or remove the override")
+    return problems
+
+
+def validate(cfg: LctrainConfig, world_size: int) -> list[str]:
+    """Every problem of `cfg` for `world_size` ranks (empty list = valid)."""
+    problems = _positive(cfg) + _choices(cfg)
+    if world_size < 1:
+        problems.append(f"world size {world_size} must be positive")
+    if problems:  # later rules divide by these sizes or branch on these names
+        return problems + _scalars(cfg) if world_size >= 1 else problems
+    world = _world(cfg, world_size)
+    problems += world + _heads(cfg) + _context(cfg) + _layers(cfg) + _scalars(cfg)
+    if not world:
+        problems += _batch(cfg, world_size)
+    return problems
+
+
+def warnings_for(cfg: LctrainConfig) -> list[str]:
+    """Settings that are valid but do nothing; printed, never fatal."""
+    p = cfg.parallel
+    out = []
+    if p.sp and p.tp == 1:
+        out.append("parallel.sp=true has no effect with parallel.tp=1 (SP splits activations "
+                   "inside the TP group)")
+    if p.cp == 1 and (p.attention != "ring" or p.ulysses_degree != 1):
+        out.append(f"parallel.attention={p.attention} is ignored with parallel.cp=1")
+    return out

@@ -1,0 +1,49 @@
+"""The installed command end to end, in subprocesses: training with 4 local ranks, and conf/ +
+recipes/ found from a non-editable install run in another folder."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+
+
+def test_train_tiny_recipe_four_ranks(tmp_path):
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "lctrain.cli", "train", "+recipe=tiny", "train.steps=12",
+         "train.global_batch=8", "train.micro_batch=1", "logging.log_every=1",
+         f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "4 rank(s) on cpu" in done.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    for key in ("loss", "lr", "grad_norm", "tokens", "tokens_per_sec"):
+        assert all(key in r for r in records), key
+    assert records[-1]["tokens"] == 12 * 8 * 256
+    assert records[-1]["loss"] < records[0]["loss"] - 1.0
+    config = (run_dir / "config.yaml").read_text()
+    assert "dp: 4" in config and "steps: 12" in config
+
+
+def test_non_editable_install_finds_conf_and_recipes(tmp_path):
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                    "--no-build-isolation", "--target", str(target), str(REPO)],
+                   check=True, capture_output=True, timeout=300)
+    assert (target / "lctrain" / "recipes" / "llama-256k.yaml").is_file()
+    assert (target / "lctrain" / "conf" / "model" / "llama3-8b.yaml").is_file()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    code = ("import lctrain, sys; print(lctrain.__file__); from lctrain.cli import main; "
+            "main(sys.argv[1:])")
+    done = subprocess.run([sys.executable, "-c", code, "plan", "+recipe=llama-256k"],
+                          cwd=elsewhere, env={**ENV, "PYTHONPATH": str(target)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[0].startswith(str(target))
+    assert "world size 256" in done.stdout

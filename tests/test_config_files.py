@@ -1,0 +1,101 @@
+"""Every file under conf/ and recipes/ composes against the schema; recipes validate; plan and
+submit render from them."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lctrain import cli
+from lctrain.compose import compose
+from lctrain.paths import conf_dir, recipe_names, recipes_dir
+from lctrain.plan import build_plan, plan_world_size
+from lctrain.run import local_world_size
+from lctrain.slurm import render_sbatch
+from lctrain.train import check_supported
+from lctrain.validation import validate
+
+MODELS = sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))
+
+
+def test_expected_presets_and_recipes_exist():
+    assert {"tiny", "llama3-8b", "llama3-70b"} <= set(MODELS)
+    assert {"tiny", "llama-256k"} <= set(recipe_names())
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_model_presets_compose(model):
+    cfg = compose([f"model={model}"]).cfg
+    assert cfg.model.name == model
+    assert cfg.model.dim % cfg.model.n_heads == 0
+
+
+def test_llama3_8b_has_the_real_shape():
+    from lctrain.plan import param_count
+
+    cfg = compose(["model=llama3-8b"]).cfg
+    assert round(param_count(cfg.model) / 1e9, 2) == 8.03  # Meta-Llama-3-8B: 8.03B
+    cfg = compose(["model=llama3-70b"]).cfg
+    assert round(param_count(cfg.model) / 1e9, 1) == 70.6  # Meta-Llama-3-70B: 70.6B
+
+
+@pytest.mark.parametrize("recipe", recipe_names())
+def test_recipes_compose_and_validate(recipe):
+    cfg = compose([f"+recipe={recipe}"]).cfg
+    assert validate(cfg, plan_world_size(cfg)) == [] or validate(cfg, local_world_size(cfg)) == []
+
+
+def test_tiny_recipe_runs_here_and_accepts_layout_overrides():
+    cfg = compose(["+recipe=tiny"]).cfg
+    assert local_world_size(cfg) >= 4
+    assert validate(cfg, local_world_size(cfg)) == [] and check_supported(cfg) == []
+    cfg = compose(["+recipe=tiny", "parallel.dp=2", "train.global_batch=8"]).cfg
+    assert validate(cfg, local_world_size(cfg)) == []
+
+
+def test_llama_256k_plan(capsys):
+    cfg = compose(["+recipe=llama-256k"]).cfg
+    assert cfg.model.name == "llama3-8b" and cfg.train.seq_len == 262144
+    plan = build_plan(cfg, plan_world_size(cfg))
+    assert plan["world_size"] == 256
+    assert plan["layout"] == {"pp": 1, "dp": 4, "cp_ring": 8, "cp_ulysses": 2, "tp": 4,
+                              "cp": 16, "sp": True}
+    assert plan["shapes"]["qkv_local [B, S/cp, H/tp, d]"] == [1, 16384, 8, 128]
+    assert len(plan["ranks"]) == 256 and plan["ranks"][9]["node"] == 1
+    assert plan["notes"] == []  # tp x cp_ulysses = 8 fits a node
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["plan", "+recipe=llama-256k", "--json"])
+    assert exc.value.code == 0
+    assert json.loads(capsys.readouterr().out)["grad_accum"] == 4
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "+recipe=llama-256k"])
+    text = capsys.readouterr().out
+    assert "pp=1 x dp=4 x cp_ring=8 x cp_ulysses=2 x tp=4" in text and "more (plan.max" in text
+
+
+def test_plan_traffic_matches_digest_formulas():
+    # DIGEST section 4, per rank per attention forward; L tokens, P ranks, d model width
+    cfg = compose(["model=llama3-8b", "parallel.cp=8", "parallel.attention=ulysses",
+                   "train.seq_len=65536", "launch.nproc=8"]).cfg
+    L, P, d, d_kv = 65536, 8, 4096, 8 * 128
+    t = build_plan(cfg, 8)["traffic_elements_per_rank"]
+    assert t["ulysses_a2a_per_layer_fwd"] == (2 * d + 2 * d_kv) * L * (P - 1) / P**2
+    cfg.parallel.attention = "ring"
+    t = build_plan(cfg, 8)["traffic_elements_per_rank"]
+    assert t["ring_p2p_per_layer_fwd"] == (P - 1) * 2 * L * d_kv / P
+
+
+def test_sbatch_renders_torchrun_rendezvous(tmp_path):
+    composed = compose(["+recipe=llama-256k", "train.steps=10",
+                        f"hydra.run.dir={tmp_path / 'r'}"])
+    script = render_sbatch(composed.cfg, composed.overrides, composed.run_dir)
+    assert "#SBATCH --nodes=32" in script and "--nproc-per-node=8" in script
+    assert "--rdzv-backend=c10d" in script and "srun --kill-on-bad-exit=1" in script
+    assert f"hydra.run.dir={(tmp_path / 'r').resolve()}" in script
+    assert script.count("hydra.run.dir=") == 1 and "+recipe=llama-256k train.steps=10" in script
+
+
+def test_conf_and_recipes_found_from_repository():
+    assert (conf_dir() / "config.yaml").is_file()
+    assert (recipes_dir() / "tiny.yaml").is_file()
+    assert Path(conf_dir()).name == "conf"

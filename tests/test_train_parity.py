@@ -1,0 +1,83 @@
+"""Data parallelism and accumulation change nothing: losses and grad norms equal one process.
+
+References are independent of the distributed path: a single process over the same global batch,
+and for the token weighting a plain mean cross-entropy over all valid tokens.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lctrain.data import IGNORE_INDEX, MicroBatch
+from lctrain.optim import build_optimizer, build_scheduler
+from lctrain.train import apply_data_parallel, build_model, setup_distributed, train, train_step
+from tests.helpers import on_ranks, tiny_config
+
+
+def _train(cfg, run_dir):
+    return train(cfg, run_dir)
+
+
+def _assert_same_history(got, ref, rtol=2e-5):
+    assert len(got) == len(ref)
+    for g, r in zip(got, ref):
+        for key in ("loss", "grad_norm", "lr", "valid_tokens"):
+            assert g[key] == pytest.approx(r[key], rel=rtol), (key, g["step"], g[key], r[key])
+
+
+def test_dp_layouts_and_accumulation_match_one_process(tmp_path):
+    base = tiny_config(train={"steps": 4, "global_batch": 4, "micro_batch": 4})
+    ref = on_ranks(_train, 1, base, str(tmp_path / "ref"))[0]
+    assert ref[-1]["loss"] < ref[0]["loss"]
+    layouts = {
+        "accum_4x1": (1, {"micro_batch": 1}, "fsdp"),
+        "dp2_fsdp": (2, {"micro_batch": 2}, "fsdp"),
+        "dp2_accum2_ddp": (2, {"micro_batch": 1}, "ddp"),
+        "dp4_fsdp": (4, {"micro_batch": 1}, "fsdp"),
+    }
+    for name, (nproc, train_over, engine) in layouts.items():
+        cfg = dataclasses.replace(base, train=dataclasses.replace(base.train, **train_over),
+                                  parallel=dataclasses.replace(base.parallel, dp_engine=engine))
+        histories = on_ranks(_train, nproc, cfg, str(tmp_path / name))
+        for h in histories:  # every rank reports the same global metrics
+            _assert_same_history(h, ref)
+
+
+def _token_weighted_step(cfg, batches_per_rank):
+    rt = setup_distributed(cfg)
+    model = apply_data_parallel(build_model(cfg, rt.device), cfg, rt)
+    opt = build_optimizer(model, cfg.optim)
+    sched = build_scheduler(opt, cfg.optim, cfg.train.steps)
+    return train_step(model, opt, sched, batches_per_rank[rt.rank], cfg, rt)
+
+
+def test_loss_is_token_weighted_across_ranks_and_micro_steps():
+    cfg = tiny_config(train={"global_batch": 4, "micro_batch": 1}, optim={"grad_clip": 0.0})
+    gen = torch.Generator().manual_seed(0)
+    seqs = torch.randint(1, cfg.model.vocab_size, (4, cfg.train.seq_len + 1), generator=gen)
+    labels = seqs[:, 1:].clone()
+    # very uneven valid-token counts: 3, 32, 10, 1
+    for i, keep in enumerate((3, 32, 10, 1)):
+        labels[i, keep:] = IGNORE_INDEX
+    mbs = [MicroBatch(seqs[i: i + 1, :-1], labels[i: i + 1]) for i in range(4)]
+    out = on_ranks(_token_weighted_step, 2, cfg, [mbs[:2], mbs[2:]])
+    # reference: one process, mean over all valid tokens of the whole global batch
+    model = build_model(cfg, torch.device("cpu"))
+    logits = model(seqs[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    loss.backward()
+    norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))
+    for o in out:
+        assert o["valid_tokens"] == 46
+        assert o["loss"] == pytest.approx(loss.item(), rel=1e-5)
+        assert o["grad_norm"] == pytest.approx(norm.item(), rel=1e-5)
+
+
+def test_bf16_autocast_trains(tmp_path):
+    cfg = tiny_config(train={"dtype": "bf16", "steps": 3})
+    fp32 = on_ranks(_train, 2, tiny_config(train={"steps": 3}), str(tmp_path / "a"))[0]
+    bf16 = on_ranks(_train, 2, cfg, str(tmp_path / "b"))[0]
+    for a, b in zip(fp32, bf16):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-2)

@@ -1,0 +1,187 @@
+"""Every validation rule: one bad config each, the message names key, value and a fix.
+
+The same cases run through the CLI in-process: exit code 2, the message on stderr, and no
+process started (the launcher is replaced by one that fails the test).
+"""
+
+import pytest
+
+from lctrain import cli, launch
+from lctrain.validation import nearest_multiple, validate, warnings_for
+from tests.helpers import tiny_config
+
+# (section overrides, world size, substrings of the single expected message)
+BAD = {
+    "world_fixed_dp": ({"parallel": {"tp": 2, "dp": 2}}, 6,
+                       ["world size 6 != parallel.tp=2 x cp=1 x pp=1 x dp=2 = 4",
+                        "set parallel.dp=-1 (derives dp=3)"]),
+    "world_not_divisible": ({"parallel": {"cp": 4}}, 6,
+                            ["world size 6 is not divisible by", "= 4", "run 8 processes"]),
+    "heads_vs_ulysses": ({"parallel": {"cp": 4, "attention": "ulysses"},
+                          "model": {"n_heads": 6, "n_kv_heads": 6, "dim": 48}}, 4,
+                         ["parallel.cp=4 with parallel.attention=ulysses", "= 6",
+                          "try parallel.cp in [2, 3, 6]"]),
+    "heads_vs_usp": ({"parallel": {"cp": 4, "attention": "usp", "ulysses_degree": 4},
+                      "model": {"n_heads": 6, "n_kv_heads": 6, "dim": 48}}, 4,
+                     ["parallel.ulysses_degree=4 with parallel.attention=usp"]),
+    "heads_vs_tp": ({"parallel": {"tp": 8}, "train": {"global_batch": 4}}, 8,
+                    ["model.n_heads=4 is not divisible by parallel.tp=8", "[1, 2, 4]"]),
+    "kv_heads_vs_tp": ({"parallel": {"tp": 4}}, 4,
+                       ["model.n_kv_heads=2 is not divisible by parallel.tp=4",
+                        "try parallel.tp in [1, 2]"]),
+    "gqa_groups": ({"model": {"n_kv_heads": 3}}, 1,
+                   ["model.n_heads=4 is not a multiple of model.n_kv_heads=3", "[1, 2, 4]"]),
+    "usp_degree": ({"parallel": {"cp": 4, "attention": "usp", "ulysses_degree": 3},
+                    "model": {"n_heads": 6, "n_kv_heads": 6, "dim": 48}}, 4,
+                   ["parallel.ulysses_degree=3 does not divide parallel.cp=4", "[1, 2, 4]"]),
+    "ulysses_degree_unused": ({"parallel": {"cp": 2, "ulysses_degree": 2}}, 2,
+                              ["parallel.ulysses_degree=2 is only used with parallel.attention=usp"]),
+    "zigzag_seq": ({"parallel": {"cp": 4}, "train": {"seq_len": 36}}, 4,
+                   ["train.seq_len=36 must be a multiple of 8", "load_balance=zigzag",
+                    "try train.seq_len=40"]),
+    "contiguous_seq": ({"parallel": {"cp": 3, "load_balance": "none"}, "train": {"seq_len": 32}},
+                       3, ["train.seq_len=32 must be a multiple of 3", "try train.seq_len=33"]),
+    "sp_seq": ({"parallel": {"tp": 2, "sp": True}, "train": {"seq_len": 33}}, 2,
+               ["train.seq_len=33 must be a multiple of 2", "parallel.sp=true",
+                "try train.seq_len=34"]),
+    "sp_cp_seq": ({"parallel": {"tp": 2, "sp": True, "cp": 3, "load_balance": "none"},
+                   "train": {"seq_len": 33}}, 6,
+                  ["train.seq_len=33 must be a multiple of 6", "try train.seq_len=36"]),
+    "layers_pp": ({"parallel": {"pp": 4}, "model": {"n_layers": 6},
+                   "train": {"global_batch": 8}}, 4,
+                  ["model.n_layers=6 is not divisible by parallel.pp=4", "[1, 2, 3, 6]"]),
+    "global_batch": ({"train": {"global_batch": 10, "micro_batch": 2}}, 2,
+                     ["train.global_batch=10 is not divisible by train.micro_batch=2 x dp=2 = 4",
+                      "try train.global_batch=12"]),
+    "pp_microbatches": ({"parallel": {"pp": 2}, "train": {"global_batch": 1}}, 2,
+                        ["parallel.pp=2 needs at least 2 micro-batches",
+                         "try train.global_batch=2"]),
+    "attention_name": ({"parallel": {"attention": "flash"}}, 1,
+                       ["parallel.attention='flash' is not one of ulysses, ring, usp, allgather"]),
+    "load_balance_name": ({"parallel": {"load_balance": "striped"}}, 1,
+                          ["parallel.load_balance='striped' is not one of zigzag, none"]),
+    "dtype_name": ({"train": {"dtype": "fp16"}}, 1, ["train.dtype='fp16' is not one of fp32, bf16"]),
+    "nonpositive_cp": ({"parallel": {"cp": 0}}, 1, ["parallel.cp=0 must be a positive integer"]),
+    "nonpositive_dp": ({"parallel": {"dp": 0}}, 1, ["parallel.dp=0 must be positive or -1"]),
+    "nonpositive_seq": ({"train": {"seq_len": -5}}, 1,
+                        ["train.seq_len=-5 must be a positive integer"]),
+    "dim_heads": ({"model": {"dim": 66}}, 1,
+                  ["model.dim=66 is not divisible by model.n_heads=4", "try model.dim=68"]),
+    "odd_head_dim": ({"model": {"dim": 36}}, 1, ["head dim", "= 9 must be even for RoPE"]),
+    "vocab_tp": ({"parallel": {"tp": 2}, "model": {"vocab_size": 127}}, 2,
+                 ["model.vocab_size=127 is not divisible by parallel.tp=2",
+                  "try model.vocab_size=128"]),
+    "missing_data_path": ({"data": {"path": "/nonexistent/corpus.jsonl"}}, 1,
+                          ["data.path=/nonexistent/corpus.jsonl does not exist"]),
+    "missing_tokenizer": ({"data": {"tokenizer": "/nonexistent/tok.json"}}, 1,
+                          ["data.tokenizer=/nonexistent/tok.json does not exist"]),
+    "min_lr": ({"optim": {"min_lr": 1.0}}, 1, ["optim.min_lr=1.0 must lie in [0, optim.lr="]),
+    "warmup": ({"optim": {"warmup_steps": -1}}, 1, ["optim.warmup_steps=-1 must be >= 0"]),
+    "synthetic_docs": ({"data": {"doc_len_min": 30, "doc_len_max": 10}}, 1,
+                       ["data.doc_len_min=30, data.doc_len_max=10"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_each_rule_reports_key_value_and_fix(name):
+    sections, world, expected = BAD[name]
+    problems = validate(tiny_config(**sections), world)
+    assert len(problems) == 1, problems
+    for text in expected:
+        assert text in problems[0], (text, problems[0])
+
+
+def test_valid_layouts_pass():
+    assert validate(tiny_config(), 1) == []
+    assert validate(tiny_config(parallel={"dp": -1}), 4) == []
+    assert validate(tiny_config(parallel={"tp": 2, "sp": True, "cp": 2, "attention": "usp",
+                                          "ulysses_degree": 2}, train={"global_batch": 2}), 8) == []
+
+
+def test_all_problems_reported_at_once():
+    cfg = tiny_config(parallel={"attention": "flash"}, train={"dtype": "fp8"},
+                      optim={"warmup_steps": -3})
+    problems = validate(cfg, 1)
+    assert len(problems) == 3
+    assert any("parallel.attention" in p for p in problems)
+    assert any("train.dtype" in p for p in problems)
+    assert any("optim.warmup_steps" in p for p in problems)
+
+
+def test_sp_without_tp_is_a_warning_not_an_error():
+    cfg = tiny_config(parallel={"sp": True})
+    assert validate(cfg, 1) == []
+    assert any("parallel.sp=true has no effect with parallel.tp=1" in w for w in warnings_for(cfg))
+
+
+def test_nearest_multiple():
+    assert nearest_multiple(1000, 16) == 1008
+    assert nearest_multiple(3, 8) == 8
+    assert nearest_multiple(36, 8) == 40
+
+
+def _to_overrides(sections: dict) -> list[str]:
+    out = []
+    for section, values in sections.items():
+        for key, value in values.items():
+            value = str(value).lower() if isinstance(value, bool) else value
+            out.append(f"{section}.{key}={value}")
+    return out
+
+
+CLI_BASE = ["+recipe=tiny", "model.vocab_size=128", "model.dim=64", "model.n_layers=2",
+            "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96", "train.seq_len=32",
+            "train.global_batch=4", "train.micro_batch=1", "parallel.dp=-1", "optim.warmup_steps=1",
+            "data.doc_len_min=8", "data.doc_len_max=24"]
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process was started for an invalid config")
+
+    monkeypatch.setattr(launch, "run_ranks", refuse)
+    monkeypatch.setattr("lctrain.train.train", refuse)
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_cli_exits_2_before_any_process(name, capsys, no_launch, tmp_path):
+    sections, world, expected = BAD[name]
+    argv = ["train", *CLI_BASE, *_to_overrides(sections), f"launch.nproc={world}",
+            f"hydra.run.dir={tmp_path / 'run'}"]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    for text in expected:
+        assert text in err, (text, err)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("+unknown.key=1", "unknown key unknown"),
+    ("+train.bogus=3", "unknown key train.bogus; valid keys under train: steps"),
+    ("train.steps=abc", "train.steps"),
+    ("+recipe=nope", "recipe"),
+    ("parallel.nonsense=2", "nonsense"),
+])
+def test_cli_rejects_unknown_keys_and_bad_types(override, expected, capsys, no_launch):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", *CLI_BASE, override])
+    assert exc.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_cli_reports_several_unknown_keys_together(capsys, no_launch):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["plan", *CLI_BASE, "+a.b=1", "+train.c=2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown key a;" in err and "unknown key train.c;" in err
+
+
+def test_cli_unknown_command_and_flag(capsys):
+    for argv in (["fly"], ["train", "--json"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(argv)
+        assert exc.value.code == 2
