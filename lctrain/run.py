@@ -26,7 +26,7 @@ def host_problems(cfg: LctrainConfig, nproc: int) -> list[str]:
     """Can this machine host `nproc` local ranks? (devices, rough memory)"""
     import torch
 
-    from lctrain.model import Llama
+    from lctrain.plan import param_count
 
     use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto"
                                               and torch.cuda.is_available())
@@ -38,26 +38,16 @@ def host_problems(cfg: LctrainConfig, nproc: int) -> list[str]:
                 "torchrun/srun across nodes"]
     if use_cuda:
         return []
-    # fp32 weights + grads + 2 AdamW moments per rank, before FSDP sharding: an upper bound.
-    n_params = sum(p.numel() for p in Llama(cfg.model).parameters()) if _small(cfg) else \
-        _param_count(cfg)
-    need = nproc * n_params * 16
+    # Every rank builds the full fp32 model; FSDP then keeps a 1/nproc shard of weights,
+    # gradients and two AdamW moments (4 + 12 / nproc bytes per parameter), DDP all 16 bytes.
+    per_param = 16 if cfg.parallel.dp_engine == "ddp" else 4 + 12 / nproc
+    need = nproc * param_count(cfg.model) * per_param
     avail = _available_memory()
     if avail is not None and need > avail:
         return [f"{nproc} CPU ranks of model.name={cfg.model.name} need about {need / 2**30:.1f} "
                 f"GiB for weights and optimizer state; {avail / 2**30:.1f} GiB is available; "
                 "use a smaller model (model=tiny) or fewer ranks"]
     return []
-
-
-def _small(cfg: LctrainConfig) -> bool:
-    return cfg.model.dim * cfg.model.n_layers <= 4096 * 4
-
-
-def _param_count(cfg: LctrainConfig) -> int:
-    from lctrain.plan import param_count
-
-    return param_count(cfg.model)
 
 
 def _available_memory() -> int | None:

@@ -184,7 +184,9 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
     dataset = SyntheticLM(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed)
     sampler = DataParallelSampler(dataset, rt.topology.axis_rank(rt.rank, "dp"), derived.dp,
                                   cfg.train.micro_batch, derived.grad_accum)
-    metrics = MetricsLogger(cfg.logging, run_dir, rt.rank, cfg.train.steps)
+    from lctrain.compose import as_dict
+
+    metrics = MetricsLogger(cfg.logging, run_dir, rt.rank, cfg.train.steps, as_dict(cfg))
     metrics.info(f"lctrain: {rt.world_size} rank(s) on {rt.device.type}, layout "
                  f"{rt.topology.shape} (pp, dp, cp_ring, cp_ulysses, tp), grad_accum "
                  f"{derived.grad_accum}, {Llama.num_params(model):,} parameters")

@@ -185,3 +185,18 @@ def test_cli_unknown_command_and_flag(capsys):
         with pytest.raises(SystemExit) as exc:
             cli.main(argv)
         assert exc.value.code == 2
+
+
+def test_cli_refuses_a_model_this_machine_cannot_host(capsys, no_launch):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", "+recipe=tiny", "model=llama3-70b", "train.device=cpu"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "4 CPU ranks of model.name=llama3-70b need about" in err and "GiB is available" in err
+
+
+def test_cli_refuses_layouts_this_version_cannot_train(capsys, no_launch):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", *CLI_BASE, "parallel.cp=2", "launch.nproc=2"])
+    assert exc.value.code == 2
+    assert "parallel.cp=2: this version trains with data parallelism only" in capsys.readouterr().err
