@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 
+from lctrain.attention.traffic import attention_traffic
 from lctrain.config import LctrainConfig, ModelConfig, derive
 from lctrain.topology import AXES, GROUPS, Topology
 
@@ -25,25 +26,16 @@ def param_count(m: ModelConfig) -> int:
     return m.vocab_size * m.dim + m.n_layers * block + m.dim + head
 
 
-def attention_traffic(cfg: LctrainConfig, world_size: int) -> dict[str, float]:
-    """Elements sent per rank, one attention forward of one layer, one sequence (DIGEST §4)."""
+def attention_traffic_per_layer(cfg: LctrainConfig, world_size: int) -> dict[str, float]:
+    """Elements sent per rank by one layer's attention (micro-batch of sequences)."""
     d = derive(cfg, world_size)
-    m, p, L = cfg.model, cfg.parallel, cfg.train.seq_len
+    m, p = cfg.model, cfg.parallel
     head_dim = m.dim // m.n_heads
-    q_width = m.dim // p.tp                                   # per TP rank
-    kv_width = m.n_kv_heads * head_dim // p.tp * d.kv_replication
-    u, ring = d.cp_ulysses, d.cp_ring
-    out = {"ulysses_a2a": 0.0, "ring_p2p": 0.0, "allgather_kv": 0.0}
-    if p.cp == 1:
-        return out
-    if p.attention in ("ulysses", "usp") and u > 1:
-        tokens = L / ring                                      # tokens of one Ulysses group
-        out["ulysses_a2a"] = (2 * q_width + 2 * kv_width) * tokens * (u - 1) / u**2
-    if p.attention in ("ring", "usp") and ring > 1:
-        out["ring_p2p"] = (ring - 1) * 2 * (L / ring) * kv_width / u
-    if p.attention == "allgather":
-        out["allgather_kv"] = (p.cp - 1) * 2 * (L / p.cp) * kv_width
-    return out
+    t = attention_traffic(p.attention, cfg.train.seq_len, m.dim // p.tp,
+                          m.n_kv_heads * head_dim // p.tp * d.kv_replication, p.cp, d.cp_ulysses,
+                          batch=cfg.train.micro_batch)
+    return {f"{p.attention}_per_layer_fwd": t["forward"],
+            f"{p.attention}_per_layer_bwd": t["backward"]}
 
 
 def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
@@ -65,7 +57,7 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
     per_layer = tokens * bytes_act * (4 * m.dim / seq_div + head_parallel)
     logits = tokens * (m.vocab_size / p.tp) * 4 * 2  # fp32 logits and their gradient
     act_bytes = per_layer * m.n_layers / p.pp + logits
-    traffic = attention_traffic(cfg, world_size)
+    traffic = attention_traffic_per_layer(cfg, world_size) if p.cp > 1 else {}
     # Per block forward: 2 all-gathers + 2 reduce-scatters with SP, or 2 all-reduces without;
     # a ring all-reduce is a reduce-scatter plus an all-gather (DIGEST section 2), same bytes.
     tp_elems = 4 * (p.tp - 1) / p.tp * tokens * m.dim
@@ -107,7 +99,7 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
             "total_estimate": (state_bytes + act_bytes) / GIB,
         },
         "traffic_elements_per_rank": {
-            **{f"{k}_per_layer_fwd": v * t.micro_batch for k, v in traffic.items()},
+            **traffic,
             "tp_per_layer_fwd": tp_elems,
             "fsdp_per_step": fsdp_elems,
         },

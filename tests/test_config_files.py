@@ -79,10 +79,10 @@ def test_plan_traffic_matches_digest_formulas():
                    "train.seq_len=65536", "launch.nproc=8"]).cfg
     L, P, d, d_kv = 65536, 8, 4096, 8 * 128
     t = build_plan(cfg, 8)["traffic_elements_per_rank"]
-    assert t["ulysses_a2a_per_layer_fwd"] == (2 * d + 2 * d_kv) * L * (P - 1) / P**2
+    assert t["ulysses_per_layer_fwd"] == (2 * d + 2 * d_kv) * L * (P - 1) / P**2
     cfg.parallel.attention = "ring"
     t = build_plan(cfg, 8)["traffic_elements_per_rank"]
-    assert t["ring_p2p_per_layer_fwd"] == (P - 1) * 2 * L * d_kv / P
+    assert t["ring_per_layer_fwd"] == (P - 1) * 2 * L * d_kv / P
 
 
 def test_sbatch_renders_torchrun_rendezvous(tmp_path):

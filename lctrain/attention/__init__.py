@@ -1,0 +1,100 @@
+"""Context-parallel attention: one contract, one shared (out, lse) merge, one file per algorithm.
+
+`ContextParallelAttention` is the attention function injected into the model: it receives the
+local shards q [B, S/cp, H, d], k/v [B, S/cp, H_kv, d] laid out by `lctrain.sequence`, and the
+global document ids [B, S] when documents are packed, and runs the configured algorithm.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lctrain import sequence
+from lctrain.attention.allgather import allgather_attention
+from lctrain.attention.kernels import Block
+from lctrain.attention.local import local_attention
+from lctrain.attention.ring import ring_attention
+from lctrain.attention.ulysses import ulysses_attention
+from lctrain.attention.usp import usp_attention
+from lctrain.comm import traffic_tag
+
+ALGORITHMS = ("ulysses", "ring", "usp", "allgather")
+
+
+@dataclass(frozen=True)
+class CPGroups:
+    """This rank's place in the cp groups (cp_rank = ring_rank * ulysses_size + ulysses_rank)."""
+
+    cp: dist.ProcessGroup | None
+    ring: dist.ProcessGroup | None
+    ulysses: dist.ProcessGroup | None
+    ring_size: int = 1
+    ring_rank: int = 0
+    ulysses_size: int = 1
+    ulysses_rank: int = 0
+
+    @property
+    def cp_size(self) -> int:
+        return self.ring_size * self.ulysses_size
+
+    @property
+    def cp_rank(self) -> int:
+        return self.ring_rank * self.ulysses_size + self.ulysses_rank
+
+
+class ContextParallelAttention:
+    """AttentionFn for a cp layout: __call__(q, k, v, doc_ids=None) -> out [B, S/cp, H, d]."""
+
+    def __init__(self, algorithm: str, groups: CPGroups, seq_len: int, load_balance: str, *,
+                 causal: bool = True, kv_replication: int = 1):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown attention algorithm {algorithm!r}; use one of {ALGORITHMS}")
+        sequence.check_divisible(seq_len, groups.cp_size, load_balance)
+        self.algorithm, self.groups, self.seq_len = algorithm, groups, seq_len
+        self.load_balance, self.causal, self.kv_replication = load_balance, causal, kv_replication
+        cp = groups.cp_size
+        self._pos = [sequence.positions(seq_len, r, cp, load_balance) for r in range(cp)]
+        u = groups.ulysses_size
+        self._group_pos = [torch.cat(self._pos[i * u:(i + 1) * u]) for i in range(groups.ring_size)]
+
+    def _blocks(self, pos_list: list[Tensor], doc_ids: Tensor | None, device) -> list[Block]:
+        return [Block(p.to(device), None if doc_ids is None else doc_ids[:, p.to(device)])
+                for p in pos_list]
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor,
+                  doc_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(out, lse); lse is in the layout of the algorithm's core (see each algorithm)."""
+        g, local = self.groups, self.seq_len // self.groups.cp_size
+        if q.shape[1] != local or k.shape[1] != local:
+            raise ValueError(f"{self.algorithm} attention expects local sequence {local} "
+                             f"(seq_len {self.seq_len} / cp {g.cp_size}); got q {tuple(q.shape)}, "
+                             f"k {tuple(k.shape)}")
+        if doc_ids is not None and doc_ids.shape[-1] != self.seq_len:
+            raise ValueError(f"doc_ids must cover the global sequence ({self.seq_len} tokens); "
+                             f"got {tuple(doc_ids.shape)}")
+        scale, causal, dev = 1.0 / math.sqrt(q.shape[-1]), self.causal, q.device
+        with traffic_tag(self.algorithm):
+            if g.cp_size == 1:
+                (b,) = self._blocks(self._pos, doc_ids, dev)
+                return local_attention(q, k, v, b, b, causal=causal, scale=scale)
+            if self.algorithm == "allgather":
+                (qb,) = self._blocks([self._pos[g.cp_rank]], doc_ids, dev)
+                (kb,) = self._blocks([torch.cat(self._pos)], doc_ids, dev)
+                return allgather_attention(q, k, v, qb, kb, g.cp, causal=causal, scale=scale)
+            blocks = self._blocks(self._group_pos, doc_ids, dev)
+            if self.algorithm == "ulysses":
+                return ulysses_attention(q, k, v, blocks[0], g.ulysses, causal=causal,
+                                         scale=scale, kv_replication=self.kv_replication)
+            if self.algorithm == "ring":
+                return ring_attention(q, k, v, blocks[g.ring_rank], blocks, g.ring,
+                                      causal=causal, scale=scale)
+            return usp_attention(q, k, v, blocks, g.ulysses, g.ring, causal=causal, scale=scale,
+                                 kv_replication=self.kv_replication)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        return self.attention(q, k, v, doc_ids)[0]

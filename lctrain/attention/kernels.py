@@ -1,0 +1,210 @@
+"""Local attention on blocks of tokens with known global positions, returning (out, lse).
+
+Every context-parallel algorithm reduces to: queries at global positions q_pos attend to keys at
+k_pos (causal: k_pos <= q_pos; packed documents: same document id). Positions come from
+`lctrain.sequence`, so a block is a set of runs of consecutive positions. Each (query run, key
+run) pair is classified as empty (skipped), full (no mask), causal diagonal (is_causal), or
+general (explicit mask, e.g. document borders), computed by the device kernel, and merged into
+float32 accumulators with one numerically stable (out, lse) merge.
+
+Tensors are [B, S, H, d] (H_kv heads for k and v: GQA is native in the kernels); lse is
+[B, H, S] float32. A query row with no visible key has lse = -inf and output 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lctrain.sequence import runs
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class Block:
+    """Tokens of one attention operand: global positions [S] and optional document ids [B, S]."""
+
+    pos: Tensor
+    doc: Tensor | None = None
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        return runs(self.pos)
+
+
+def merge_into(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
+    """In place: (out_acc, lse_acc) <- softmax-merge of itself with (out, lse). float32.
+
+    out [B, S, H, d], lse [B, H, S]; rows where both lse are -inf stay (0, -inf).
+    """
+    new = torch.logaddexp(lse_acc, lse)
+    finite = torch.isfinite(new)
+    w_old = torch.where(finite, torch.exp(lse_acc - new), 0.0).transpose(1, 2)[..., None]
+    w_new = torch.where(finite, torch.exp(lse - new), 0.0).transpose(1, 2)[..., None]
+    out_acc.mul_(w_old).add_(out.float() * w_new)
+    lse_acc.copy_(new)
+
+
+def _segments(q: Block, k: Block, qa: int, q0: int, qn: int, ka: int, k0: int, kn: int,
+              causal: bool):
+    """Split one key run against one query run into kernel calls.
+
+    Causal: keys before the query run are fully visible, keys inside its position range form the
+    causal diagonal, keys after it are invisible. Yields (key slice, kind, bool mask or None) with
+    kind 'full' | 'causal' | 'mask'; document borders add a mask where the documents differ.
+    """
+    qs = slice(qa, qa + qn)
+    cuts = [k0, k0 + kn]
+    if causal:
+        cuts = sorted({k0, min(max(q0, k0), k0 + kn), min(max(q0 + qn, k0), k0 + kn), k0 + kn})
+    for lo, hi in zip(cuts, cuts[1:]):
+        if causal and lo >= q0 + qn:  # after the last query: causal masks it out entirely
+            continue
+        ks = slice(ka + lo - k0, ka + hi - k0)
+        if not causal or hi <= q0:
+            kind = "full"
+        else:
+            kind = "causal" if (lo, hi) == (q0, q0 + qn) else "mask"
+        mask = None
+        if kind == "mask":
+            mask = (k.pos[ks][None, :] <= q.pos[qs][:, None])[None, None]  # [1, 1, qn, kn]
+        if q.doc is not None:
+            qd, kd = q.doc[:, qs], k.doc[:, ks]
+            if not bool((qd.amin() == kd.amax()) & (qd.amax() == kd.amin())):
+                if mask is None:
+                    mask = torch.ones(qn, hi - lo, dtype=torch.bool, device=q.pos.device)
+                    mask = (mask.tril() if kind == "causal" else mask)[None, None]
+                mask = mask & (qd[:, None, :, None] == kd[:, None, None, :])
+                kind = "mask"
+        if mask is not None and not bool(mask.any()):
+            continue
+        yield ks, kind, mask
+
+
+def _calls(qb: Block, kb: Block, causal: bool):
+    """Every kernel call of q block x kv block: (query slice, key slice, kind, mask)."""
+    k_runs = kb.runs()
+    for qa, q0, qn in qb.runs():
+        for ka, k0, kn in k_runs:
+            for ks, kind, mask in _segments(qb, kb, qa, q0, qn, ka, k0, kn, causal):
+                yield slice(qa, qa + qn), ks, kind, mask
+
+
+def _cpu_fwd(q, k, v, kind, mask, scale):
+    additive = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype,
+                                                     device=q.device).masked_fill(~mask, _NEG_INF)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, kind == "causal", attn_mask=additive, scale=scale)
+    if mask is not None:  # the CPU kernel reports lse = 0 for rows with no visible key
+        empty = ~mask.any(-1).expand(lse.shape)
+        lse = lse.masked_fill(empty, _NEG_INF)
+        out = out.masked_fill(empty[..., None], 0.0)
+    return out, lse.float()
+
+
+def _cpu_bwd(dout, q, k, v, out, lse, kind, mask, scale):
+    additive = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype,
+                                                     device=q.device).masked_fill(~mask, _NEG_INF)
+    lse = torch.where(torch.isfinite(lse), lse, 0.0)  # rows with no key anywhere: P = 0
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, kind == "causal", attn_mask=additive, scale=scale)
+
+
+def _flash_attn():
+    try:
+        import flash_attn  # noqa: F401  (optional `gpu` extra)
+        from flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
+    except ImportError as e:
+        raise RuntimeError("context-parallel attention on CUDA needs flash-attn: "
+                           "pip install 'lctrain[gpu]'") from e
+    return _flash_attn_forward, _flash_attn_backward
+
+
+def _cuda_fwd(q, k, v, kind, mask, scale):
+    if mask is not None:
+        raise NotImplementedError("document masks inside a block need flash-attn varlen, which "
+                                  "lctrain does not call yet; train without document masking on "
+                                  "GPU")
+    fwd, _ = _flash_attn()
+    # flash-attn wants [B, S, H, d]
+    out, lse, *_ = fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, scale,
+                       causal=kind == "causal", window_size_left=-1, window_size_right=-1,
+                       softcap=0.0, alibi_slopes=None, return_softmax=False)
+    return out.transpose(1, 2), lse.float()
+
+
+def _cuda_bwd(dout, q, k, v, out, lse, kind, mask, scale):
+    _, bwd = _flash_attn()
+    t = [x.transpose(1, 2).contiguous() for x in (dout, q, k, v, out)]
+    dq, dk, dv = (torch.empty_like(x) for x in t[1:4])
+    bwd(*t, lse.contiguous(), dq, dk, dv, 0.0, scale, kind == "causal", -1, -1, 0.0, None, False)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _kernels(device: torch.device):
+    return (_cuda_fwd, _cuda_bwd) if device.type == "cuda" else (_cpu_fwd, _cpu_bwd)
+
+
+def attend_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal: bool,
+                   scale: float, out_acc: Tensor, lse_acc: Tensor) -> int:
+    """Attend q (positions qb) to k, v (positions kb); merge into the accumulators.
+
+    q [B, Sq, H, d], k/v [B, Sk, Hkv, d], out_acc [B, Sq, H, d] f32, lse_acc [B, H, Sq] f32.
+    Returns the number of kernel calls (0 when every pair was masked out).
+    """
+    fwd, _ = _kernels(q.device)
+    calls = 0
+    for qs, ks, kind, mask in _calls(qb, kb, causal):
+        out, lse = fwd(q[:, qs].transpose(1, 2), k[:, ks].transpose(1, 2),
+                       v[:, ks].transpose(1, 2), kind, mask, scale)
+        merge_into(out_acc[:, qs], lse_acc[:, :, qs], out.transpose(1, 2), lse)
+        calls += 1
+    return calls
+
+
+def attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    qb: Block, kb: Block, causal: bool, scale: float, dq_acc: Tensor,
+                    dk_acc: Tensor, dv_acc: Tensor) -> None:
+    """Gradient contributions of this (q, kv) block, given the FINAL out and lse of q's rows.
+
+    With the merged lse, each block's softmax probabilities are exact, so per-block backward
+    results simply add up (flash-attention backward decomposition). Accumulators are float32.
+    """
+    _, bwd = _kernels(q.device)
+    for qs, ks, kind, mask in _calls(qb, kb, causal):
+        dq, dk, dv = bwd(*(x[:, qs].transpose(1, 2) for x in (dout, q)),
+                         k[:, ks].transpose(1, 2), v[:, ks].transpose(1, 2),
+                         out[:, qs].transpose(1, 2), lse[:, :, qs], kind, mask, scale)
+        dq_acc[:, qs] += dq.transpose(1, 2)
+        dk_acc[:, ks] += dk.transpose(1, 2)
+        dv_acc[:, ks] += dv.transpose(1, 2)
+
+
+def new_accumulators(q: Tensor) -> tuple[Tensor, Tensor]:
+    """Empty (out, lse) accumulators for q [B, S, H, d]: zeros and -inf, float32."""
+    b, s, h, d = q.shape
+    return (torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device),
+            torch.full((b, h, s), _NEG_INF, dtype=torch.float32, device=q.device))
+
+
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal: bool,
+                        scale: float) -> tuple[Tensor, Tensor]:
+    """Plain-torch attention with an explicit mask (tests only; differentiable; any dtype).
+
+    Rows with no visible key give out 0 and lse -inf.
+    """
+    rep = q.shape[2] // k.shape[2]
+    kf, vf = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kf) * scale
+    mask = (kb.pos[None, :] <= qb.pos[:, None])[None, None]
+    if not causal:
+        mask = torch.ones_like(mask)
+    if qb.doc is not None:
+        mask = mask & (qb.doc[:, None, :, None] == kb.doc[:, None, None, :])
+    scores = scores.masked_fill(~mask, _NEG_INF)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.where(mask, torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None]),
+                        0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, vf), lse

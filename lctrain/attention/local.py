@@ -1,0 +1,51 @@
+"""Attention of local queries to one local set of keys (no communication), with autograd.
+
+Used directly when cp = 1 with packed documents, after the Ulysses all-to-all, and after the
+all-gather of K/V. Positions decide the mask (see kernels.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lctrain.attention.kernels import Block, attend_backward, attend_forward, new_accumulators
+
+
+def block_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal: bool,
+                  scale: float) -> tuple[Tensor, Tensor]:
+    """(out f32 [B, Sq, H, d], lse f32 [B, H, Sq]) of q attending to one kv block."""
+    out, lse = new_accumulators(q)
+    attend_forward(q, k, v, qb, kb, causal, scale, out, lse)
+    return out, lse
+
+
+def block_backward(dout, q, k, v, out, lse, qb: Block, kb: Block, causal: bool, scale: float):
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    attend_backward(dout, q, k, v, out, lse, qb, kb, causal, scale, dq, dk, dv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _LocalAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, qb, kb, causal, scale):
+        out, lse = block_forward(q, k, v, qb, kb, causal, scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (qb, kb, causal, scale)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+
+def local_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, *, causal: bool,
+                    scale: float) -> tuple[Tensor, Tensor]:
+    """q [B, Sq, H, d] at positions qb, k/v [B, Sk, H_kv, d] at kb -> (out [B, Sq, H, d], lse)."""
+    return _LocalAttention.apply(q, k, v, qb, kb, causal, scale)

@@ -1,0 +1,95 @@
+"""Ring attention (Liu et al.; DIGEST section 4): Q stays, K/V blocks travel around the ring.
+
+Forward: P steps; at each the next K/V block is already in flight (double buffer, batch_isend_irecv)
+while the current one is computed; partial results merge through (out, lse). Backward: K/V travel
+again for recompute, and each block's dK/dV accumulator travels with it, collecting every rank's
+contribution, and reaches its owner after P-1 hops (reduce-scatter semantics). dQ stays local.
+Blocks hidden by the causal mask are skipped inside the kernels (see kernels.py).
+
+Elements sent per rank: forward (P-1) * 2 * (L/P) * d_kv (DIGEST); backward twice that
+(K/V again, plus dK/dV). The dK/dV accumulators travel in float32, so that summing P
+contributions in bf16 does not lose precision: in bytes, that half costs 4 per element.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lctrain.attention.kernels import Block, attend_backward, attend_forward, new_accumulators
+from lctrain.comm import RingExchange, current_tag, traffic_tag
+
+KV_TAG, GRAD_TAG = 11, 12
+
+
+def ring_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, blocks: list[Block],
+                 group: dist.ProcessGroup, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """blocks[j]: positions of ring rank j's keys. Returns (out f32, lse f32) for local q."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    out, lse = new_accumulators(q)
+    exchange = RingExchange(group, tag=KV_TAG)
+    for step in range(size):
+        if step < size - 1:
+            exchange.start([k, v])
+        attend_forward(q, k, v, qb, blocks[(rank - step) % size], causal, scale, out, lse)
+        if step < size - 1:
+            k, v = exchange.wait()
+    return out, lse
+
+
+def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                  qb: Block, blocks: list[Block], group: dist.ProcessGroup, causal: bool,
+                  scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv_exchange = RingExchange(group, tag=KV_TAG)
+    grad_exchange = RingExchange(group, tag=GRAD_TAG)
+    own_dk = own_dv = None
+    for step in range(size):
+        if step < size - 1:
+            kv_exchange.start([k, v])
+        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        attend_backward(dout, q, k, v, out, lse, qb, blocks[(rank - step) % size], causal, scale,
+                        dq, dk, dv)
+        if step == 0:
+            own_dk, own_dv = dk, dv  # our block: its travelling accumulator comes back at the end
+        else:
+            if step > 1:  # the accumulator of this block, from the ranks that held it before
+                dk_in, dv_in = grad_exchange.wait()
+                dk += dk_in
+                dv += dv_in
+            grad_exchange.start([dk, dv])
+        if step < size - 1:
+            k, v = kv_exchange.wait()
+    if size > 1:
+        dk_in, dv_in = grad_exchange.wait()
+        own_dk += dk_in
+        own_dv += dv_in
+    return dq, own_dk, own_dv
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, qb, blocks, group, causal, scale):
+        out, lse = ring_forward(q, k, v, qb, blocks, group, causal, scale)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args, ctx.tag = (qb, blocks, group, causal, scale), current_tag()
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        with traffic_tag(ctx.tag):
+            dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, blocks: list[Block],
+                   group: dist.ProcessGroup, *, causal: bool,
+                   scale: float) -> tuple[Tensor, Tensor]:
+    """q [B, Sq, H, d], k/v [B, Sk, H_kv, d] local -> (out [B, Sq, H, d], lse [B, H, Sq])."""
+    return _RingAttention.apply(q, k, v, qb, blocks, group, causal, scale)

@@ -1,0 +1,55 @@
+"""Ulysses (DeepSpeed, DIGEST section 4): all-to-all from sequence shards to head shards.
+
+[B, S/P, H, d] per rank -> [B, S, H/P, d]: every rank then sees the whole sequence of its Ulysses
+group for H/P heads and can run any local kernel; the inverse all-to-all restores the output.
+Elements sent per rank, one forward: (2 d + 2 d_kv) * L * (P-1) / P^2 (Q, K, V and the output).
+
+GQA: when the Ulysses degree does not divide the KV heads, each KV head is repeated
+`kv_replication` times first (the smallest count that splits evenly and keeps the query groups
+aligned; `lctrain.config.kv_replication`); autograd sums the copies' gradients back.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import Tensor
+
+from lctrain.attention.kernels import Block
+from lctrain.attention.local import local_attention
+from lctrain.comm import all_to_all_autograd
+
+
+def scatter_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """[B, S/P, H, d] -> [B, S, H/P, d] (sequence in group-rank order)."""
+    return all_to_all_autograd(x, group, scatter_dim=2, gather_dim=1)
+
+
+def gather_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """[B, S, H/P, d] -> [B, S/P, H, d]: the inverse of scatter_heads."""
+    return all_to_all_autograd(x, group, scatter_dim=1, gather_dim=2)
+
+
+def replicate_kv(k: Tensor, v: Tensor, times: int) -> tuple[Tensor, Tensor]:
+    if times == 1:
+        return k, v
+    return k.repeat_interleave(times, dim=2), v.repeat_interleave(times, dim=2)
+
+
+def check_heads(q: Tensor, k: Tensor, degree: int) -> None:
+    """Raise before any collective if the heads cannot split over `degree` ranks."""
+    if q.shape[2] % degree or k.shape[2] % degree or q.shape[2] % k.shape[2]:
+        raise ValueError(f"Ulysses degree {degree} needs query heads ({q.shape[2]}) and KV heads "
+                         f"({k.shape[2]}, after replication) divisible by it, and query heads a "
+                         "multiple of KV heads; fix model.n_heads / parallel.* (lctrain plan "
+                         "shows the valid layouts)")
+
+
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, group: dist.ProcessGroup, *,
+                      causal: bool, scale: float, kv_replication: int = 1) -> tuple[Tensor, Tensor]:
+    """q [B, S/P, H, d], k/v [B, S/P, H_kv, d] local; qb: positions of the whole Ulysses group's
+    tokens in group-rank order. Returns (out [B, S/P, H, d], lse [B, H/P, S] of the core)."""
+    k, v = replicate_kv(k, v, kv_replication)
+    check_heads(q, k, dist.get_world_size(group))
+    q, k, v = (scatter_heads(x, group) for x in (q, k, v))
+    out, lse = local_attention(q, k, v, qb, qb, causal=causal, scale=scale)
+    return gather_heads(out, group), lse

@@ -1,0 +1,30 @@
+"""USP = Ulysses x Ring (Fang & Zhao; DIGEST section 5).
+
+Inside each group of `ulysses_degree` ranks an all-to-all turns sequence shards into head shards;
+ranks holding the same heads in the cp/ulysses_degree groups then run Ring attention over the
+groups' token sets, and the inverse all-to-all restores [B, S/cp, H, d]. With ulysses_degree=1 it
+is Ring, with ulysses_degree=cp it is Ulysses.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import Tensor
+
+from lctrain.attention.kernels import Block
+from lctrain.attention.ring import ring_attention
+from lctrain.attention.ulysses import check_heads, gather_heads, replicate_kv, scatter_heads
+
+
+def usp_attention(q: Tensor, k: Tensor, v: Tensor, blocks: list[Block],
+                  ulysses_group: dist.ProcessGroup, ring_group: dist.ProcessGroup, *,
+                  causal: bool, scale: float, kv_replication: int = 1) -> tuple[Tensor, Tensor]:
+    """q [B, S/cp, H, d], k/v [B, S/cp, H_kv, d]; blocks[i]: token positions of ring group i
+    (its Ulysses members' tokens in member order). Returns (out [B, S/cp, H, d],
+    lse [B, H/u, S/ring] of the core)."""
+    k, v = replicate_kv(k, v, kv_replication)
+    check_heads(q, k, dist.get_world_size(ulysses_group))
+    q, k, v = (scatter_heads(x, ulysses_group) for x in (q, k, v))
+    qb = blocks[dist.get_rank(ring_group)]
+    out, lse = ring_attention(q, k, v, qb, blocks, ring_group, causal=causal, scale=scale)
+    return gather_heads(out, ulysses_group), lse

@@ -1,0 +1,140 @@
+"""Context-parallel attention against the unsharded float64 reference, on gloo ranks.
+
+Every rank builds the full q, k, v and output gradient, runs `reference_attention` on the whole
+sequence in float64, shards with `lctrain.sequence.split` (the data path's function), runs the
+algorithm, and compares output, lse and dq/dk/dv. Traffic measured by `record_traffic` must equal
+the formulas of `lctrain.attention.traffic` (DIGEST section 4) exactly.
+"""
+
+import itertools
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lctrain import sequence
+from lctrain.attention import CPGroups, ContextParallelAttention
+from lctrain.attention.kernels import Block, reference_attention
+from lctrain.attention.traffic import attention_traffic
+from lctrain.comm import record_traffic
+from lctrain.topology import Topology
+from tests.helpers import on_ranks
+
+TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def doc_ids_from_lengths(lengths: list[int], batch: int) -> torch.Tensor:
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    return torch.stack([ids.roll(7 * b) for b in range(batch)])  # different borders per sample
+
+
+def cp_groups(world: int, ring: int, ulysses: int, cache: dict) -> CPGroups:
+    key = (ring, ulysses)
+    if key not in cache:
+        topo = Topology(dp=world // (ring * ulysses), cp_ring=ring, cp_ulysses=ulysses)
+        cache[key] = (topo, topo.build_mesh("cpu"))
+    topo, mesh = cache[key]
+    rank = dist.get_rank()
+    return CPGroups(cp=mesh.group("cp"), ring=mesh.group("cp_ring"),
+                    ulysses=mesh.group("cp_ulysses"), ring_size=ring,
+                    ring_rank=topo.coords(rank)["cp_ring"], ulysses_size=ulysses,
+                    ulysses_rank=topo.coords(rank)["cp_ulysses"])
+
+
+def check_case(case: dict, cache: dict) -> None:
+    algo, ring, uly = case["algorithm"], case["ring"], case["ulysses"]
+    B, S, H, Hkv, hd = case["B"], case["S"], case["H"], case["Hkv"], case["hd"]
+    dtype, lb, causal, rep = case["dtype"], case["lb"], case["causal"], case.get("rep", 1)
+    g = cp_groups(dist.get_world_size(), ring, uly, cache)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(sorted(case.items())).encode()))
+    q, dout = (torch.randn(B, S, H, hd, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, S, Hkv, hd, generator=gen, dtype=torch.float64) for _ in range(2))
+    docs = doc_ids_from_lengths(case["docs"], B) if case.get("docs") else None
+    # reference on the whole sequence, float64, from the inputs rounded to the test dtype
+    ref_in = [x.to(dtype).double().requires_grad_() for x in (q, k, v)]
+    full = Block(torch.arange(S), docs)
+    scale = hd ** -0.5
+    ref_out, ref_lse = reference_attention(*ref_in, full, full, causal, scale)
+    ref_out.backward(dout.to(dtype).double())
+
+    def local(x, dim=1):
+        return sequence.split(x, dim, g.cp_rank, g.cp_size, lb)
+
+    ins = [local(x.to(dtype)).requires_grad_() for x in (q, k, v)]
+    attn = ContextParallelAttention(algo, g, S, lb, causal=causal, kv_replication=rep)
+    with record_traffic() as fwd:
+        out, lse = attn.attention(*ins, docs)
+    with record_traffic() as bwd:
+        out.backward(local(dout.to(dtype)))
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.double(), local(ref_out.detach()), **tol, msg=f"out {case}")
+    for name, x, r in zip("qkv", ins, ref_in):
+        torch.testing.assert_close(x.grad.double(), local(r.grad), **tol, msg=f"d{name} {case}")
+    # lse in the algorithm's core layout: Ulysses cores hold H/u heads of their group's tokens
+    u = {"ulysses": g.cp_size, "ring": 1, "allgather": 1, "usp": uly}[algo]
+    if u == 1:
+        ref_core = local(ref_lse.detach(), dim=2)
+    else:
+        heads = slice(g.ulysses_rank * H // u, (g.ulysses_rank + 1) * H // u)
+        pos = attn._group_pos[g.ring_rank]
+        ref_core = ref_lse.detach()[:, heads][:, :, pos]
+    finite = torch.isfinite(ref_core)
+    assert torch.equal(torch.isfinite(lse), finite), f"lse -inf rows differ {case}"
+    torch.testing.assert_close(lse.double()[finite], ref_core[finite], **tol, msg=f"lse {case}")
+    itemsize = torch.finfo(dtype).bits // 8
+    want = attention_traffic(algo, S, H * hd, Hkv * rep * hd, g.cp_size, uly, batch=B)
+    for direction, rec in (("forward", fwd), ("backward", bwd)):
+        assert rec.total(tag=algo) == want[direction], (direction, dict(rec.elements), want, case)
+    assert sum(fwd.bytes.values()) == want["forward"] * itemsize
+    # backward: Ring's travelling dK/dV accumulators are float32, everything else the input dtype
+    ring_grads = (want["backward"] - want["forward"]) if algo in ("ring", "usp") else 0
+    assert sum(bwd.bytes.values()) == (want["backward"] - ring_grads) * itemsize + ring_grads * 4
+
+
+def run_cases(cases: list[dict]) -> int:
+    cache: dict = {}
+    for case in cases:
+        check_case(case, cache)
+    return len(cases)
+
+
+def cases_for(world: int) -> list[dict]:
+    layouts = [("ring", world, 1), ("ulysses", 1, world), ("allgather", world, 1)]
+    if world >= 4:
+        layouts.append(("usp", world // 2, 2))
+    if world == 8:
+        layouts.append(("usp", 2, 4))
+    shapes = [  # (H, Hkv, hd, replication): MHA, GQA, MQA, odd head counts and head dim 24
+        (2 * world if world < 8 else 8, 2 * world if world < 8 else 8, 8, 1),
+        (8, 2, 24, 1 if world == 2 else world // 2),
+        (world * 3 if world < 8 else 24, 1, 16, world),
+    ]
+    out = []
+    for (algo, ring, uly), (H, Hkv, hd, rep), causal, lb in itertools.product(
+            layouts, shapes, (True, False), ("zigzag", "none")):
+        u = {"ulysses": world, "usp": uly}.get(algo, 1)
+        if algo in ("ring", "allgather"):
+            rep = 1
+        elif (Hkv * rep) % u or H % u:
+            rep = u // Hkv if u % Hkv == 0 else 1
+        if H % u or (Hkv * rep) % u or H % (Hkv * rep):
+            continue
+        if not causal and lb == "none":
+            continue  # non-causal attention does not depend on the split
+        out.append(dict(algorithm=algo, ring=ring, ulysses=uly, B=2, S=6 * 2 * world, H=H,
+                        Hkv=Hkv, hd=hd, rep=rep, dtype=torch.float32, lb=lb, causal=causal,
+                        docs=[5, 4 * world + 3, 8 * world - 8] if lb == "zigzag" else None))
+    # bf16 on the main layouts, packed documents included
+    for algo, ring, uly in layouts:
+        out.append(dict(algorithm=algo, ring=ring, ulysses=uly, B=1, S=4 * world, H=2 * world,
+                        Hkv=world, hd=16, rep=1, dtype=torch.bfloat16, lb="zigzag",
+                        causal=True, docs=[3, 4 * world - 3]))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_algorithms_match_unsharded_reference(world):
+    cases = cases_for(world)
+    assert len(cases) >= 12
+    assert on_ranks(run_cases, world, cases, timeout_s=400) == [len(cases)] * world
