@@ -101,6 +101,8 @@ class DataConfig:
     """Synthetic: longest document in tokens."""
     branching: int = 4
     """Synthetic: successors each token may have in the hidden bigram chain (entropy floor ln b)."""
+    document_masking: bool = False
+    """Packed documents do not attend to each other, and RoPE positions restart per document."""
 
 
 @dataclass

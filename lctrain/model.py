@@ -6,8 +6,10 @@ renaming checkpoint keys. `forward` tolerates a missing embedding (input is then
 and a missing output layer (the hidden state is returned). RoPE uses the "rotate half" layout of
 Hugging Face Llama, so HF weights map one to one (see `lctrain.hf`).
 
-The attention core is injected: `attention_fn(q, k, v) -> out` with q [B, S, H, d] and
-k, v [B, S, H_kv, d], causal, scale 1/sqrt(d). Context-parallel algorithms plug in there.
+The attention core is injected: `attention_fn(q, k, v, doc_ids) -> out` with q [B, S, H, d],
+k, v [B, S, H_kv, d], causal, scale 1/sqrt(d), and doc_ids [B, S_global] (or None) marking packed
+documents that must not attend to each other. Context-parallel algorithms plug in there
+(`lctrain.attention.ContextParallelAttention`); S is then this rank's share of the sequence.
 """
 
 from __future__ import annotations
@@ -21,11 +23,21 @@ from torch import Tensor, nn
 
 from lctrain.config import ModelConfig
 
-AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
 
 
-def sdpa_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Local causal attention with PyTorch SDPA. [B, S, H, d] x [B, S, H_kv, d] -> [B, S, H, d]."""
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+    """Local causal attention. [B, S, H, d] x [B, S, H_kv, d] -> [B, S, H, d].
+
+    PyTorch SDPA without documents; with doc_ids, the position-aware kernels of
+    lctrain.attention (they skip what the document mask hides).
+    """
+    if doc_ids is not None:
+        from lctrain.attention.kernels import Block
+        from lctrain.attention.local import local_attention
+
+        block = Block(torch.arange(q.shape[1], device=q.device), doc_ids)
+        return local_attention(q, k, v, block, block, causal=True, scale=q.shape[-1] ** -0.5)[0]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
         enable_gqa=k.shape[2] != q.shape[2])
@@ -76,14 +88,15 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention_fn: AttentionFn) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention_fn: AttentionFn,
+                doc_ids: Tensor | None) -> Tensor:
         b, s, _ = x.shape
         # Head counts come from the weights so that TP-sharded projections work unchanged.
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention_fn(q, k, v)  # [B, S, H, d]
+        out = attention_fn(q, k, v, doc_ids)  # [B, S, H, d]
         return self.wo(out.reshape(b, s, -1))
 
 
@@ -106,8 +119,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention_fn: AttentionFn) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, attention_fn)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attention_fn: AttentionFn,
+                doc_ids: Tensor | None = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, attention_fn, doc_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -124,15 +138,20 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
-        """tokens [B, S] (or hidden [B, S, D] without an embedding) -> logits [B, S, V]."""
+    def forward(self, x: Tensor, positions: Tensor | None = None,
+                doc_ids: Tensor | None = None) -> Tensor:
+        """tokens [B, S] (or hidden [B, S, D] without an embedding) -> logits [B, S, V].
+
+        positions: RoPE position ids [B or 1, S] (default 0..S-1); with context parallelism the
+        global positions of this rank's tokens. doc_ids: see the module docstring.
+        """
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         if positions is None:
             positions = torch.arange(h.shape[1], device=h.device)[None]
         cos, sin = self.rope(positions, h.dtype if not torch.is_autocast_enabled(h.device.type)
                              else torch.get_autocast_dtype(h.device.type))
         for layer in self.layers.values():
-            h = layer(h, cos, sin, self.attention_fn)
+            h = layer(h, cos, sin, self.attention_fn, doc_ids)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -73,3 +73,19 @@ def runs(pos: Tensor) -> list[tuple[int, int, int]]:
             out.append((start, p[start], i - start))
             start = i
     return out
+
+
+def document_ids(tokens: Tensor, eos: int) -> Tensor:
+    """Document index of every token of packed sequences [B, S]: a document ends at its EOS."""
+    ends = (tokens == eos).long()
+    return torch.cumsum(ends, dim=-1) - ends
+
+
+def document_positions(doc_ids: Tensor) -> Tensor:
+    """Position of every token inside its own document [B, S] (RoPE restarts per document)."""
+    s = doc_ids.shape[-1]
+    idx = torch.arange(s, device=doc_ids.device).expand_as(doc_ids)
+    new_doc = torch.ones_like(doc_ids, dtype=torch.bool)
+    new_doc[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
+    starts = torch.cummax(torch.where(new_doc, idx, 0), dim=-1).values
+    return idx - starts

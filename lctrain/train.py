@@ -21,11 +21,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lctrain import sequence
+from lctrain.attention import ContextParallelAttention, CPGroups
 from lctrain.config import LctrainConfig, derive
-from lctrain.data import IGNORE_INDEX, DataParallelSampler, MicroBatch, SyntheticLM
+from lctrain.data import EOS, IGNORE_INDEX, DataParallelSampler, MicroBatch, SyntheticLM
 from lctrain.launch import env_from_environment
 from lctrain.metrics import MetricsLogger
-from lctrain.model import Llama
+from lctrain.model import AttentionFn, Llama, sdpa_attention
 from lctrain.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from lctrain.topology import ParallelMesh, Topology
 
@@ -33,10 +35,10 @@ from lctrain.topology import ParallelMesh, Topology
 def check_supported(cfg: LctrainConfig) -> list[str]:
     """Valid layouts this version cannot run yet (lctrain plan still accepts them)."""
     p, problems = cfg.parallel, []
-    for key, value in (("parallel.tp", p.tp), ("parallel.cp", p.cp), ("parallel.pp", p.pp)):
+    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp)):
         if value != 1:
-            problems.append(f"{key}={value}: this version trains with data parallelism only; set "
-                            f"{key}=1 (lctrain plan accepts the layout)")
+            problems.append(f"{key}={value}: this version trains with data and context "
+                            f"parallelism only; set {key}=1 (lctrain plan accepts the layout)")
     if cfg.checkpoint.every or cfg.checkpoint.resume != "none":
         problems.append("checkpoint.every / checkpoint.resume: checkpointing is not implemented in "
                         "this version; set checkpoint.every=0 checkpoint.resume=none")
@@ -88,9 +90,24 @@ def _agree_run_dir(run_dir: Path, rt: Runtime) -> Path:
     return Path(box[0])
 
 
-def build_model(cfg: LctrainConfig, device: torch.device) -> Llama:
+def build_attention(cfg: LctrainConfig, rt: Runtime) -> AttentionFn:
+    """The attention core the model calls: local SDPA, or the configured cp algorithm."""
+    if cfg.parallel.cp == 1:
+        return sdpa_attention
+    c = rt.topology.coords(rt.rank)
+    groups = CPGroups(cp=rt.mesh.group("cp"), ring=rt.mesh.group("cp_ring"),
+                      ulysses=rt.mesh.group("cp_ulysses"), ring_size=rt.topology.cp_ring,
+                      ring_rank=c["cp_ring"], ulysses_size=rt.topology.cp_ulysses,
+                      ulysses_rank=c["cp_ulysses"])
+    return ContextParallelAttention(
+        cfg.parallel.attention, groups, cfg.train.seq_len, cfg.parallel.load_balance,
+        kv_replication=derive(cfg, rt.world_size).kv_replication)
+
+
+def build_model(cfg: LctrainConfig, device: torch.device,
+                attention_fn: AttentionFn = sdpa_attention) -> Llama:
     """Full fp32 model, initialised identically on every rank from train.seed."""
-    model = Llama(cfg.model)
+    model = Llama(cfg.model, attention_fn)
     model.init_weights(cfg.train.seed)
     return model.to(device)
 
@@ -122,14 +139,38 @@ def _no_sync(model: nn.Module, sync: bool):
     return contextlib.nullcontext()
 
 
+def shard_batch(mb: MicroBatch, cfg: LctrainConfig, rt: Runtime):
+    """This cp rank's (inputs, labels, RoPE positions, global doc ids or None).
+
+    Labels were shifted on the global sequence before this split, so no shard border loses or
+    invents a target; positions are global (or per document), from the same split.
+    """
+    p = cfg.parallel
+    cp_rank = rt.topology.axis_rank(rt.rank, "cp")
+    doc_ids = positions = None
+    if cfg.data.document_masking:
+        doc_ids = sequence.document_ids(mb.inputs, EOS).to(rt.device)
+        positions = sequence.split(sequence.document_positions(doc_ids), 1, cp_rank, p.cp,
+                                   p.load_balance)
+    elif p.cp > 1:
+        positions = sequence.positions(mb.inputs.shape[1], cp_rank, p.cp, p.load_balance,
+                                       rt.device)[None]
+
+    def local(x):
+        return sequence.split(x.to(rt.device), 1, cp_rank, p.cp, p.load_balance)
+
+    return local(mb.inputs), local(mb.labels), positions, doc_ids
+
+
 def forward_backward(model: nn.Module, mb: MicroBatch, loss_scale: float,
-                     autocast_dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
-    """Backward of (sum of token losses) * loss_scale; returns the detached loss sum."""
-    inputs, labels = mb.inputs.to(device), mb.labels.to(device)
-    autocast = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype
+                     autocast_dtype: torch.dtype | None, cfg: LctrainConfig,
+                     rt: Runtime) -> torch.Tensor:
+    """Backward of (sum of this rank's token losses) * loss_scale; returns the detached sum."""
+    inputs, labels, positions, doc_ids = shard_batch(mb, cfg, rt)
+    autocast = (torch.autocast(rt.device.type, dtype=autocast_dtype) if autocast_dtype
                 else contextlib.nullcontext())
     with autocast:
-        logits = model(inputs)
+        logits = model(inputs, positions, doc_ids)
     loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
                                ignore_index=IGNORE_INDEX, reduction="sum")
     (loss_sum * loss_scale).backward()
@@ -145,7 +186,10 @@ def _all_reduce(x: torch.Tensor, rt: Runtime) -> torch.Tensor:
 def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[MicroBatch],
                cfg: LctrainConfig, rt: Runtime) -> dict:
     """One optimizer step over this rank's accumulation micro-batches."""
-    local_tokens = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in micro_batches)
+    cp_rank = rt.topology.axis_rank(rt.rank, "cp")
+    local_tokens = sum(int((sequence.split(mb.labels, 1, cp_rank, cfg.parallel.cp,
+                                           cfg.parallel.load_balance) != IGNORE_INDEX).sum())
+                       for mb in micro_batches)
     tokens = _all_reduce(torch.tensor(float(local_tokens), device=rt.device), rt)
     group_size = rt.topology.group_size("dp_cp")
     loss_scale = group_size / tokens.item()
@@ -156,7 +200,7 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[Micro
         if last and hasattr(model, "set_requires_gradient_sync"):
             model.set_requires_gradient_sync(True)
         with _no_sync(model, last):
-            loss_sum += forward_backward(model, mb, loss_scale, dtype, rt.device)
+            loss_sum += forward_backward(model, mb, loss_scale, dtype, cfg, rt)
     grad_norm = clip_grad_norm_(list(model.parameters()), cfg.optim.grad_clip)
     lr = scheduler.get_last_lr()[0]
     optimizer.step()
@@ -178,7 +222,7 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
     derived = derive(cfg, rt.world_size)
     torch.manual_seed(cfg.train.seed)
-    model = apply_data_parallel(build_model(cfg, rt.device), cfg, rt)
+    model = apply_data_parallel(build_model(cfg, rt.device, build_attention(cfg, rt)), cfg, rt)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     dataset = SyntheticLM(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed)

@@ -27,7 +27,7 @@ def test_train_tiny_recipe_four_ranks(tmp_path):
     assert records[-1]["tokens"] == 12 * 8 * 256
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
     config = (run_dir / "config.yaml").read_text()
-    assert "dp: 4" in config and "steps: 12" in config
+    assert "cp: 2" in config and "attention: ring" in config and "steps: 12" in config
 
 
 def test_non_editable_install_finds_conf_and_recipes(tmp_path):

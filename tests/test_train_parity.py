@@ -81,3 +81,29 @@ def test_bf16_autocast_trains(tmp_path):
     bf16 = on_ranks(_train, 2, cfg, str(tmp_path / "b"))[0]
     for a, b in zip(fp32, bf16):
         assert b["loss"] == pytest.approx(a["loss"], rel=2e-2)
+
+
+CP_LAYOUTS = [  # (world, parallel overrides)
+    (2, {"cp": 2, "attention": "ring"}),
+    (2, {"cp": 2, "attention": "ulysses"}),
+    (2, {"cp": 2, "attention": "allgather", "load_balance": "none"}),
+    (4, {"cp": 4, "attention": "ring"}),
+    (4, {"cp": 4, "attention": "ulysses"}),  # 2 KV heads replicated x2 for Ulysses degree 4
+    (4, {"cp": 4, "attention": "usp", "ulysses_degree": 2}),
+    (4, {"cp": 4, "attention": "allgather"}),
+    (4, {"cp": 2, "dp": 2, "attention": "ring", "dp_engine": "ddp"}),
+]
+
+
+@pytest.mark.parametrize("document_masking", [False, True])
+def test_context_parallel_training_matches_one_process(tmp_path, document_masking):
+    data = {"document_masking": document_masking}
+    base = tiny_config(train={"steps": 3, "global_batch": 2, "micro_batch": 2}, data=data)
+    ref = on_ranks(_train, 1, base, str(tmp_path / "ref"))[0]
+    layouts = [CP_LAYOUTS[i] for i in (3, 5, 6)] if document_masking else CP_LAYOUTS
+    for i, (world, par) in enumerate(layouts):
+        train_over = {"micro_batch": 1} if par.get("dp", 1) > 1 else {}
+        cfg = tiny_config(train={"steps": 3, "global_batch": 2, "micro_batch": 2, **train_over},
+                          parallel=par, data=data)
+        for h in on_ranks(_train, world, cfg, str(tmp_path / str(i))):
+            _assert_same_history(h, ref)

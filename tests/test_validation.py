@@ -129,7 +129,7 @@ def _to_overrides(sections: dict) -> list[str]:
     return out
 
 
-CLI_BASE = ["+recipe=tiny", "model.vocab_size=128", "model.dim=64", "model.n_layers=2",
+CLI_BASE = ["+recipe=tiny", "parallel.cp=1", "model.vocab_size=128", "model.dim=64", "model.n_layers=2",
             "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96", "train.seq_len=32",
             "train.global_batch=4", "train.micro_batch=1", "parallel.dp=-1", "optim.warmup_steps=1",
             "data.doc_len_min=8", "data.doc_len_max=24"]
@@ -197,6 +197,7 @@ def test_cli_refuses_a_model_this_machine_cannot_host(capsys, no_launch):
 
 def test_cli_refuses_layouts_this_version_cannot_train(capsys, no_launch):
     with pytest.raises(SystemExit) as exc:
-        cli.main(["train", *CLI_BASE, "parallel.cp=2", "launch.nproc=2"])
+        cli.main(["train", *CLI_BASE, "parallel.tp=2", "launch.nproc=2"])
     assert exc.value.code == 2
-    assert "parallel.cp=2: this version trains with data parallelism only" in capsys.readouterr().err
+    assert "parallel.tp=2: this version trains with data and context parallelism only" in \
+        capsys.readouterr().err
