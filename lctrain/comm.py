@@ -4,7 +4,9 @@ Traffic is counted as elements (and bytes) *sent by this rank*, the quantity of 
 an all-to-all sends (P-1)/P of its input (1/P stays local), an all-gather sends its local block to
 P-1 peers in a ring, a reduce-scatter sends (P-1)/P of its input, a P2P send sends its tensor.
 Counting is active only inside `record_traffic()`; each entry is keyed by (tag, collective), the
-tag naming the algorithm (`traffic_tag("ring")`).
+tag naming the algorithm (`traffic_tag("ring")`). Only the collectives of this module are counted
+(context-parallel attention); FSDP/DDP gradient traffic is not. The training loop logs the bytes
+each step sent as `cp_bytes_sent` in metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ def all_gather(x: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:
     if p == 1:
         return x
     out = torch.empty((p * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    dist.all_gather_single(out, x.contiguous(), group=group)
     _count("all_gather", x.numel() * (p - 1), x)
     return torch.cat(out.chunk(p, dim=0), dim=dim)
 
@@ -120,7 +122,7 @@ def reduce_scatter(x: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:
         return x
     pieces = torch.cat(x.chunk(p, dim=dim), dim=0).contiguous()  # [P * B, ...] piece j for rank j
     out = torch.empty((pieces.shape[0] // p, *pieces.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, pieces, group=group)
+    dist.reduce_scatter_single(out, pieces, group=group)
     _count("reduce_scatter", x.numel() * (p - 1) // p, x)
     return out
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from lctrain import sequence
 from lctrain.attention import ContextParallelAttention, CPGroups
+from lctrain.comm import record_traffic
 from lctrain.config import LctrainConfig, derive
 from lctrain.data import EOS, IGNORE_INDEX, DataParallelSampler, MicroBatch, SyntheticLM
 from lctrain.launch import env_from_environment
@@ -238,11 +239,13 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
     try:
         for step in range(1, cfg.train.steps + 1):
             t0 = time.perf_counter()
-            out = train_step(model, optimizer, scheduler, sampler.next_step(), cfg, rt)
+            with record_traffic() as traffic:
+                out = train_step(model, optimizer, scheduler, sampler.next_step(), cfg, rt)
             elapsed = time.perf_counter() - t0
             tokens_seen += derived.tokens_per_step
             out.update(step=step, tokens=tokens_seen, step_time=elapsed,
-                       tokens_per_sec=derived.tokens_per_step / elapsed)
+                       tokens_per_sec=derived.tokens_per_step / elapsed,
+                       cp_bytes_sent=sum(traffic.bytes.values()))
             history.append(out)
             if metrics.should_log(step):
                 metrics.log(step, {k: v for k, v in out.items() if k != "step"})

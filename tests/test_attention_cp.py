@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from lctrain import sequence
-from lctrain.attention import CPGroups, ContextParallelAttention
+from lctrain.attention import ContextParallelAttention, CPGroups
 from lctrain.attention.kernels import Block, reference_attention
 from lctrain.attention.traffic import attention_traffic
 from lctrain.comm import record_traffic

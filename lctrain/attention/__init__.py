@@ -19,7 +19,7 @@ from lctrain.attention.allgather import allgather_attention
 from lctrain.attention.kernels import Block
 from lctrain.attention.local import local_attention
 from lctrain.attention.ring import ring_attention
-from lctrain.attention.ulysses import ulysses_attention
+from lctrain.attention.ulysses import check_heads, ulysses_attention
 from lctrain.attention.usp import usp_attention
 from lctrain.comm import traffic_tag
 
@@ -74,6 +74,9 @@ class ContextParallelAttention:
             raise ValueError(f"{self.algorithm} attention expects local sequence {local} "
                              f"(seq_len {self.seq_len} / cp {g.cp_size}); got q {tuple(q.shape)}, "
                              f"k {tuple(k.shape)}")
+        u = {"ulysses": g.cp_size, "usp": g.ulysses_size}.get(self.algorithm, 1)
+        if u > 1:
+            check_heads(q, k, u, self.kv_replication)
         if doc_ids is not None and doc_ids.shape[-1] != self.seq_len:
             raise ValueError(f"doc_ids must cover the global sequence ({self.seq_len} tokens); "
                              f"got {tuple(doc_ids.shape)}")

@@ -35,7 +35,7 @@ class Block:
 
 
 def merge_into(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
-    """In place: (out_acc, lse_acc) <- softmax-merge of itself with (out, lse). float32.
+    """In place: (out_acc, lse_acc) <- softmax-merge of itself with (out, lse).
 
     out [B, S, H, d], lse [B, H, S]; rows where both lse are -inf stay (0, -inf).
     """
@@ -43,7 +43,7 @@ def merge_into(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> No
     finite = torch.isfinite(new)
     w_old = torch.where(finite, torch.exp(lse_acc - new), 0.0).transpose(1, 2)[..., None]
     w_new = torch.where(finite, torch.exp(lse - new), 0.0).transpose(1, 2)[..., None]
-    out_acc.mul_(w_old).add_(out.float() * w_new)
+    out_acc.mul_(w_old).add_(out.to(out_acc.dtype) * w_new)
     lse_acc.copy_(new)
 
 
@@ -101,7 +101,7 @@ def _cpu_fwd(q, k, v, kind, mask, scale):
         empty = ~mask.any(-1).expand(lse.shape)
         lse = lse.masked_fill(empty, _NEG_INF)
         out = out.masked_fill(empty[..., None], 0.0)
-    return out, lse.float()
+    return out, lse
 
 
 def _cpu_bwd(dout, q, k, v, out, lse, kind, mask, scale):
@@ -132,7 +132,7 @@ def _cuda_fwd(q, k, v, kind, mask, scale):
     out, lse, *_ = fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, scale,
                        causal=kind == "causal", window_size_left=-1, window_size_right=-1,
                        softcap=0.0, alibi_slopes=None, return_softmax=False)
-    return out.transpose(1, 2), lse.float()
+    return out.transpose(1, 2), lse.to(acc_dtype(q))
 
 
 def _cuda_bwd(dout, q, k, v, out, lse, kind, mask, scale):
@@ -182,11 +182,16 @@ def attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
         dv_acc[:, ks] += dv.transpose(1, 2)
 
 
+def acc_dtype(x: Tensor) -> torch.dtype:
+    """Accumulation dtype: float32, or float64 for float64 inputs (reference-grade runs)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def new_accumulators(q: Tensor) -> tuple[Tensor, Tensor]:
-    """Empty (out, lse) accumulators for q [B, S, H, d]: zeros and -inf, float32."""
+    """Empty (out, lse) accumulators for q [B, S, H, d]: zeros and -inf (see acc_dtype)."""
     b, s, h, d = q.shape
-    return (torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device),
-            torch.full((b, h, s), _NEG_INF, dtype=torch.float32, device=q.device))
+    return (torch.zeros(b, s, h, d, dtype=acc_dtype(q), device=q.device),
+            torch.full((b, h, s), _NEG_INF, dtype=acc_dtype(q), device=q.device))
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal: bool,
@@ -203,8 +208,9 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, c
         mask = torch.ones_like(mask)
     if qb.doc is not None:
         mask = mask & (qb.doc[:, None, :, None] == kb.doc[:, None, None, :])
-    scores = scores.masked_fill(~mask, _NEG_INF)
+    visible = mask.any(-1, keepdim=True)  # rows with at least one key
+    scores = scores.masked_fill(~mask, _NEG_INF).masked_fill(~visible, 0.0)  # finite lse, no NaN
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.where(mask, torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None]),
-                        0.0)
-    return torch.einsum("bhqk,bkhd->bqhd", probs, vf), lse
+    probs = torch.exp(scores - lse[..., None]) * mask
+    out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
+    return out, lse.masked_fill(~visible[..., 0], _NEG_INF)

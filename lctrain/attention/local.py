@@ -9,7 +9,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lctrain.attention.kernels import Block, attend_backward, attend_forward, new_accumulators
+from lctrain.attention.kernels import (
+    Block,
+    acc_dtype,
+    attend_backward,
+    attend_forward,
+    new_accumulators,
+)
 
 
 def block_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal: bool,
@@ -21,9 +27,9 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal:
 
 
 def block_backward(dout, q, k, v, out, lse, qb: Block, kb: Block, causal: bool, scale: float):
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc_dtype(k), device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc_dtype(v), device=v.device)
     attend_backward(dout, q, k, v, out, lse, qb, kb, causal, scale, dq, dk, dv)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

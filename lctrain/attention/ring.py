@@ -17,7 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lctrain.attention.kernels import Block, attend_backward, attend_forward, new_accumulators
+from lctrain.attention.kernels import (
+    Block,
+    acc_dtype,
+    attend_backward,
+    attend_forward,
+    new_accumulators,
+)
 from lctrain.comm import RingExchange, current_tag, traffic_tag
 
 KV_TAG, GRAD_TAG = 11, 12
@@ -42,15 +48,15 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                   qb: Block, blocks: list[Block], group: dist.ProcessGroup, causal: bool,
                   scale: float) -> tuple[Tensor, Tensor, Tensor]:
     size, rank = dist.get_world_size(group), dist.get_rank(group)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
     kv_exchange = RingExchange(group, tag=KV_TAG)
     grad_exchange = RingExchange(group, tag=GRAD_TAG)
     own_dk = own_dv = None
     for step in range(size):
         if step < size - 1:
             kv_exchange.start([k, v])
-        dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-        dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        dk = torch.zeros(k.shape, dtype=acc_dtype(k), device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc_dtype(v), device=v.device)
         attend_backward(dout, q, k, v, out, lse, qb, blocks[(rank - step) % size], causal, scale,
                         dq, dk, dv)
         if step == 0:

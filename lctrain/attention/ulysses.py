@@ -35,21 +35,22 @@ def replicate_kv(k: Tensor, v: Tensor, times: int) -> tuple[Tensor, Tensor]:
     return k.repeat_interleave(times, dim=2), v.repeat_interleave(times, dim=2)
 
 
-def check_heads(q: Tensor, k: Tensor, degree: int) -> None:
+def check_heads(q: Tensor, k: Tensor, degree: int, kv_replication: int = 1) -> None:
     """Raise before any collective if the heads cannot split over `degree` ranks."""
-    if q.shape[2] % degree or k.shape[2] % degree or q.shape[2] % k.shape[2]:
-        raise ValueError(f"Ulysses degree {degree} needs query heads ({q.shape[2]}) and KV heads "
-                         f"({k.shape[2]}, after replication) divisible by it, and query heads a "
-                         "multiple of KV heads; fix model.n_heads / parallel.* (lctrain plan "
-                         "shows the valid layouts)")
+    hq, hkv = q.shape[2], k.shape[2] * kv_replication
+    if hq % degree or hkv % degree or hq % hkv:
+        raise ValueError(f"Ulysses degree {degree} needs the query heads ({hq}) and the KV heads "
+                         f"({k.shape[2]} x replication {kv_replication} = {hkv}) divisible by it, "
+                         "and query heads a multiple of KV heads; fix model.n_heads / parallel.* "
+                         "(lctrain plan shows the valid layouts)")
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, group: dist.ProcessGroup, *,
                       causal: bool, scale: float, kv_replication: int = 1) -> tuple[Tensor, Tensor]:
     """q [B, S/P, H, d], k/v [B, S/P, H_kv, d] local; qb: positions of the whole Ulysses group's
     tokens in group-rank order. Returns (out [B, S/P, H, d], lse [B, H/P, S] of the core)."""
+    check_heads(q, k, dist.get_world_size(group), kv_replication)
     k, v = replicate_kv(k, v, kv_replication)
-    check_heads(q, k, dist.get_world_size(group))
     q, k, v = (scatter_heads(x, group) for x in (q, k, v))
     out, lse = local_attention(q, k, v, qb, qb, causal=causal, scale=scale)
     return gather_heads(out, group), lse

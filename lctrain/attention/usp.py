@@ -22,8 +22,8 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, blocks: list[Block],
     """q [B, S/cp, H, d], k/v [B, S/cp, H_kv, d]; blocks[i]: token positions of ring group i
     (its Ulysses members' tokens in member order). Returns (out [B, S/cp, H, d],
     lse [B, H/u, S/ring] of the core)."""
+    check_heads(q, k, dist.get_world_size(ulysses_group), kv_replication)
     k, v = replicate_kv(k, v, kv_replication)
-    check_heads(q, k, dist.get_world_size(ulysses_group))
     q, k, v = (scatter_heads(x, ulysses_group) for x in (q, k, v))
     qb = blocks[dist.get_rank(ring_group)]
     out, lse = ring_attention(q, k, v, qb, blocks, ring_group, causal=causal, scale=scale)

@@ -1,0 +1,83 @@
+"""The one sequence split (zigzag / contiguous), document ids and positions, and the errors the
+attention layer raises before any collective. No processes."""
+
+import pytest
+import torch
+
+from lctrain import sequence
+from lctrain.attention import ContextParallelAttention, CPGroups
+
+
+@pytest.mark.parametrize("cp,lb", [(1, "zigzag"), (2, "zigzag"), (3, "none"), (4, "zigzag"),
+                                   (8, "none")])
+def test_split_merge_round_trip(cp, lb):
+    x = torch.arange(2 * 48).view(2, 48)
+    parts = [sequence.split(x, 1, r, cp, lb) for r in range(cp)]
+    assert torch.equal(sequence.merge(parts, 1, lb), x)
+    assert sorted(torch.cat([sequence.positions(48, r, cp, lb) for r in range(cp)]).tolist()) \
+        == list(range(48))
+    for r in range(cp):  # positions and tokens come from the same split
+        assert torch.equal(parts[r][0], sequence.positions(48, r, cp, lb))
+
+
+def test_zigzag_chunks_and_runs():
+    assert sequence.rank_chunks(1, 4, "zigzag") == [1, 6]
+    pos = sequence.positions(16, 1, 4, "zigzag")
+    assert pos.tolist() == [2, 3, 12, 13]
+    assert sequence.runs(pos) == [(0, 2, 2), (2, 12, 2)]
+    with pytest.raises(ValueError, match="not divisible into 8 chunks"):
+        sequence.split(torch.zeros(1, 20), 1, 0, 4, "zigzag")
+
+
+def test_document_ids_and_positions():
+    tokens = torch.tensor([[5, 6, 0, 7, 0, 8, 9, 9]])
+    ids = sequence.document_ids(tokens, eos=0)
+    assert ids.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]  # EOS belongs to the document it ends
+    assert sequence.document_positions(ids).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
+
+
+def test_attention_rejects_bad_shapes_before_any_collective():
+    groups = CPGroups(cp=None, ring=None, ulysses=None, ring_size=1, ulysses_size=4)
+    attn = ContextParallelAttention("ulysses", groups, 64, "zigzag")
+    q, k = torch.zeros(1, 16, 6, 8), torch.zeros(1, 16, 2, 8)
+    with pytest.raises(ValueError, match=r"Ulysses degree 4 needs the query heads \(6\)"):
+        attn(q, k, k)
+    with pytest.raises(ValueError, match="expects local sequence 16"):
+        attn(torch.zeros(1, 12, 8, 8), k, k)
+    with pytest.raises(ValueError, match="doc_ids must cover the global sequence"):
+        attn(torch.zeros(1, 16, 8, 8), torch.zeros(1, 16, 4, 8), torch.zeros(1, 16, 4, 8),
+             torch.zeros(1, 16, dtype=torch.long))
+    with pytest.raises(ValueError, match="not divisible into 8 chunks"):
+        ContextParallelAttention("ring", CPGroups(None, None, None, ring_size=4), 36, "zigzag")
+    with pytest.raises(ValueError, match="unknown attention algorithm"):
+        ContextParallelAttention("flash", groups, 64, "zigzag")
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
+def test_block_kernels_with_offsets_documents_and_empty_rows(dtype, tol):
+    """Queries at 4..11 against keys at 0..5 and 10..13 with documents: offset diagonals,
+    general masks and rows that see no key at all (lse -inf, output 0, zero gradients)."""
+    from lctrain.attention.kernels import Block, reference_attention
+    from lctrain.attention.local import local_attention
+
+    gen = torch.Generator().manual_seed(0)
+    doc = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2], [0] * 7 + [1] * 7])
+    qb = Block(torch.arange(4, 12), doc[:, 4:12])
+    kpos = torch.cat([torch.arange(0, 6), torch.arange(10, 14)])
+    kb = Block(kpos, doc[:, kpos])
+    q = torch.randn(2, 8, 4, 6, generator=gen, dtype=dtype)
+    k, v = (torch.randn(2, 10, 2, 6, generator=gen, dtype=dtype) for _ in range(2))
+    dout = torch.randn(2, 8, 4, 6, generator=gen, dtype=dtype)
+    ours = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref = [x.double().requires_grad_() for x in (q, k, v)]
+    out, lse = local_attention(*ours, qb, kb, causal=True, scale=0.4)
+    ref_out, ref_lse = reference_attention(*ref, qb, kb, True, 0.4)
+    out.backward(dout)
+    ref_out.backward(dout.double())
+    empty = ~torch.isfinite(ref_lse)
+    assert empty.any() and torch.equal(~torch.isfinite(lse), empty)  # some rows see nothing
+    torch.testing.assert_close(lse[~empty].double(), ref_lse[~empty], rtol=tol, atol=tol)
+    torch.testing.assert_close(out.double(), ref_out, rtol=tol, atol=tol)
+    for a, b in zip(ours, ref):
+        assert torch.isfinite(a.grad).all()
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=tol, atol=tol)
