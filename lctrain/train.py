@@ -128,16 +128,19 @@ def apply_data_parallel(model: Llama, cfg: LctrainConfig, rt: Runtime) -> nn.Mod
     return model
 
 
-def _no_sync(model: nn.Module, sync: bool):
-    """Skip gradient reduction on all but the last accumulation micro-step."""
-    if sync:
-        return contextlib.nullcontext()
+def _gradient_sync(model: nn.Module, sync: bool):
+    """Reduce gradients over dp x cp only on the last accumulation micro-step."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
-        return model.no_sync()
+        return contextlib.nullcontext() if sync else model.no_sync()
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(False)
-        return contextlib.nullcontext()
+        model.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
+
+
+def cp_shard(x: torch.Tensor, cfg: LctrainConfig, rt: Runtime) -> torch.Tensor:
+    """This rank's part of a global [B, S, ...] tensor (lctrain.sequence: the one split)."""
+    cp_rank = rt.topology.axis_rank(rt.rank, "cp")
+    return sequence.split(x.to(rt.device), 1, cp_rank, cfg.parallel.cp, cfg.parallel.load_balance)
 
 
 def shard_batch(mb: MicroBatch, cfg: LctrainConfig, rt: Runtime):
@@ -146,21 +149,13 @@ def shard_batch(mb: MicroBatch, cfg: LctrainConfig, rt: Runtime):
     Labels were shifted on the global sequence before this split, so no shard border loses or
     invents a target; positions are global (or per document), from the same split.
     """
-    p = cfg.parallel
-    cp_rank = rt.topology.axis_rank(rt.rank, "cp")
     doc_ids = positions = None
     if cfg.data.document_masking:
         doc_ids = sequence.document_ids(mb.inputs, EOS).to(rt.device)
-        positions = sequence.split(sequence.document_positions(doc_ids), 1, cp_rank, p.cp,
-                                   p.load_balance)
-    elif p.cp > 1:
-        positions = sequence.positions(mb.inputs.shape[1], cp_rank, p.cp, p.load_balance,
-                                       rt.device)[None]
-
-    def local(x):
-        return sequence.split(x.to(rt.device), 1, cp_rank, p.cp, p.load_balance)
-
-    return local(mb.inputs), local(mb.labels), positions, doc_ids
+        positions = cp_shard(sequence.document_positions(doc_ids), cfg, rt)
+    elif cfg.parallel.cp > 1:
+        positions = cp_shard(torch.arange(mb.inputs.shape[1])[None], cfg, rt)
+    return cp_shard(mb.inputs, cfg, rt), cp_shard(mb.labels, cfg, rt), positions, doc_ids
 
 
 def forward_backward(model: nn.Module, mb: MicroBatch, loss_scale: float,
@@ -187,20 +182,17 @@ def _all_reduce(x: torch.Tensor, rt: Runtime) -> torch.Tensor:
 def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[MicroBatch],
                cfg: LctrainConfig, rt: Runtime) -> dict:
     """One optimizer step over this rank's accumulation micro-batches."""
-    cp_rank = rt.topology.axis_rank(rt.rank, "cp")
-    local_tokens = sum(int((sequence.split(mb.labels, 1, cp_rank, cfg.parallel.cp,
-                                           cfg.parallel.load_balance) != IGNORE_INDEX).sum())
+    local_tokens = sum(int((cp_shard(mb.labels, cfg, rt) != IGNORE_INDEX).sum())
                        for mb in micro_batches)
-    tokens = _all_reduce(torch.tensor(float(local_tokens), device=rt.device), rt)
+    # float64: exact token counts far beyond float32's 2^24
+    tokens = _all_reduce(torch.tensor(float(local_tokens), dtype=torch.float64,
+                                      device=rt.device), rt)
     group_size = rt.topology.group_size("dp_cp")
     loss_scale = group_size / tokens.item()
     dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else None
     loss_sum = torch.zeros((), device=rt.device, dtype=torch.float32)
     for i, mb in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        if last and hasattr(model, "set_requires_gradient_sync"):
-            model.set_requires_gradient_sync(True)
-        with _no_sync(model, last):
+        with _gradient_sync(model, sync=i == len(micro_batches) - 1):
             loss_sum += forward_backward(model, mb, loss_scale, dtype, cfg, rt)
     grad_norm = clip_grad_norm_(list(model.parameters()), cfg.optim.grad_clip)
     lr = scheduler.get_last_lr()[0]
