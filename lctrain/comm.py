@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _recorder: ContextVar[TrafficRecorder | None] = ContextVar("lctrain_traffic", default=None)
 _tag: ContextVar[str] = ContextVar("lctrain_traffic_tag", default="other")
@@ -156,3 +158,25 @@ class RingExchange:
             req.wait()
         self._reqs, self._send = [], []
         return self._recv
+
+
+class _FunctionalCollectives(TorchDispatchMode):
+    """Counts the functional collectives that DTensor (TP/SP) issues, like `_count` does."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name == "all_gather_into_tensor":
+            _count("all_gather", args[0].numel() * (args[1] - 1), args[0])
+        elif name == "reduce_scatter_tensor":
+            _count("reduce_scatter", args[0].numel() * (args[2] - 1) // args[2], args[0])
+        elif name == "all_reduce":
+            p = _resolve_process_group(args[2]).size()
+            _count("all_reduce", 2 * args[0].numel() * (p - 1) // p, args[0])
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def record_dtensor_traffic():
+    """Like `record_traffic`, for the collectives DTensor issues (TP/SP); slower: tests, benches."""
+    with record_traffic() as rec, _FunctionalCollectives():
+        yield rec

@@ -145,9 +145,9 @@ class Llama(nn.Module):
         positions: RoPE position ids [B or 1, S] (default 0..S-1); with context parallelism the
         global positions of this rank's tokens. doc_ids: see the module docstring.
         """
+        if positions is None:  # from the input: with sequence parallelism h holds S/tp tokens
+            positions = torch.arange(x.shape[1], device=x.device)[None]
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        if positions is None:
-            positions = torch.arange(h.shape[1], device=h.device)[None]
         cos, sin = self.rope(positions, h.dtype if not torch.is_autocast_enabled(h.device.type)
                              else torch.get_autocast_dtype(h.device.type))
         for layer in self.layers.values():

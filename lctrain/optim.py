@@ -6,22 +6,29 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lctrain.config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW; norms (1-D) and embeddings get no weight decay."""
-    decay, no_decay = [], []
+    """AdamW; norms (1-D) and embeddings get no weight decay.
+
+    DTensor and plain parameters go to separate groups: foreach kernels cannot mix them (they do
+    mix when TP shards some modules and no FSDP wraps the rest).
+    """
+    groups: dict[tuple[bool, bool], list] = {}
     seen = set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        (no_decay if p.ndim < 2 or "tok_embeddings" in name else decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+        decay = p.ndim >= 2 and "tok_embeddings" not in name
+        groups.setdefault((decay, isinstance(p, DTensor)), []).append(p)
+    param_groups = [{"params": ps, "weight_decay": cfg.weight_decay if decay else 0.0}
+                    for (decay, _), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0],
+                                                                                   kv[0][1]))]
+    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                              foreach=True)
 
 
@@ -46,13 +53,22 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Global L2 norm of all gradients (DTensor shards included); clip when max_norm > 0.
 
-    DTensor gradients reduce their partial norms over their own mesh, so the result is the norm
-    of the full, unsharded gradient on every rank.
+    DTensor gradients (TP and/or FSDP shards) reduce their partial norms over their mesh, so the
+    result is the norm of the full, unsharded gradient on every rank. Plain gradients (modules
+    left out of the TP plan) are replicated, so their local norm is already the full one.
     """
     grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    plain = [g for g in grads if not isinstance(g, DTensor)]
+    squares = []
+    for group in (sharded, plain):
+        if group:
+            norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            squares.append(norm.float() ** 2)
+    total = torch.stack(squares).sum().sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
-    return norm
+        for group in (sharded, plain):
+            if group:
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+    return total

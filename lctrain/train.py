@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from lctrain import sequence
 from lctrain.attention import ContextParallelAttention, CPGroups
@@ -30,16 +32,19 @@ from lctrain.launch import env_from_environment
 from lctrain.metrics import MetricsLogger
 from lctrain.model import AttentionFn, Llama, sdpa_attention
 from lctrain.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from lctrain.parallelize import apply_tensor_parallel
 from lctrain.topology import ParallelMesh, Topology
 
 
 def check_supported(cfg: LctrainConfig) -> list[str]:
     """Valid layouts this version cannot run yet (lctrain plan still accepts them)."""
     p, problems = cfg.parallel, []
-    for key, value in (("parallel.tp", p.tp), ("parallel.pp", p.pp)):
-        if value != 1:
-            problems.append(f"{key}={value}: this version trains with data and context "
-                            f"parallelism only; set {key}=1 (lctrain plan accepts the layout)")
+    if p.pp != 1:
+        problems.append(f"parallel.pp={p.pp}: pipeline parallelism is not implemented in this "
+                        "version; set parallel.pp=1 (lctrain plan accepts the layout)")
+    if p.tp > 1 and cfg.model.tie_embeddings:
+        problems.append(f"parallel.tp={p.tp} with model.tie_embeddings=true is not supported yet; "
+                        "set model.tie_embeddings=false or parallel.tp=1")
     if cfg.checkpoint.every or cfg.checkpoint.resume != "none":
         problems.append("checkpoint.every / checkpoint.resume: checkpointing is not implemented in "
                         "this version; set checkpoint.every=0 checkpoint.resume=none")
@@ -114,8 +119,8 @@ def build_model(cfg: LctrainConfig, device: torch.device,
 
 
 def apply_data_parallel(model: Llama, cfg: LctrainConfig, rt: Runtime) -> nn.Module:
-    """FSDP2 over dp x cp (each block, then the root), or DDP; identity for one process."""
-    if rt.world_size == 1:
+    """FSDP2 over dp x cp (each block, then the root), or DDP; identity without dp x cp."""
+    if rt.world_size == 1 or rt.topology.group_size("dp_cp") == 1:
         return model
     if cfg.parallel.dp_engine == "ddp":
         return nn.parallel.DistributedDataParallel(model, process_group=rt.dp_cp_group)
@@ -167,10 +172,16 @@ def forward_backward(model: nn.Module, mb: MicroBatch, loss_scale: float,
                 else contextlib.nullcontext())
     with autocast:
         logits = model(inputs, positions, doc_ids)
-    loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                               ignore_index=IGNORE_INDEX, reduction="sum")
-    (loss_sum * loss_scale).backward()
-    return loss_sum.detach()
+    if not isinstance(logits, DTensor):
+        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+        (loss_sum * loss_scale).backward()
+        return loss_sum.detach()
+    with loss_parallel():  # vocab-sharded logits [B, S/cp, V/tp]: no rank holds all of V
+        loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+        (loss_sum * loss_scale).backward()
+    return loss_sum.detach().full_tensor()
 
 
 def _all_reduce(x: torch.Tensor, rt: Runtime) -> torch.Tensor:
@@ -215,7 +226,10 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
     derived = derive(cfg, rt.world_size)
     torch.manual_seed(cfg.train.seed)
-    model = apply_data_parallel(build_model(cfg, rt.device, build_attention(cfg, rt)), cfg, rt)
+    model = build_model(cfg, rt.device, build_attention(cfg, rt))
+    if cfg.parallel.tp > 1:
+        model = apply_tensor_parallel(model, rt.mesh["tp"], cfg.parallel.sp)
+    model = apply_data_parallel(model, cfg, rt)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     dataset = SyntheticLM(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed)

@@ -197,7 +197,6 @@ def test_cli_refuses_a_model_this_machine_cannot_host(capsys, no_launch):
 
 def test_cli_refuses_layouts_this_version_cannot_train(capsys, no_launch):
     with pytest.raises(SystemExit) as exc:
-        cli.main(["train", *CLI_BASE, "parallel.tp=2", "launch.nproc=2"])
+        cli.main(["train", *CLI_BASE, "parallel.pp=2", "launch.nproc=2", "train.global_batch=4"])
     assert exc.value.code == 2
-    assert "parallel.tp=2: this version trains with data and context parallelism only" in \
-        capsys.readouterr().err
+    assert "parallel.pp=2: pipeline parallelism is not implemented" in capsys.readouterr().err
