@@ -41,6 +41,20 @@ class ModelConfig:
     """RMSNorm epsilon."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
+    rope_type: str = "default"
+    """RoPE scaling for context extension: default | linear | llama3 | yarn (as transformers)."""
+    rope_factor: float = 1.0
+    """Context extension factor (linear, llama3, yarn)."""
+    rope_low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max / low_freq_factor are divided by the factor."""
+    rope_high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max / high_freq_factor are kept."""
+    rope_original_max_position: int = 8192
+    """llama3, yarn: context length the model was pretrained with."""
+    rope_beta_fast: float = 32.0
+    """yarn: rotations bounding the extrapolated (kept) dimensions."""
+    rope_beta_slow: float = 1.0
+    """yarn: rotations bounding the interpolated dimensions."""
     tie_embeddings: bool = False
     """Share the input embedding with the output layer."""
     init_std: float = 0.02

@@ -47,6 +47,21 @@ def from_hf_state_dict(hf_state: dict[str, Tensor], tie_embeddings: bool) -> dic
     return inverse
 
 
+def rope_parameters(cfg: ModelConfig) -> dict:
+    """transformers' `rope_parameters` for the RoPE settings of `cfg`."""
+    params = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+    if cfg.rope_type != "default":
+        params["factor"] = cfg.rope_factor
+    if cfg.rope_type == "llama3":
+        params.update(low_freq_factor=cfg.rope_low_freq_factor,
+                      high_freq_factor=cfg.rope_high_freq_factor,
+                      original_max_position_embeddings=cfg.rope_original_max_position)
+    if cfg.rope_type == "yarn":
+        params.update(original_max_position_embeddings=cfg.rope_original_max_position,
+                      beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow)
+    return params
+
+
 def hf_config(cfg: ModelConfig, max_position_embeddings: int = 8192):
     """A transformers LlamaConfig with the same architecture as `cfg`."""
     from transformers import LlamaConfig
@@ -55,7 +70,7 @@ def hf_config(cfg: ModelConfig, max_position_embeddings: int = 8192):
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.n_kv_heads, rms_norm_eps=cfg.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rope_parameters=rope_parameters(cfg),
         tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
         max_position_embeddings=max_position_embeddings,
     )

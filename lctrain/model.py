@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lctrain.config import ModelConfig
+from lctrain.rope import rope_frequencies
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
 
@@ -58,18 +59,22 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for given positions, computed in float32 like HF, cast to the input dtype."""
+    """cos/sin tables for given positions, computed in float32 like HF, cast to the input dtype.
 
-    def __init__(self, head_dim: int, theta: float):
+    Frequencies come from `lctrain.rope` (theta and the optional context-extension scaling).
+    """
+
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq, self.attention_scaling = rope_frequencies(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         # positions [B or 1, S] -> cos, sin [B or 1, S, 1, d]
         freqs = positions.float()[..., None] * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        scale = self.attention_scaling
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -131,7 +136,7 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.attention_fn = attention_fn
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.rope = RotaryEmbedding(cfg.dim // cfg.n_heads, cfg.rope_theta)
+        self.rope = RotaryEmbedding(cfg)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)

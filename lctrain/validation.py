@@ -65,6 +65,7 @@ def _choices(cfg: LctrainConfig) -> list[str]:
         + _choice("launch.start_method", cfg.launch.start_method, C.START_METHODS)
         + _choice("logging.wandb_mode", cfg.logging.wandb_mode, ("online", "offline", "disabled"))
         + _choice("plan.format", cfg.plan.format, ("text", "json"))
+        + _choice("model.rope_type", cfg.model.rope_type, ("default", "linear", "llama3", "yarn"))
     )
 
 
@@ -183,6 +184,13 @@ def _scalars(cfg: LctrainConfig) -> list[str]:
                    ("optim.grad_clip", o.grad_clip), ("checkpoint.every", ck.every)):
         if v < 0:
             problems.append(f"{key}={v} must be >= 0; try {key}=0")
+    m = cfg.model
+    if m.rope_type != "default" and m.rope_factor < 1:
+        problems.append(f"model.rope_factor={m.rope_factor} must be >= 1 for rope_type="
+                        f"{m.rope_type}; try model.rope_factor=8")
+    if m.rope_type == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        problems.append(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
+                        f"model.rope_low_freq_factor={m.rope_low_freq_factor}; try 4.0 and 1.0")
     for key, v in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
         if not 0 <= v < 1:
             problems.append(f"{key}={v} must lie in [0, 1); try {key}=0.9")

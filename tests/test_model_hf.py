@@ -36,11 +36,26 @@ CASES = {
 }
 
 
+ROPE = {  # context-extension settings; HF applies them from config.rope_parameters
+    "llama3": dict(rope_type="llama3", rope_factor=8.0, rope_low_freq_factor=1.0,
+                   rope_high_freq_factor=4.0, rope_original_max_position=64,
+                   rope_theta=500000.0),
+    "linear": dict(rope_type="linear", rope_factor=4.0),
+    "yarn": dict(rope_type="yarn", rope_factor=16.0, rope_original_max_position=32,
+                 rope_beta_fast=32.0, rope_beta_slow=1.0),
+}
+for _name, _rope in ROPE.items():
+    CASES[f"rope_{_name}"] = ModelConfig(vocab_size=64, dim=64, n_layers=1, n_heads=2,
+                                         n_kv_heads=1, ffn_dim=64, **_rope)
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_logits_and_grads_match_transformers(name):
     cfg = CASES[name]
     ours, hf = build_pair(cfg)
-    tokens = torch.randint(0, cfg.vocab_size, (2, 37), generator=torch.Generator().manual_seed(1))
+    # 300 positions: past rope_original_max_position, where the scaled frequencies matter
+    tokens = torch.randint(0, cfg.vocab_size, (2, 300 if name.startswith("rope") else 37),
+                           generator=torch.Generator().manual_seed(1))
     labels = torch.roll(tokens, -1, dims=1)
     logits = ours(tokens)
     ref = hf(input_ids=tokens).logits
@@ -51,6 +66,15 @@ def test_logits_and_grads_match_transformers(name):
     for n, p in ours.named_parameters():
         ref_grad = hf_params[to_hf_name(n)].grad
         torch.testing.assert_close(p.grad, ref_grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("name", sorted(ROPE))
+def test_rope_scaling_changes_the_frequencies(name):
+    from lctrain.rope import rope_frequencies
+
+    cfg = CASES[f"rope_{name}"]
+    plain = ModelConfig(**{**cfg.__dict__, "rope_type": "default"})
+    assert not torch.allclose(rope_frequencies(cfg)[0], rope_frequencies(plain)[0])
 
 
 def test_explicit_positions_match_transformers():

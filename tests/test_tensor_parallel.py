@@ -51,7 +51,7 @@ def _block_traffic(sp: bool):
     block = TransformerBlock(cfg)
     parallelize_module(block, mesh, tp_plan(sp)[1])
     x = torch.randn(b, s // tp if sp else s, cfg.dim)
-    cos, sin = RotaryEmbedding(cfg.dim // cfg.n_heads, cfg.rope_theta)(
+    cos, sin = RotaryEmbedding(cfg)(
         torch.arange(s)[None], torch.float32)
     with record_dtensor_traffic() as fwd:
         y = block(x, cos, sin, sdpa_attention, None)
