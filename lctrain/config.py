@@ -59,6 +59,8 @@ class ModelConfig:
     """Share the input embedding with the output layer."""
     init_std: float = 0.02
     """Std of the normal init of linear and embedding weights (output projections scaled by depth)."""
+    init_from: str | None = None
+    """Hugging Face Llama directory (config.json + *.safetensors) to start from, in any layout."""
 
 
 @dataclass
@@ -147,6 +149,8 @@ class CheckpointConfig:
     """Save every N steps (0 = never)."""
     resume: str = "none"
     """none | auto (newest complete checkpoint in the run dir)."""
+    export_hf: str | None = None
+    """Write the final weights here as a Hugging Face Llama directory (config.json + safetensors)."""
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -69,6 +70,12 @@ def _describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def _send(conn, message: tuple) -> None:
+    # Plain pickle: tensors travel by value. multiprocessing's pickler would pass them as shared
+    # memory file descriptors, which die with this process before the parent reads them.
+    conn.send_bytes(pickle.dumps(message))
+
+
 def _child(fn, args, rank, nproc, port, threads, backend, timeout_s, conn):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
@@ -85,16 +92,16 @@ def _child(fn, args, rank, nproc, port, threads, backend, timeout_s, conn):
         result = fn(*args)
         if backend is not None:
             dist.destroy_process_group()
-        conn.send(("ok", result, time.time()))
+        _send(conn, ("ok", result, time.time()))
         code = 0
     except BaseException as e:  # report every failure, including SystemExit from user code
         tb = traceback.format_exc()
         sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in tb.splitlines()))
         sys.stderr.flush()
         try:
-            conn.send(("error", f"{type(e).__name__}: {e}", time.time()))
+            _send(conn, ("error", f"{type(e).__name__}: {e}", time.time()))
         except Exception:  # the error itself may not pickle
-            conn.send(("error", type(e).__name__, time.time()))
+            _send(conn, ("error", type(e).__name__, time.time()))
         code = 1
     conn.close()
     sys.stdout.flush()
@@ -110,7 +117,7 @@ def _collect(pending: set, conns: list, procs: list, results: dict, failures: li
             continue
         pending.discard(r)
         try:
-            status, payload, when = conns[r].recv()
+            status, payload, when = pickle.loads(conns[r].recv_bytes())
         except EOFError:
             procs[r].join()
             failures.append((0.0, r, _describe_exit(procs[r].exitcode)))

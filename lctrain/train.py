@@ -28,6 +28,7 @@ from lctrain.attention import ContextParallelAttention, CPGroups
 from lctrain.comm import record_traffic
 from lctrain.config import LctrainConfig, derive
 from lctrain.data import EOS, IGNORE_INDEX, DataParallelSampler, MicroBatch, SyntheticLM
+from lctrain.hf import export_hf, load_hf_weights
 from lctrain.launch import env_from_environment
 from lctrain.metrics import MetricsLogger
 from lctrain.model import AttentionFn, Llama, sdpa_attention
@@ -229,6 +230,8 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
     model = build_model(cfg, rt.device, build_attention(cfg, rt))
     if cfg.parallel.tp > 1:
         model = apply_tensor_parallel(model, rt.mesh["tp"], cfg.parallel.sp)
+    if cfg.model.init_from is not None:
+        load_hf_weights(model, cfg.model.init_from)  # each rank reads its TP slice
     model = apply_data_parallel(model, cfg, rt)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
@@ -255,6 +258,9 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
             history.append(out)
             if metrics.should_log(step):
                 metrics.log(step, {k: v for k, v in out.items() if k != "step"})
+        if cfg.checkpoint.export_hf is not None:
+            export_hf(model, cfg.model, cfg.checkpoint.export_hf, rt.rank)
+            metrics.info(f"lctrain: exported Hugging Face weights to {cfg.checkpoint.export_hf}")
     finally:
         metrics.close()
     return history

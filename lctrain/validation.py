@@ -202,6 +202,14 @@ def _scalars(cfg: LctrainConfig) -> list[str]:
         if not 1 <= d.branching < cfg.model.vocab_size:
             problems.append(f"data.branching={d.branching} must lie in [1, model.vocab_size); "
                             "try data.branching=4")
+    if cfg.model.init_from is not None:
+        if not os.path.isdir(cfg.model.init_from):
+            problems.append(f"model.init_from={cfg.model.init_from} is not a directory; give a "
+                            "Hugging Face model directory (config.json + *.safetensors)")
+        else:
+            from lctrain.hf import check_hf_dir
+
+            problems += check_hf_dir(cfg.model.init_from, cfg.model)
     for key, path in (("data.path", d.path), ("data.tokenizer", d.tokenizer)):
         if path is not None and not os.path.exists(path):
             problems.append(f"{key}={path} does not exist (cwd {os.getcwd()}); give an existing "

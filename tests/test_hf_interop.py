@@ -1,0 +1,77 @@
+"""Hugging Face interop: a transformers LlamaForCausalLM saved to disk loads into lctrain at
+tp=2 x cp=2 (each rank reading its slices) with the same logits, and the exported directory
+loads back into transformers with the same logits again."""
+
+import json
+
+import torch
+import transformers
+
+from lctrain import sequence
+from lctrain.comm import all_gather
+from lctrain.hf import check_hf_dir, export_hf, hf_config
+from lctrain.train import (
+    apply_data_parallel,
+    build_attention,
+    build_model,
+    setup_distributed,
+)
+from tests.helpers import on_ranks, tiny_config
+
+MODEL = {"vocab_size": 128, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+         "ffn_dim": 96, "rope_theta": 50000.0}
+
+
+def _load_forward_export(cfg, tokens, out_dir):
+    from lctrain.hf import load_hf_weights
+    from lctrain.parallelize import apply_tensor_parallel
+
+    rt = setup_distributed(cfg)
+    model = build_model(cfg, rt.device, build_attention(cfg, rt))
+    model = apply_tensor_parallel(model, rt.mesh["tp"], cfg.parallel.sp)
+    load_hf_weights(model, cfg.model.init_from)
+    model = apply_data_parallel(model, cfg, rt)  # FSDP over cp, after the load
+    cp_rank = rt.topology.axis_rank(rt.rank, "cp")
+    positions = sequence.positions(tokens.shape[1], cp_rank, 2, "zigzag")[None]
+    with torch.no_grad():
+        local = model(sequence.split(tokens, 1, cp_rank, 2, "zigzag"), positions).full_tensor()
+    parts = all_gather(local, rt.mesh.group("cp"), dim=0).chunk(2, dim=0)  # cp-rank order
+    export_hf(model, cfg.model, out_dir, rt.rank)
+    return sequence.merge(list(parts), 1, "zigzag")
+
+
+def test_hf_round_trip_at_tp2_cp2(tmp_path):
+    cfg = tiny_config(model=MODEL, parallel={"tp": 2, "sp": True, "cp": 2,
+                                             "attention": "ring"})
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_config(cfg.model)).eval()
+    hf.config._attn_implementation = "eager"
+    hf.save_pretrained(tmp_path / "hf")
+    cfg.model.init_from = str(tmp_path / "hf")
+    assert check_hf_dir(cfg.model.init_from, cfg.model) == []
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(input_ids=tokens).logits
+    got = on_ranks(_load_forward_export, 4, cfg, tokens, str(tmp_path / "out"))
+    for logits in got:
+        torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    back.config._attn_implementation = "eager"
+    with torch.no_grad():
+        torch.testing.assert_close(back(input_ids=tokens).logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_init_from_errors(tmp_path):
+    cfg = tiny_config(model=MODEL).model
+    assert "has no config.json" in check_hf_dir(str(tmp_path), cfg)[0]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert "model_type='mistral'" in check_hf_dir(str(tmp_path), cfg)[0]
+    shape = {"model_type": "llama", "hidden_size": 128, "num_attention_heads": 4,
+             "vocab_size": 128, "num_hidden_layers": 2, "intermediate_size": 96}
+    (tmp_path / "config.json").write_text(json.dumps(shape))
+    problems = check_hf_dir(str(tmp_path), cfg)
+    assert problems == [f"model.init_from: hidden_size=128 in {tmp_path / 'config.json'} but "
+                        "model.dim=64; set model.dim=128",
+                        f"model.init_from: num_key_value_heads=4 in {tmp_path / 'config.json'} "
+                        "but model.n_kv_heads=2; set model.n_kv_heads=4"]
