@@ -101,6 +101,9 @@ class TrainConfig:
     """Compute dtype under autocast: fp32 | bf16 (parameters and optimizer stay fp32)."""
     device: str = "auto"
     """auto (cuda if available, else cpu) | cpu | cuda."""
+    activation_checkpointing: str = "none"
+    """none | selective (save matmul and attention outputs, recompute the rest) | full (whole
+    blocks recomputed in backward)."""
 
 
 @dataclass

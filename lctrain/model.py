@@ -16,10 +16,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 from lctrain.config import ModelConfig
 from lctrain.rope import rope_frequencies
@@ -43,6 +50,23 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = Non
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
         enable_gqa=k.shape[2] != q.shape[2])
     return out.transpose(1, 2)
+
+
+# Selective checkpointing keeps what is expensive to recompute (matmuls, the attention kernels)
+# and recomputes the cheap, memory-heavy rest (norms, RoPE, SwiGLU, residuals).
+_SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    return (CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS
+            else CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def _checkpoint_context(mode: str):
+    if mode == "full":
+        return noop_context_fn
+    return partial(create_selective_checkpoint_contexts, _selective_policy)
 
 
 class RMSNorm(nn.Module):
@@ -142,6 +166,9 @@ class Llama(nn.Module):
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.checkpointing = "none"
+        """Activation checkpointing of the blocks: none | selective | full (set by
+        lctrain.parallelize.apply_activation_checkpointing)."""
 
     def forward(self, x: Tensor, positions: Tensor | None = None,
                 doc_ids: Tensor | None = None) -> Tensor:
@@ -156,7 +183,11 @@ class Llama(nn.Module):
         cos, sin = self.rope(positions, h.dtype if not torch.is_autocast_enabled(h.device.type)
                              else torch.get_autocast_dtype(h.device.type))
         for layer in self.layers.values():
-            h = layer(h, cos, sin, self.attention_fn, doc_ids)
+            if self.checkpointing == "none" or not torch.is_grad_enabled():
+                h = layer(h, cos, sin, self.attention_fn, doc_ids)
+            else:
+                h = checkpoint(layer, h, cos, sin, self.attention_fn, doc_ids, use_reentrant=False,
+                               context_fn=_checkpoint_context(self.checkpointing))
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

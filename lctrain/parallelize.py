@@ -63,3 +63,10 @@ def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh, sp: bool) -> nn.Mod
     parallelize_module(model, tp_mesh, {k: v for k, v in top.items()
                                         if getattr(model, k.split(".")[0], None) is not None})
     return model
+
+
+def apply_activation_checkpointing(model: Llama, mode: str) -> Llama:
+    """none | selective | full; composes with TP/SP (applied before) and FSDP (after)."""
+    assert mode in ("none", "selective", "full"), mode
+    model.checkpointing = mode
+    return model

@@ -33,7 +33,7 @@ from lctrain.launch import env_from_environment
 from lctrain.metrics import MetricsLogger
 from lctrain.model import AttentionFn, Llama, sdpa_attention
 from lctrain.optim import build_optimizer, build_scheduler, clip_grad_norm_
-from lctrain.parallelize import apply_tensor_parallel
+from lctrain.parallelize import apply_activation_checkpointing, apply_tensor_parallel
 from lctrain.topology import ParallelMesh, Topology
 
 
@@ -232,6 +232,7 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
         model = apply_tensor_parallel(model, rt.mesh["tp"], cfg.parallel.sp)
     if cfg.model.init_from is not None:
         load_hf_weights(model, cfg.model.init_from)  # each rank reads its TP slice
+    model = apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
     model = apply_data_parallel(model, cfg, rt)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)

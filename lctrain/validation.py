@@ -58,6 +58,8 @@ def _choices(cfg: LctrainConfig) -> list[str]:
         + _choice("parallel.dp_engine", cfg.parallel.dp_engine, C.DP_ENGINES)
         + _choice("train.dtype", cfg.train.dtype, C.DTYPES)
         + _choice("train.device", cfg.train.device, C.DEVICES)
+        + _choice("train.activation_checkpointing", cfg.train.activation_checkpointing,
+                  ("none", "selective", "full"))
         + _choice("optim.schedule", cfg.optim.schedule, C.SCHEDULES)
         + _choice("data.source", cfg.data.source, C.DATA_SOURCES)
         + _choice("checkpoint.resume", cfg.checkpoint.resume, C.RESUME_MODES)

@@ -1,0 +1,139 @@
+"""Activation memory: what a forward pass leaves alive for the backward, measured per layer.
+
+`measure_activations(model, run_forward)` watches every tensor that an op creates during the
+forward (a TorchDispatchMode, so it sees DTensor local shards, checkpointing and custom autograd
+functions alike, on any device) and, once the forward returns, adds up the storages that are
+still alive: exactly the memory kept for the backward, attributed to the block that created it.
+`activation_formula` is the closed form for this model (see its docstring), in the spirit of
+Korthikanti et al. Table 2.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class _Tracker(TorchDispatchMode):
+    def __init__(self, exclude: set[int]):
+        super().__init__()
+        self.exclude = exclude  # parameter storages: views of weights are not activations
+        self.where = "other"
+        self.created: list[tuple[str, weakref.ref, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            # unwrap DTensor (the shard this rank holds) and async collective results
+            t = getattr(t, "_local_tensor", t)
+            t = getattr(t, "elem", t)
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                storage = t.untyped_storage()
+                if storage.data_ptr() in self.exclude:
+                    continue
+                self.created.append((self.where, weakref.ref(t), storage.data_ptr(),
+                                     storage.nbytes()))
+        return out
+
+
+def measure_activations(model: nn.Module, run_forward) -> dict[str, int]:
+    """Bytes alive after `run_forward()` (which must keep its output alive, e.g. return the loss)
+    that ops created during it, per layer id ('other' for embedding, head and loss)."""
+    tracker = _Tracker({_local(p).untyped_storage().data_ptr() for p in model.parameters()})
+    hooks = []
+    for name, layer in model.layers.items():
+        hooks.append(layer.register_forward_pre_hook(
+            lambda m, a, name=name: setattr(tracker, "where", name)))
+        hooks.append(layer.register_forward_hook(
+            lambda m, a, o: setattr(tracker, "where", "other")))
+    try:
+        with tracker:
+            keep = run_forward()
+    finally:
+        for h in hooks:
+            h.remove()
+    alive: dict[int, tuple[str, int]] = {}
+    for where, ref, ptr, nbytes in tracker.created:
+        if ref() is not None and ptr not in alive:
+            alive[ptr] = (where, nbytes)
+    del keep
+    per_layer: dict[str, int] = defaultdict(int)
+    for where, nbytes in alive.values():
+        per_layer[where] += nbytes
+    return dict(per_layer)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def attention_rows(cfg, world_size: int, cp_rank: int = 0) -> int:
+    """Query rows summed over the kernel calls one rank makes for one sequence (run
+    decomposition of lctrain.attention.kernels): what selective checkpointing caches."""
+    from lctrain import sequence
+    from lctrain.attention.kernels import Block, _calls
+    from lctrain.config import derive
+
+    p, S = cfg.parallel, cfg.train.seq_len
+    d = derive(cfg, world_size)
+    pos = [sequence.positions(S, r, p.cp, p.load_balance) for r in range(p.cp)]
+    u = d.cp_ulysses
+    groups = [Block(torch.cat(pos[i * u:(i + 1) * u])) for i in range(d.cp_ring)]
+    if p.cp == 1:
+        pairs = [(groups[0], groups[0])]
+    elif p.attention == "allgather":
+        pairs = [(Block(pos[cp_rank]), Block(torch.cat(pos)))]
+    else:  # ring / ulysses / usp: this ring rank's group block against every group's block
+        mine = groups[cp_rank // u]
+        pairs = [(mine, kb) for kb in groups]
+    return sum(qs.stop - qs.start for qb, kb in pairs for qs, _, _, _ in _calls(qb, kb, True))
+
+
+def activation_formula(cfg, world_size: int, batch: int) -> float:
+    """Bytes one block keeps for the backward on one rank, float32 (no autocast).
+
+    n = batch * S / cp local tokens; t = tp; s = t with SP, else 1; D, F model and SwiGLU
+    widths, D_kv = H_kv * d, H heads, r KV replication (Ulysses). Per token, in elements:
+      none:      2 (D + 1)/s + 2 D + 2 D/s + (2 D + 2 r D_kv + H + 4 F)/t  [+ D/t Ulysses/USP]
+                 norms (rsqrt, normalised x on the sequence shard; the (gathered) norm output
+                 kept by the column-parallel matmuls), residual stream and block output, then
+                 q, k, v, attention output, lse and the four SwiGLU tensors on the TP shard.
+                 All-gather KV keeps the gathered K/V: 2 D_kv (cp - 1)/t more, and in every
+                 mode its int64 key positions (8 S bytes).
+      selective: (D + 2 D_kv + 2 F)/t + 2 D + D/s  plus the attention kernels' outputs:
+                 rows over all kernel calls x (H/(t u)) (d + 1)  (matmul outputs, before any
+                 KV replication; the two row-parallel partial sums at full width; the block
+                 input).
+      full:      D/s (the block input only).
+    """
+    from lctrain.config import derive
+
+    m, p = cfg.model, cfg.parallel
+    dv = derive(cfg, world_size)
+    n = batch * cfg.train.seq_len // p.cp
+    D, F, H, hd = m.dim, m.ffn_dim, m.n_heads, m.dim // m.n_heads
+    t, r = p.tp, dv.kv_replication
+    s = t if (p.sp and t > 1) else 1
+    dkv = m.n_kv_heads * hd
+    ulysses = p.cp > 1 and p.attention in ("ulysses", "usp")
+    mode = cfg.train.activation_checkpointing
+    allgather = p.cp > 1 and p.attention == "allgather"
+    extra = 8.0 * cfg.train.seq_len if allgather else 0.0  # int64 key positions
+    if mode == "full":
+        return 4.0 * n * D / s + extra
+    if mode == "selective":
+        rows = batch * attention_rows(cfg, world_size)
+        heads = H // (t * dv.cp_ulysses)
+        return 4.0 * (n * ((D + 2 * dkv + 2 * F) / t + 2 * D + D / s)
+                      + rows * heads * (hd + 1)) + extra
+    per_token = 2 * (D + 1) / s + 2 * D + 2 * D / s + (2 * D + 2 * r * dkv + H + 4 * F) / t
+    if ulysses:
+        per_token += D / t
+    if allgather:
+        per_token += 2 * dkv * (p.cp - 1) / t
+    return 4.0 * n * per_token + extra

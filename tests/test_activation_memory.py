@@ -1,0 +1,66 @@
+"""Activation memory per block: measured (live storages after the forward) against the formula
+of lctrain.memory, for tp in {1, 2, 4}, sp on/off, cp in {1, 2, 4}, every CP algorithm and every
+checkpointing mode; and the 1/(tp*cp) scaling of the sequence-parallel parts."""
+
+import pytest
+import torch
+
+from lctrain.data import MicroBatch
+from lctrain.memory import activation_formula, measure_activations
+from lctrain.parallelize import apply_activation_checkpointing, apply_tensor_parallel
+from lctrain.train import build_attention, build_model, setup_distributed, shard_batch
+from tests.helpers import on_ranks, tiny_config
+
+MODEL = {"vocab_size": 128, "dim": 64, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4,
+         "ffn_dim": 96}
+LAYOUTS = {
+    1: [{}],
+    2: [{"tp": 2}, {"tp": 2, "sp": True}, {"cp": 2}, {"cp": 2, "attention": "ulysses"},
+        {"cp": 2, "attention": "allgather"}],
+    4: [{"tp": 4}, {"tp": 4, "sp": True}, {"cp": 4}, {"cp": 4, "load_balance": "none"},
+        {"cp": 2, "tp": 2, "sp": True}, {"cp": 4, "attention": "usp", "ulysses_degree": 2}],
+    8: [{"tp": 2, "sp": True, "cp": 4, "attention": "ulysses"}],  # KV replicated x2
+}
+MODES = ("none", "selective", "full")
+
+
+def cfg_for(par: dict, mode: str):
+    return tiny_config(model=MODEL, parallel=par, train={
+        "seq_len": 64, "global_batch": 2, "micro_batch": 2, "activation_checkpointing": mode})
+
+
+def measure_layouts(layouts: list[dict]) -> list[list[float]]:
+    out = []
+    for par in layouts:
+        row = []
+        for mode in MODES:
+            cfg = cfg_for(par, mode)
+            rt = setup_distributed(cfg)
+            model = build_model(cfg, rt.device, build_attention(cfg, rt))
+            if cfg.parallel.tp > 1:
+                model = apply_tensor_parallel(model, rt.mesh["tp"], cfg.parallel.sp)
+            apply_activation_checkpointing(model, mode)
+            x = torch.randint(1, 128, (2, 65), generator=torch.Generator().manual_seed(0))
+            inputs, _, pos, docs = shard_batch(MicroBatch(x[:, :-1], x[:, 1:]), cfg, rt)
+            per_layer = measure_activations(model, lambda: model(inputs, pos, docs))
+            row.append(sum(v for k, v in per_layer.items() if k != "other") / 2)  # 2 layers
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_measured_activation_bytes_match_formula(world):
+    measured = on_ranks(measure_layouts, world, LAYOUTS[world], timeout_s=300)[0]
+    for par, row in zip(LAYOUTS[world], measured):
+        for mode, got in zip(MODES, row):
+            want = activation_formula(cfg_for(par, mode), world, batch=2)
+            assert got == pytest.approx(want, rel=0.05), (par, mode, got, want)
+
+
+def test_sequence_parallel_parts_scale_with_tp_times_cp():
+    # full recompute keeps only the block input, which lives on the sequence shard
+    base = activation_formula(cfg_for({}, "full"), 1, 2)
+    assert activation_formula(cfg_for({"tp": 2, "sp": True, "cp": 2}, "full"), 4, 2) == base / 4
+    assert activation_formula(cfg_for({"tp": 4, "sp": True, "cp": 2}, "full"), 8, 2) == base / 8
+    # without SP, TP does not shard the norms and the residual stream
+    assert activation_formula(cfg_for({"tp": 2}, "full"), 2, 2) == base
