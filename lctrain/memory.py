@@ -72,28 +72,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def attention_rows(cfg, world_size: int, cp_rank: int = 0) -> int:
-    """Query rows summed over the kernel calls one rank makes for one sequence (run
-    decomposition of lctrain.attention.kernels): what selective checkpointing caches."""
-    from lctrain import sequence
-    from lctrain.attention.kernels import Block, _calls
-    from lctrain.config import derive
-
-    p, S = cfg.parallel, cfg.train.seq_len
-    d = derive(cfg, world_size)
-    pos = [sequence.positions(S, r, p.cp, p.load_balance) for r in range(p.cp)]
-    u = d.cp_ulysses
-    groups = [Block(torch.cat(pos[i * u:(i + 1) * u])) for i in range(d.cp_ring)]
-    if p.cp == 1:
-        pairs = [(groups[0], groups[0])]
-    elif p.attention == "allgather":
-        pairs = [(Block(pos[cp_rank]), Block(torch.cat(pos)))]
-    else:  # ring / ulysses / usp: this ring rank's group block against every group's block
-        mine = groups[cp_rank // u]
-        pairs = [(mine, kb) for kb in groups]
-    return sum(qs.stop - qs.start for qb, kb in pairs for qs, _, _, _ in _calls(qb, kb, True))
-
-
 def activation_formula(cfg, world_size: int, batch: int) -> float:
     """Bytes one block keeps for the backward on one rank, float32 (no autocast).
 
@@ -105,10 +83,10 @@ def activation_formula(cfg, world_size: int, batch: int) -> float:
                  q, k, v, attention output, lse and the four SwiGLU tensors on the TP shard.
                  All-gather KV keeps the gathered K/V: 2 D_kv (cp - 1)/t more, and in every
                  mode its int64 key positions (8 S bytes).
-      selective: (D + 2 D_kv + 2 F)/t + 2 D + D/s  plus the attention kernels' outputs:
-                 rows over all kernel calls x (H/(t u)) (d + 1)  (matmul outputs, before any
-                 KV replication; the two row-parallel partial sums at full width; the block
-                 input).
+      selective: (D + 2 D_kv + 2 F)/t + 2 D + D/s  (matmul outputs, before any KV
+                 replication; the two row-parallel partial sums at full width; the block input),
+                 plus (D + H)/t for the attention output and lse when cp = 1 (context-parallel
+                 attention is recomputed instead).
       full:      D/s (the block input only).
     """
     from lctrain.config import derive
@@ -126,14 +104,31 @@ def activation_formula(cfg, world_size: int, batch: int) -> float:
     extra = 8.0 * cfg.train.seq_len if allgather else 0.0  # int64 key positions
     if mode == "full":
         return 4.0 * n * D / s + extra
-    if mode == "selective":
-        rows = batch * attention_rows(cfg, world_size)
-        heads = H // (t * dv.cp_ulysses)
-        return 4.0 * (n * ((D + 2 * dkv + 2 * F) / t + 2 * D + D / s)
-                      + rows * heads * (hd + 1)) + extra
+    if mode == "selective":  # local attention: its output and lse are kept too
+        attention = n * H * (hd + 1) / t if p.cp == 1 else 0.0
+        return 4.0 * (n * ((D + 2 * dkv + 2 * F) / t + 2 * D + D / s) + attention) + extra
     per_token = 2 * (D + 1) / s + 2 * D + 2 * D / s + (2 * D + 2 * r * dkv + H + 4 * F) / t
     if ulysses:
         per_token += D / t
     if allgather:
         per_token += 2 * dkv * (p.cp - 1) / t
     return 4.0 * n * per_token + extra
+
+
+def measure_block_activations(cfg, batch: int, seed: int = 0) -> float:
+    """Bytes one block keeps for the backward on this rank, measured on the layout of `cfg`
+    (call on every rank of an initialised world; the model is built as training builds it)."""
+    from lctrain.build import build_attention, build_model, setup_distributed, shard_batch
+    from lctrain.data import MicroBatch
+    from lctrain.parallelize import apply_activation_checkpointing, apply_tensor_parallel
+
+    rt = setup_distributed(cfg)
+    model = build_model(cfg, rt.device, build_attention(cfg, rt))
+    if cfg.parallel.tp > 1:
+        model = apply_tensor_parallel(model, rt.mesh["tp"], cfg.parallel.sp)
+    apply_activation_checkpointing(model, cfg.train.activation_checkpointing, cfg.parallel.cp)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(1, cfg.model.vocab_size, (batch, cfg.train.seq_len + 1), generator=gen)
+    inputs, _, pos, docs = shard_batch(MicroBatch(x[:, :-1], x[:, 1:]), cfg, rt)
+    per_layer = measure_activations(model, lambda: model(inputs, pos, docs))
+    return sum(v for k, v in per_layer.items() if k != "other") / cfg.model.n_layers

@@ -52,21 +52,24 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = Non
     return out.transpose(1, 2)
 
 
-# Selective checkpointing keeps what is expensive to recompute (matmuls, the attention kernels)
-# and recomputes the cheap, memory-heavy rest (norms, RoPE, SwiGLU, residuals).
-_SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+# Selective checkpointing keeps what is expensive to recompute (matmuls and, with local
+# attention, the attention kernel's output and lse) and recomputes the cheap, memory-heavy rest
+# (norms, RoPE, SwiGLU, residuals). Context-parallel attention runs many partial kernel calls
+# (one per ring step and run pair); caching each would cost more than the whole output, so there
+# the attention core is recomputed, as in Korthikanti et al.'s selective recompute.
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+_ATTENTION = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
 
 
-def _selective_policy(ctx, op, *args, **kwargs):
-    return (CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS
-            else CheckpointPolicy.PREFER_RECOMPUTE)
+def _selective_policy(save: set, ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _checkpoint_context(mode: str):
     if mode == "full":
         return noop_context_fn
-    return partial(create_selective_checkpoint_contexts, _selective_policy)
+    save = _MATMULS | (_ATTENTION if mode == "selective" else set())
+    return partial(create_selective_checkpoint_contexts, partial(_selective_policy, save))
 
 
 class RMSNorm(nn.Module):
@@ -167,8 +170,8 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.checkpointing = "none"
-        """Activation checkpointing of the blocks: none | selective | full (set by
-        lctrain.parallelize.apply_activation_checkpointing)."""
+        """Activation checkpointing of the blocks: none | selective | selective-matmul (keep
+        matmul outputs only) | full; set by lctrain.parallelize.apply_activation_checkpointing."""
 
     def forward(self, x: Tensor, positions: Tensor | None = None,
                 doc_ids: Tensor | None = None) -> Tensor:

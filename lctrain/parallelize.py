@@ -65,8 +65,12 @@ def apply_tensor_parallel(model: Llama, tp_mesh: DeviceMesh, sp: bool) -> nn.Mod
     return model
 
 
-def apply_activation_checkpointing(model: Llama, mode: str) -> Llama:
-    """none | selective | full; composes with TP/SP (applied before) and FSDP (after)."""
+def apply_activation_checkpointing(model: Llama, mode: str, cp: int = 1) -> Llama:
+    """none | selective | full; composes with TP/SP (applied before) and FSDP (after).
+
+    Selective keeps matmul outputs, and the attention output only with local attention
+    (cp = 1): context-parallel attention is recomputed (see lctrain.model).
+    """
     assert mode in ("none", "selective", "full"), mode
-    model.checkpointing = mode
+    model.checkpointing = "selective-matmul" if (mode == "selective" and cp > 1) else mode
     return model

@@ -3,7 +3,8 @@
 No process, device or process group is created. Traffic follows ../shared/seed/DIGEST.md section 4
 (elements sent per rank per attention forward) and the textbook ring collectives for TP/SP and
 FSDP; memory counts fp32 master weights, gradients and AdamW moments sharded by FSDP over dp x cp,
-plus an activation estimate (saved tensors of one block, no recompute).
+plus activations from lctrain.memory's formula (exact in float32 against measurement; bf16
+tensors counted at half) and the fp32 logits.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 
 from lctrain.attention.traffic import attention_traffic
 from lctrain.config import LctrainConfig, ModelConfig, derive
+from lctrain.memory import activation_formula
 from lctrain.topology import AXES, GROUPS, Topology
 
 GIB = 2**30
@@ -52,11 +54,10 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
     state_bytes = 16 * local_params / (d.dp * p.cp)  # fp32 weight + grad + 2 AdamW moments
     tokens = t.micro_batch * d.local_seq_len         # per cp rank
     seq_div = p.tp if (p.sp and p.tp > 1) else 1
-    head_parallel = (2 * m.dim + 2 * m.n_kv_heads * head_dim * d.kv_replication
-                     + 4 * m.ffn_dim) / p.tp
-    per_layer = tokens * bytes_act * (4 * m.dim / seq_div + head_parallel)
+    # blocks: the measured-exact float32 formula (lctrain.memory); bf16 tensors take half
+    act_layer = activation_formula(cfg, world_size, t.micro_batch) * bytes_act / 4
     logits = tokens * (m.vocab_size / p.tp) * 4 * 2  # fp32 logits and their gradient
-    act_bytes = per_layer * m.n_layers / p.pp + logits
+    act_bytes = act_layer * m.n_layers / p.pp + logits
     traffic = attention_traffic_per_layer(cfg, world_size) if p.cp > 1 else {}
     # Per block forward: 2 all-gathers + 2 reduce-scatters with SP, or 2 all-reduces without;
     # a ring all-reduce is a reduce-scatter plus an all-gather (DIGEST section 2), same bytes.
@@ -80,6 +81,7 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
         "attention": p.attention if p.cp > 1 else "local",
         "load_balance": p.load_balance if p.cp > 1 else "none",
         "grad_accum": d.grad_accum,
+        "activation_checkpointing": t.activation_checkpointing,
         "tokens_per_step": d.tokens_per_step,
         "kv_replication": d.kv_replication,
         "shapes": {
@@ -119,7 +121,8 @@ def render_text(plan: dict, max_rows: int) -> str:
         f"{plan['grad_accum']}, {plan['tokens_per_step']:,} tokens/step",
         "", "per-rank shapes:",
         *(f"  {k}: {v}" for k, v in plan["shapes"].items()),
-        "", "memory per rank (GiB, estimate):",
+        "", f"memory per rank (GiB, estimate; activation checkpointing "
+            f"{plan['activation_checkpointing']}):",
         *(f"  {k}: {v:,.3f}" for k, v in plan["memory_gib"].items()),
         "", "traffic per rank (elements sent):",
         *(f"  {k}: {v:,.0f}" for k, v in plan["traffic_elements_per_rank"].items()),

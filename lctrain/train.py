@@ -10,10 +10,8 @@ group size to make the reduced gradient the exact gradient of the global token m
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,18 +21,23 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from lctrain import sequence
-from lctrain.attention import ContextParallelAttention, CPGroups
+from lctrain.build import (
+    Runtime,
+    apply_data_parallel,
+    build_attention,
+    build_model,
+    cp_shard,
+    setup_distributed,
+    shard_batch,
+)
 from lctrain.comm import record_traffic
 from lctrain.config import LctrainConfig, derive
-from lctrain.data import EOS, IGNORE_INDEX, DataParallelSampler, MicroBatch, SyntheticLM
+from lctrain.data import IGNORE_INDEX, DataParallelSampler, MicroBatch, SyntheticLM
 from lctrain.hf import export_hf, load_hf_weights
-from lctrain.launch import env_from_environment
 from lctrain.metrics import MetricsLogger
-from lctrain.model import AttentionFn, Llama, sdpa_attention
+from lctrain.model import Llama
 from lctrain.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from lctrain.parallelize import apply_activation_checkpointing, apply_tensor_parallel
-from lctrain.topology import ParallelMesh, Topology
 
 
 def check_supported(cfg: LctrainConfig) -> list[str]:
@@ -52,42 +55,6 @@ def check_supported(cfg: LctrainConfig) -> list[str]:
     return problems
 
 
-@dataclass
-class Runtime:
-    rank: int
-    world_size: int
-    device: torch.device
-    topology: Topology
-    mesh: ParallelMesh | None
-    """Meshes and groups by name (None when running a single process)."""
-
-    @property
-    def dp_cp_group(self) -> dist.ProcessGroup | None:
-        """Gradient and loss reduction group."""
-        return self.mesh.group("dp_cp") if self.mesh is not None else None
-
-
-def setup_distributed(cfg: LctrainConfig) -> Runtime:
-    env = env_from_environment()
-    world = env.world_size if env else 1
-    want = cfg.train.device
-    use_cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        local_rank = env.local_rank if env else 0
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    topology = Topology.from_config(cfg, world)
-    if world == 1:
-        return Runtime(0, 1, device, topology, None)
-    if not dist.is_initialized():
-        backend = cfg.launch.backend if cfg.launch.backend != "auto" else (
-            "nccl" if use_cuda else "gloo")
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.launch.timeout_s))
-    return Runtime(dist.get_rank(), world, device, topology, topology.build_mesh(device.type))
-
-
 def _agree_run_dir(run_dir: Path, rt: Runtime) -> Path:
     """Rank 0's run dir: ranks started on different nodes may have resolved ${now:} differently."""
     if rt.world_size == 1:
@@ -97,43 +64,6 @@ def _agree_run_dir(run_dir: Path, rt: Runtime) -> Path:
     return Path(box[0])
 
 
-def build_attention(cfg: LctrainConfig, rt: Runtime) -> AttentionFn:
-    """The attention core the model calls: local SDPA, or the configured cp algorithm."""
-    if cfg.parallel.cp == 1:
-        return sdpa_attention
-    c = rt.topology.coords(rt.rank)
-    groups = CPGroups(cp=rt.mesh.group("cp"), ring=rt.mesh.group("cp_ring"),
-                      ulysses=rt.mesh.group("cp_ulysses"), ring_size=rt.topology.cp_ring,
-                      ring_rank=c["cp_ring"], ulysses_size=rt.topology.cp_ulysses,
-                      ulysses_rank=c["cp_ulysses"])
-    return ContextParallelAttention(
-        cfg.parallel.attention, groups, cfg.train.seq_len, cfg.parallel.load_balance,
-        kv_replication=derive(cfg, rt.world_size).kv_replication)
-
-
-def build_model(cfg: LctrainConfig, device: torch.device,
-                attention_fn: AttentionFn = sdpa_attention) -> Llama:
-    """Full fp32 model, initialised identically on every rank from train.seed."""
-    model = Llama(cfg.model, attention_fn)
-    model.init_weights(cfg.train.seed)
-    return model.to(device)
-
-
-def apply_data_parallel(model: Llama, cfg: LctrainConfig, rt: Runtime) -> nn.Module:
-    """FSDP2 over dp x cp (each block, then the root), or DDP; identity without dp x cp."""
-    if rt.world_size == 1 or rt.topology.group_size("dp_cp") == 1:
-        return model
-    if cfg.parallel.dp_engine == "ddp":
-        return nn.parallel.DistributedDataParallel(model, process_group=rt.dp_cp_group)
-    from torch.distributed.fsdp import fully_shard
-
-    dp_cp_mesh = rt.mesh["dp_cp"]
-    for layer in model.layers.values():
-        fully_shard(layer, mesh=dp_cp_mesh)
-    fully_shard(model, mesh=dp_cp_mesh)
-    return model
-
-
 def _gradient_sync(model: nn.Module, sync: bool):
     """Reduce gradients over dp x cp only on the last accumulation micro-step."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
@@ -141,27 +71,6 @@ def _gradient_sync(model: nn.Module, sync: bool):
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
-
-
-def cp_shard(x: torch.Tensor, cfg: LctrainConfig, rt: Runtime) -> torch.Tensor:
-    """This rank's part of a global [B, S, ...] tensor (lctrain.sequence: the one split)."""
-    cp_rank = rt.topology.axis_rank(rt.rank, "cp")
-    return sequence.split(x.to(rt.device), 1, cp_rank, cfg.parallel.cp, cfg.parallel.load_balance)
-
-
-def shard_batch(mb: MicroBatch, cfg: LctrainConfig, rt: Runtime):
-    """This cp rank's (inputs, labels, RoPE positions, global doc ids or None).
-
-    Labels were shifted on the global sequence before this split, so no shard border loses or
-    invents a target; positions are global (or per document), from the same split.
-    """
-    doc_ids = positions = None
-    if cfg.data.document_masking:
-        doc_ids = sequence.document_ids(mb.inputs, EOS).to(rt.device)
-        positions = cp_shard(sequence.document_positions(doc_ids), cfg, rt)
-    elif cfg.parallel.cp > 1:
-        positions = cp_shard(torch.arange(mb.inputs.shape[1])[None], cfg, rt)
-    return cp_shard(mb.inputs, cfg, rt), cp_shard(mb.labels, cfg, rt), positions, doc_ids
 
 
 def forward_backward(model: nn.Module, mb: MicroBatch, loss_scale: float,
@@ -232,7 +141,8 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
         model = apply_tensor_parallel(model, rt.mesh["tp"], cfg.parallel.sp)
     if cfg.model.init_from is not None:
         load_hf_weights(model, cfg.model.init_from)  # each rank reads its TP slice
-    model = apply_activation_checkpointing(model, cfg.train.activation_checkpointing)
+    model = apply_activation_checkpointing(model, cfg.train.activation_checkpointing,
+                                           cfg.parallel.cp)
     model = apply_data_parallel(model, cfg, rt)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)

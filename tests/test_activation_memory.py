@@ -3,12 +3,8 @@ of lctrain.memory, for tp in {1, 2, 4}, sp on/off, cp in {1, 2, 4}, every CP alg
 checkpointing mode; and the 1/(tp*cp) scaling of the sequence-parallel parts."""
 
 import pytest
-import torch
 
-from lctrain.data import MicroBatch
-from lctrain.memory import activation_formula, measure_activations
-from lctrain.parallelize import apply_activation_checkpointing, apply_tensor_parallel
-from lctrain.train import build_attention, build_model, setup_distributed, shard_batch
+from lctrain.memory import activation_formula, measure_block_activations
 from tests.helpers import on_ranks, tiny_config
 
 MODEL = {"vocab_size": 128, "dim": 64, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4,
@@ -30,22 +26,8 @@ def cfg_for(par: dict, mode: str):
 
 
 def measure_layouts(layouts: list[dict]) -> list[list[float]]:
-    out = []
-    for par in layouts:
-        row = []
-        for mode in MODES:
-            cfg = cfg_for(par, mode)
-            rt = setup_distributed(cfg)
-            model = build_model(cfg, rt.device, build_attention(cfg, rt))
-            if cfg.parallel.tp > 1:
-                model = apply_tensor_parallel(model, rt.mesh["tp"], cfg.parallel.sp)
-            apply_activation_checkpointing(model, mode)
-            x = torch.randint(1, 128, (2, 65), generator=torch.Generator().manual_seed(0))
-            inputs, _, pos, docs = shard_batch(MicroBatch(x[:, :-1], x[:, 1:]), cfg, rt)
-            per_layer = measure_activations(model, lambda: model(inputs, pos, docs))
-            row.append(sum(v for k, v in per_layer.items() if k != "other") / 2)  # 2 layers
-        out.append(row)
-    return out
+    return [[measure_block_activations(cfg_for(par, mode), batch=2) for mode in MODES]
+            for par in layouts]
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))

@@ -8,14 +8,9 @@ import torch
 import transformers
 
 from lctrain import sequence
+from lctrain.build import apply_data_parallel, build_attention, build_model, setup_distributed
 from lctrain.comm import all_gather
 from lctrain.hf import check_hf_dir, export_hf, hf_config
-from lctrain.train import (
-    apply_data_parallel,
-    build_attention,
-    build_model,
-    setup_distributed,
-)
 from tests.helpers import on_ranks, tiny_config
 
 MODEL = {"vocab_size": 128, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,

@@ -70,3 +70,21 @@ def test_block_collectives_match_megatron_sp(sp):
     expected_ops = {"all_gather", "reduce_scatter"} if sp else {"all_reduce"}
     assert fwd_ops == expected_ops and bwd_ops == expected_ops
     assert fwd == formula and bwd == formula
+
+
+AC_LAYOUTS = [(1, {}, "selective"), (1, {}, "full"),
+              (4, {"tp": 2, "sp": True, "cp": 2, "attention": "ring"}, "selective"),
+              (4, {"tp": 2, "sp": True, "cp": 2, "attention": "ring"}, "full"),
+              (2, {"cp": 2, "attention": "ulysses"}, "selective")]
+
+
+def test_activation_checkpointing_changes_nothing_but_memory(tmp_path):
+    steps = {"steps": 3, "global_batch": 2, "micro_batch": 2, "seq_len": 32}
+    ref = on_ranks(_train, 1, tiny_config(model=MODEL, train=steps), str(tmp_path / "ref"))[0]
+    for i, (world, par, mode) in enumerate(AC_LAYOUTS):
+        cfg = tiny_config(model=MODEL, parallel=par,
+                          train={**steps, "activation_checkpointing": mode})
+        for h in on_ranks(_train, world, cfg, str(tmp_path / str(i)), timeout_s=300):
+            for g, r in zip(h, ref):
+                for key in ("loss", "grad_norm"):
+                    assert g[key] == pytest.approx(r[key], rel=2e-5), (par, mode, key)

@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lctrain.build import apply_data_parallel, build_model, setup_distributed
 from lctrain.data import IGNORE_INDEX, MicroBatch
 from lctrain.optim import build_optimizer, build_scheduler
-from lctrain.train import apply_data_parallel, build_model, setup_distributed, train, train_step
+from lctrain.train import train, train_step
 from tests.helpers import on_ranks, tiny_config
 
 
