@@ -1,9 +1,10 @@
 """Hugging Face interop: a transformers LlamaForCausalLM saved to disk loads into lctrain at
-tp=2 x cp=2 (each rank reading its slices) with the same logits, and the exported directory
-loads back into transformers with the same logits again."""
+tp=2 x cp=2 (untied; each rank reading its slices) and cp=2 x dp=2 (tied) with the same logits,
+and the exported directory loads back into transformers with the same logits again."""
 
 import json
 
+import pytest
 import torch
 import transformers
 
@@ -23,21 +24,26 @@ def _load_forward_export(cfg, tokens, out_dir):
 
     rt = setup_distributed(cfg)
     model = build_model(cfg, rt.device, build_attention(cfg, rt))
-    model = apply_tensor_parallel(model, rt.mesh["tp"], cfg.parallel.sp)
+    if cfg.parallel.tp > 1:
+        model = apply_tensor_parallel(model, rt.mesh["tp"], cfg.parallel.sp)
     load_hf_weights(model, cfg.model.init_from)
-    model = apply_data_parallel(model, cfg, rt)  # FSDP over cp, after the load
+    model = apply_data_parallel(model, cfg, rt)  # FSDP over dp x cp, after the load
     cp_rank = rt.topology.axis_rank(rt.rank, "cp")
     positions = sequence.positions(tokens.shape[1], cp_rank, 2, "zigzag")[None]
     with torch.no_grad():
-        local = model(sequence.split(tokens, 1, cp_rank, 2, "zigzag"), positions).full_tensor()
+        local = model(sequence.split(tokens, 1, cp_rank, 2, "zigzag"), positions)
+    local = local.full_tensor() if hasattr(local, "full_tensor") else local
     parts = all_gather(local, rt.mesh.group("cp"), dim=0).chunk(2, dim=0)  # cp-rank order
     export_hf(model, cfg.model, out_dir, rt.rank)
     return sequence.merge(list(parts), 1, "zigzag")
 
 
-def test_hf_round_trip_at_tp2_cp2(tmp_path):
-    cfg = tiny_config(model=MODEL, parallel={"tp": 2, "sp": True, "cp": 2,
-                                             "attention": "ring"})
+@pytest.mark.parametrize("tied,parallel", [
+    (False, {"tp": 2, "sp": True, "cp": 2, "attention": "ring"}),
+    (True, {"cp": 2, "dp": 2, "attention": "ulysses"}),
+])
+def test_hf_round_trip(tmp_path, tied, parallel):
+    cfg = tiny_config(model={**MODEL, "tie_embeddings": tied}, parallel=parallel)
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_config(cfg.model)).eval()
     hf.config._attn_implementation = "eager"
@@ -47,7 +53,8 @@ def test_hf_round_trip_at_tp2_cp2(tmp_path):
     tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(input_ids=tokens).logits
-    got = on_ranks(_load_forward_export, 4, cfg, tokens, str(tmp_path / "out"))
+    world = parallel.get("tp", 1) * parallel["cp"] * parallel.get("dp", 1)
+    got = on_ranks(_load_forward_export, world, cfg, tokens, str(tmp_path / "out"))
     for logits in got:
         torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()

@@ -88,3 +88,46 @@ def test_activation_checkpointing_changes_nothing_but_memory(tmp_path):
             for g, r in zip(h, ref):
                 for key in ("loss", "grad_norm"):
                     assert g[key] == pytest.approx(r[key], rel=2e-5), (par, mode, key)
+
+
+def _grads_after_one_backward(cfg, seqs):
+    from lctrain.build import apply_data_parallel, build_attention, build_model, setup_distributed
+    from lctrain.data import MicroBatch
+    from lctrain.parallelize import apply_tensor_parallel
+    from lctrain.train import forward_backward
+
+    rt = setup_distributed(cfg)
+    model = build_model(cfg, rt.device, build_attention(cfg, rt))
+    if cfg.parallel.tp > 1:
+        model = apply_tensor_parallel(model, rt.mesh["tp"], cfg.parallel.sp)
+    model = apply_data_parallel(model, cfg, rt)
+    dp, dp_rank = rt.topology.dp, rt.topology.axis_rank(rt.rank, "dp")
+    mine = seqs.chunk(dp)[dp_rank]  # this dp rank's sequences
+    scale = rt.topology.group_size("dp_cp") / seqs[:, 1:].numel()
+    forward_backward(model, MicroBatch(mine[:, :-1], mine[:, 1:]), scale, None, cfg, rt)
+    return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+            for n, p in model.named_parameters()}
+
+
+GRAD_LAYOUTS = [(2, {"tp": 2, "sp": True}), (4, {"tp": 4}),
+                (8, {"tp": 2, "sp": True, "cp": 2, "dp": 2, "attention": "ring"})]
+
+
+def test_every_gradient_matches_one_process():
+    import torch.nn.functional as F
+
+    from lctrain.build import build_model
+
+    seqs = torch.randint(1, 128, (2, 33), generator=torch.Generator().manual_seed(3))
+    ref_cfg = tiny_config(model=MODEL)
+    ref = build_model(ref_cfg, torch.device("cpu"))
+    logits = ref(seqs[:, :-1])
+    F.cross_entropy(logits.flatten(0, 1), seqs[:, 1:].flatten()).backward()
+    for world, par in GRAD_LAYOUTS:
+        cfg = tiny_config(model=MODEL, parallel=par,
+                          train={"global_batch": 2, "micro_batch": 2 // par.get("dp", 1)})
+        grads = on_ranks(_grads_after_one_backward, world, cfg, seqs, timeout_s=300)[0]
+        assert grads.keys() == dict(ref.named_parameters()).keys()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6,
+                                       msg=f"{par} {name}")
