@@ -58,18 +58,19 @@ def _block_traffic(sp: bool):
     with record_dtensor_traffic() as bwd:
         y.sum().backward()
     return ({op for _, op in fwd.elements}, fwd.total(), {op for _, op in bwd.elements},
-            bwd.total())
+            bwd.total(), sum(fwd.bytes.values()), sum(bwd.bytes.values()))
 
 
 @pytest.mark.parametrize("sp", [True, False])
 def test_block_collectives_match_megatron_sp(sp):
-    fwd_ops, fwd, bwd_ops, bwd = on_ranks(_block_traffic, 2, sp)[0]
+    fwd_ops, fwd, bwd_ops, bwd, fwd_bytes, bwd_bytes = on_ranks(_block_traffic, 2, sp)[0]
     # per block and direction: 2 all-gathers + 2 reduce-scatters of [B, S, D] with SP, or
     # 2 all-reduces without (all-reduce = reduce-scatter + all-gather): 4 (t-1)/t B S D each
     formula = 4 * (2 - 1) / 2 * 2 * 24 * 32
     expected_ops = {"all_gather", "reduce_scatter"} if sp else {"all_reduce"}
     assert fwd_ops == expected_ops and bwd_ops == expected_ops
     assert fwd == formula and bwd == formula
+    assert fwd_bytes == bwd_bytes == 4 * formula  # float32
 
 
 AC_LAYOUTS = [(1, {}, "selective"), (1, {}, "full"),
