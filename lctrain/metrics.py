@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -12,11 +11,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from lctrain.config import LoggingConfig
-
-
-def rank0_print(rank: int, *args, **kwargs) -> None:
-    if rank == 0:
-        print(*args, **kwargs, flush=True)
 
 
 class MetricsLogger:
@@ -77,7 +71,3 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
         self._file.close()
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")
