@@ -228,14 +228,6 @@ class LctrainConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
 
 
-class ConfigError(ValueError):
-    """A configuration a user wrote is invalid; carries every problem found."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        super().__init__("\n".join(f"  - {p}" for p in self.problems))
-
-
 @dataclass(frozen=True)
 class Derived:
     """Quantities that follow from the config and a world size (never written back)."""
