@@ -100,7 +100,7 @@ def section_balance() -> None:
             work = []
             for qb in blocks:
                 pairs = 0
-                for qs, ks, kind, mask in _calls(qb, Block(torch.cat([b.pos for b in blocks])),
+                for _, qs, ks, kind, mask in _calls(qb, Block(torch.cat([b.pos for b in blocks])),
                                                  True):
                     n, m = qs.stop - qs.start, ks.stop - ks.start
                     pairs += {"full": n * m, "causal": n * (n + 1) // 2}.get(

@@ -1,5 +1,5 @@
 """Building the runtime pieces in data-flow order: process groups and meshes, the attention
-core, the model, data-parallel wrapping, and this rank's shard of a batch.
+core, the model and data-parallel wrapping.
 
 Used by the training loop and by tools that need a model laid out exactly as in training
 (lctrain.memory's measurement, tests, benchmarks).
@@ -14,10 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lctrain import sequence
 from lctrain.attention import ContextParallelAttention, CPGroups
 from lctrain.config import LctrainConfig, derive
-from lctrain.data import EOS, MicroBatch
 from lctrain.launch import env_from_environment
 from lctrain.model import AttentionFn, Llama, sdpa_attention
 from lctrain.topology import ParallelMesh, Topology
@@ -94,26 +92,3 @@ def apply_data_parallel(model: Llama, cfg: LctrainConfig, rt: Runtime) -> nn.Mod
         fully_shard(layer, mesh=dp_cp_mesh)
     fully_shard(model, mesh=dp_cp_mesh)
     return model
-
-
-def cp_shard(x: torch.Tensor, cfg: LctrainConfig, rt: Runtime) -> torch.Tensor:
-    """This rank's part of a global [B, S, ...] tensor (lctrain.sequence: the one split)."""
-    cp_rank = rt.topology.axis_rank(rt.rank, "cp")
-    return sequence.split(x.to(rt.device), 1, cp_rank, cfg.parallel.cp, cfg.parallel.load_balance)
-
-
-def shard_batch(mb: MicroBatch, cfg: LctrainConfig, rt: Runtime):
-    """This cp rank's (inputs, labels, RoPE positions, global doc ids or None).
-
-    Labels were shifted on the global sequence before this split, so no shard border loses or
-    invents a target; positions are global (or per document), from the same split.
-    """
-    doc_ids = positions = None
-    if cfg.data.document_masking:
-        doc_ids = sequence.document_ids(mb.inputs, EOS).to(rt.device)
-        positions = cp_shard(sequence.document_positions(doc_ids), cfg, rt)
-    elif cfg.parallel.cp > 1:
-        positions = cp_shard(torch.arange(mb.inputs.shape[1])[None], cfg, rt)
-    return cp_shard(mb.inputs, cfg, rt), cp_shard(mb.labels, cfg, rt), positions, doc_ids
-
-

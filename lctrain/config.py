@@ -15,7 +15,14 @@ LOAD_BALANCE = ("zigzag", "none")
 DTYPES = ("fp32", "bf16")
 DP_ENGINES = ("fsdp", "ddp")
 SCHEDULES = ("cosine", "constant")
-DATA_SOURCES = ("synthetic",)
+DATA_SOURCES = ("synthetic", "passkey", "recall", "tokens", "mixture")
+BUILTIN_SOURCES = ("synthetic", "passkey", "recall")
+DATA_FORMATS = ("auto", "jsonl", "json", "text", "parquet", "arrow", "hub")
+TEXT_UNITS = ("document", "paragraph", "line")
+LONG_DOCS = ("split", "drop")
+DOC_LEN_DISTS = ("uniform", "loguniform")
+EVAL_TASKS = ("passkey", "recall")
+TOKEN_DTYPES = ("auto", "uint16", "uint32")
 DEVICES = ("auto", "cpu", "cuda")
 START_METHODS = ("fork", "spawn")
 RESUME_MODES = ("none", "auto")
@@ -107,21 +114,100 @@ class TrainConfig:
 
 
 @dataclass
+class MixtureEntry:
+    source: str = "synthetic"
+    """A built-in source (synthetic, passkey, recall) or a directory from `lctrain preprocess`."""
+    weight: float = 1.0
+    """Share of the sequences drawn from this source (weights are normalised)."""
+
+
+@dataclass
 class DataConfig:
     source: str = "synthetic"
-    """Where sequences come from: synthetic (built in, deterministic, learnable)."""
+    """Where training sequences come from: synthetic (bigram chain whose documents repeat their
+    first half) | passkey | recall (long-context retrieval tasks, lctrain.data.tasks) | tokens
+    (a directory written by `lctrain preprocess`, at data.path) | mixture (data.mixture)."""
     path: str | None = None
-    """Dataset path (files or folder) for file-based sources; must exist."""
+    """source=tokens: the preprocessed directory. `lctrain preprocess`: the corpus to read (file,
+    folder, glob such as 'corpus/*.jsonl', or a hub dataset name when online)."""
+    mixture: list[MixtureEntry] = field(default_factory=list)
+    """source=mixture: the sources and their weights, e.g.
+    '[{source: /data/web, weight: 3}, {source: passkey, weight: 1}]'."""
     tokenizer: str | None = None
-    """Tokenizer file or directory for file-based sources; must exist."""
-    doc_len_min: int = 32
-    """Synthetic: shortest document in tokens (documents are packed with EOS separators)."""
-    doc_len_max: int = 256
-    """Synthetic: longest document in tokens."""
-    branching: int = 4
-    """Synthetic: successors each token may have in the hidden bigram chain (entropy floor ln b)."""
+    """`lctrain preprocess`: tokenizer.json file, a folder holding one, or a hub name (online)."""
+    text_field: str = "text"
+    """`lctrain preprocess`: the field holding each document's text (json, jsonl, parquet, arrow,
+    hub)."""
+    format: str = "auto"
+    """`lctrain preprocess`: auto (from file suffixes; hub when data.path is not local) | jsonl |
+    json | text | parquet | arrow | hub."""
+    text_unit: str = "document"
+    """`lctrain preprocess`, text files: what one document is: document (a whole file) |
+    paragraph (blank-line separated) | line."""
+    split: str = "train"
+    """`lctrain preprocess`, hub datasets: the split to read."""
+    add_bos: bool = True
+    """`lctrain preprocess`: put the tokenizer's BOS token before every document."""
+    add_eos: bool = True
+    """`lctrain preprocess`: put the tokenizer's EOS token after every document."""
+    bos_token: str | None = None
+    """BOS token string; null = from tokenizer_config.json or the usual names (<s>, ...)."""
+    eos_token: str | None = None
+    """EOS token string; null = from tokenizer_config.json or the usual names (</s>, ...)."""
+    strict: bool = False
+    """`lctrain preprocess`: fail on the first bad row (malformed JSON, missing or non-string
+    text, empty document, invalid UTF-8) instead of skipping and counting it."""
+    long_docs: str = "split"
+    """Documents longer than train.seq_len: split (they continue over the next sequences, like
+    every document that crosses a sequence border) | drop (skipped, and the count is logged)."""
     document_masking: bool = False
     """Packed documents do not attend to each other, and RoPE positions restart per document."""
+    doc_len_min: int = 32
+    """synthetic, passkey, recall: shortest generated document in tokens."""
+    doc_len_max: int = 256
+    """synthetic, passkey, recall: longest generated document in tokens."""
+    doc_len_dist: str = "uniform"
+    """synthetic, passkey, recall: how document lengths are drawn: uniform | loguniform (as
+    many short documents as long ones per octave: short ones teach a task fast, long ones teach
+    it over the whole context)."""
+    branching: int = 4
+    """synthetic (and the filler text of the tasks): successors each token may have in the
+    hidden bigram chain (entropy floor about ln b)."""
+    answer_len: int = 1
+    """passkey: tokens in the passkey; recall: tokens in each value."""
+    recall_pairs: int = 4
+    """recall: key-value pairs hidden in each document (all are queried at its end)."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0
+    """Run the retrieval evals every N optimizer steps and after the last one (0 = never)."""
+    tasks: list[str] = field(default_factory=lambda: ["passkey"])
+    """Tasks to score: passkey | recall (lctrain.data.tasks), with data.answer_len and
+    data.recall_pairs."""
+    lengths: list[int] = field(default_factory=list)
+    """Context lengths to score (each <= train.seq_len); empty = [train.seq_len]."""
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    """Needle depths as fractions of the context (0 = first token, 1 = just before the query)."""
+    samples: int = 8
+    """Examples per (task, length, depth) cell."""
+
+
+@dataclass
+class PreprocessConfig:
+    output: str | None = None
+    """Directory to write (token shards, document index, meta.json); required."""
+    workers: int = 0
+    """Tokenizer processes; 0 = one per CPU core."""
+    dtype: str = "auto"
+    """Token dtype: auto (uint16 when the vocabulary fits, else uint32) | uint16 | uint32."""
+    shard_tokens: int = 268435456
+    """Tokens per shard file before the next one starts (at a document border)."""
+    batch_rows: int = 512
+    """Rows sent to a worker at a time."""
+    overwrite: bool = False
+    """Replace an existing output directory (only once the new one is complete)."""
 
 
 @dataclass
@@ -226,6 +312,8 @@ class LctrainConfig:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
 
 
 @dataclass(frozen=True)

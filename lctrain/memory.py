@@ -118,8 +118,8 @@ def activation_formula(cfg, world_size: int, batch: int) -> float:
 def measure_block_activations(cfg, batch: int, seed: int = 0) -> float:
     """Bytes one block keeps for the backward on this rank, measured on the layout of `cfg`
     (call on every rank of an initialised world; the model is built as training builds it)."""
-    from lctrain.build import build_attention, build_model, setup_distributed, shard_batch
-    from lctrain.data import MicroBatch
+    from lctrain.build import build_attention, build_model, setup_distributed
+    from lctrain.data.batch import micro_batch_from_tokens
     from lctrain.parallelize import apply_activation_checkpointing, apply_tensor_parallel
 
     rt = setup_distributed(cfg)
@@ -129,6 +129,8 @@ def measure_block_activations(cfg, batch: int, seed: int = 0) -> float:
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing, cfg.parallel.cp)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randint(1, cfg.model.vocab_size, (batch, cfg.train.seq_len + 1), generator=gen)
-    inputs, _, pos, docs = shard_batch(MicroBatch(x[:, :-1], x[:, 1:]), cfg, rt)
-    per_layer = measure_activations(model, lambda: model(inputs, pos, docs))
+    p = cfg.parallel
+    mb = micro_batch_from_tokens(x, cfg.train.seq_len, rt.topology.axis_rank(rt.rank, "cp"), p.cp,
+                                 p.load_balance, document_masking=cfg.data.document_masking)
+    per_layer = measure_activations(model, lambda: model(mb.inputs, mb.positions, mb.doc_ids))
     return sum(v for k, v in per_layer.items() if k != "other") / cfg.model.n_layers

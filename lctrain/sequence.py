@@ -34,13 +34,22 @@ def check_divisible(seq_len: int, cp: int, load_balance: str) -> None:
                          f"(cp={cp}, load_balance={load_balance}); use a multiple of {n}")
 
 
+def chunk_ranges(seq_len: int, cp_rank: int, cp: int, load_balance: str) -> list[tuple[int, int]]:
+    """[start, stop) of each chunk of a length-`seq_len` sequence that `cp_rank` holds, in local
+    order. The data loader reads exactly these token ranges; `split` cuts tensors with them."""
+    if cp == 1:
+        return [(0, seq_len)]
+    check_divisible(seq_len, cp, load_balance)
+    width = seq_len // num_chunks(cp, load_balance)
+    return [(c * width, (c + 1) * width) for c in rank_chunks(cp_rank, cp, load_balance)]
+
+
 def split(x: Tensor, dim: int, cp_rank: int, cp: int, load_balance: str) -> Tensor:
     """This rank's part of the global tensor `x` along `dim` (a copy when chunks are not adjacent)."""
     if cp == 1:
         return x
-    check_divisible(x.shape[dim], cp, load_balance)
-    chunks = x.chunk(num_chunks(cp, load_balance), dim=dim)
-    parts = [chunks[c] for c in rank_chunks(cp_rank, cp, load_balance)]
+    parts = [x.narrow(dim, a, b - a) for a, b in chunk_ranges(x.shape[dim], cp_rank, cp,
+                                                               load_balance)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
@@ -73,12 +82,6 @@ def runs(pos: Tensor) -> list[tuple[int, int, int]]:
             out.append((start, p[start], i - start))
             start = i
     return out
-
-
-def document_ids(tokens: Tensor, eos: int) -> Tensor:
-    """Document index of every token of packed sequences [B, S]: a document ends at its EOS."""
-    ends = (tokens == eos).long()
-    return torch.cumsum(ends, dim=-1) - ends
 
 
 def document_positions(doc_ids: Tensor) -> Tensor:

@@ -26,13 +26,13 @@ from lctrain.build import (
     apply_data_parallel,
     build_attention,
     build_model,
-    cp_shard,
     setup_distributed,
-    shard_batch,
 )
 from lctrain.comm import record_traffic
 from lctrain.config import LctrainConfig, derive
-from lctrain.data import IGNORE_INDEX, DataParallelSampler, MicroBatch, SyntheticLM
+from lctrain.data.batch import IGNORE_INDEX, MicroBatch
+from lctrain.data.loader import build_loader
+from lctrain.evals import Evaluator, format_table
 from lctrain.hf import export_hf, load_hf_weights
 from lctrain.metrics import MetricsLogger
 from lctrain.model import Llama
@@ -77,11 +77,12 @@ def forward_backward(model: nn.Module, mb: MicroBatch, loss_scale: float,
                      autocast_dtype: torch.dtype | None, cfg: LctrainConfig,
                      rt: Runtime) -> torch.Tensor:
     """Backward of (sum of this rank's token losses) * loss_scale; returns the detached sum."""
-    inputs, labels, positions, doc_ids = shard_batch(mb, cfg, rt)
+    mb = mb.to(rt.device)
+    labels = mb.labels
     autocast = (torch.autocast(rt.device.type, dtype=autocast_dtype) if autocast_dtype
                 else contextlib.nullcontext())
     with autocast:
-        logits = model(inputs, positions, doc_ids)
+        logits = model(mb.inputs, mb.positions, mb.doc_ids)
     if not isinstance(logits, DTensor):
         loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
                                    ignore_index=IGNORE_INDEX, reduction="sum")
@@ -103,8 +104,7 @@ def _all_reduce(x: torch.Tensor, rt: Runtime) -> torch.Tensor:
 def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[MicroBatch],
                cfg: LctrainConfig, rt: Runtime) -> dict:
     """One optimizer step over this rank's accumulation micro-batches."""
-    local_tokens = sum(int((cp_shard(mb.labels, cfg, rt) != IGNORE_INDEX).sum())
-                       for mb in micro_batches)
+    local_tokens = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in micro_batches)
     # float64: exact token counts far beyond float32's 2^24
     tokens = _all_reduce(torch.tensor(float(local_tokens), dtype=torch.float64,
                                       device=rt.device), rt)
@@ -146,28 +146,38 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
     model = apply_data_parallel(model, cfg, rt)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
-    dataset = SyntheticLM(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed)
-    sampler = DataParallelSampler(dataset, rt.topology.axis_rank(rt.rank, "dp"), derived.dp,
-                                  cfg.train.micro_batch, derived.grad_accum)
+    loader = build_loader(cfg, rt.topology, rt.rank, derived.grad_accum)
     from lctrain.compose import as_dict
 
     metrics = MetricsLogger(cfg.logging, run_dir, rt.rank, cfg.train.steps, as_dict(cfg))
     metrics.info(f"lctrain: {rt.world_size} rank(s) on {rt.device.type}, layout "
                  f"{rt.topology.shape} (pp, dp, cp_ring, cp_ulysses, tp), grad_accum "
                  f"{derived.grad_accum}, {Llama.num_params(model):,} parameters")
+    if getattr(loader.source, "dropped", 0):
+        metrics.info(f"lctrain: data.long_docs=drop skips {loader.source.dropped:,} documents "
+                     f"longer than train.seq_len={cfg.train.seq_len}")
+    evaluator = Evaluator(cfg, rt)
     history, tokens_seen = [], 0
     try:
         for step in range(1, cfg.train.steps + 1):
             t0 = time.perf_counter()
+            micro_batches = loader.next_step()
+            data_time = time.perf_counter() - t0
             with record_traffic() as traffic:
-                out = train_step(model, optimizer, scheduler, sampler.next_step(), cfg, rt)
+                out = train_step(model, optimizer, scheduler, micro_batches, cfg, rt)
             elapsed = time.perf_counter() - t0
             tokens_seen += derived.tokens_per_step
-            out.update(step=step, tokens=tokens_seen, step_time=elapsed,
+            out.update(step=step, tokens=tokens_seen, step_time=elapsed, data_time=data_time,
                        tokens_per_sec=derived.tokens_per_step / elapsed,
                        cp_bytes_sent=sum(traffic.bytes.values()))
+            evaluated = evaluator.should_run(step)
+            if evaluated:
+                results = evaluator.run(model)
+                out.update(results)
+                for line in format_table(results, cfg.eval.tasks):
+                    metrics.info(line)
             history.append(out)
-            if metrics.should_log(step):
+            if metrics.should_log(step) or evaluated:
                 metrics.log(step, {k: v for k, v in out.items() if k != "step"})
         if cfg.checkpoint.export_hf is not None:
             export_hf(model, cfg.model, cfg.checkpoint.export_hf, rt.rank)

@@ -62,6 +62,8 @@ def _choices(cfg: LctrainConfig) -> list[str]:
                   ("none", "selective", "full"))
         + _choice("optim.schedule", cfg.optim.schedule, C.SCHEDULES)
         + _choice("data.source", cfg.data.source, C.DATA_SOURCES)
+        + _choice("data.long_docs", cfg.data.long_docs, C.LONG_DOCS)
+        + _choice("data.doc_len_dist", cfg.data.doc_len_dist, C.DOC_LEN_DISTS)
         + _choice("checkpoint.resume", cfg.checkpoint.resume, C.RESUME_MODES)
         + _choice("launch.backend", cfg.launch.backend, ("auto", "gloo", "nccl"))
         + _choice("launch.start_method", cfg.launch.start_method, C.START_METHODS)
@@ -175,7 +177,7 @@ def _layers(cfg: LctrainConfig) -> list[str]:
 
 
 def _scalars(cfg: LctrainConfig) -> list[str]:
-    o, d, ck = cfg.optim, cfg.data, cfg.checkpoint
+    o, ck = cfg.optim, cfg.checkpoint
     problems = []
     if o.lr <= 0:
         problems.append(f"optim.lr={o.lr} must be > 0; try optim.lr=3e-4")
@@ -196,14 +198,6 @@ def _scalars(cfg: LctrainConfig) -> list[str]:
     for key, v in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
         if not 0 <= v < 1:
             problems.append(f"{key}={v} must lie in [0, 1); try {key}=0.9")
-    if d.source == "synthetic":
-        if d.doc_len_min < 2 or d.doc_len_max < d.doc_len_min:
-            problems.append(f"data.doc_len_min={d.doc_len_min}, data.doc_len_max={d.doc_len_max} "
-                            "need 2 <= doc_len_min <= doc_len_max; try data.doc_len_min=32 "
-                            "data.doc_len_max=256")
-        if not 1 <= d.branching < cfg.model.vocab_size:
-            problems.append(f"data.branching={d.branching} must lie in [1, model.vocab_size); "
-                            "try data.branching=4")
     if cfg.model.init_from is not None:
         if not os.path.isdir(cfg.model.init_from):
             problems.append(f"model.init_from={cfg.model.init_from} is not a directory; give a "
@@ -212,10 +206,54 @@ def _scalars(cfg: LctrainConfig) -> list[str]:
             from lctrain.hf import check_hf_dir
 
             problems += check_hf_dir(cfg.model.init_from, cfg.model)
-    for key, path in (("data.path", d.path), ("data.tokenizer", d.tokenizer)):
-        if path is not None and not os.path.exists(path):
-            problems.append(f"{key}={path} does not exist (cwd {os.getcwd()}); give an existing "
-                            "path or remove the override")
+    return problems
+
+
+def _data(cfg: LctrainConfig) -> list[str]:
+    """The data source, the generated documents and the evals."""
+    from lctrain.data.loader import source_problems
+    from lctrain.data.tasks import MIN_VOCAB, TASKS
+
+    d, ev, v = cfg.data, cfg.eval, cfg.model.vocab_size
+    problems = source_problems(cfg)
+    used = {e.source for e in d.mixture} if d.source == "mixture" else {d.source}
+    tasks = (used & set(TASKS)) | (set(ev.tasks) if ev.every else set())
+    if used & set(C.BUILTIN_SOURCES) and (d.doc_len_min < 2 or d.doc_len_max < d.doc_len_min):
+        problems.append(f"data.doc_len_min={d.doc_len_min}, data.doc_len_max={d.doc_len_max} need "
+                        "2 <= doc_len_min <= doc_len_max; try data.doc_len_min=32 "
+                        "data.doc_len_max=256")
+    if (used & set(C.BUILTIN_SOURCES) or tasks) and not 1 <= d.branching < v:
+        problems.append(f"data.branching={d.branching} must lie in [1, model.vocab_size); try "
+                        "data.branching=4")
+    if tasks and v < MIN_VOCAB:
+        problems.append(f"the {', '.join(sorted(tasks))} task(s) need model.vocab_size >= "
+                        f"{MIN_VOCAB}; got {v}")
+    if tasks and d.answer_len < 1:
+        problems.append(f"data.answer_len={d.answer_len} must be >= 1; try data.answer_len=1")
+    if "recall" in tasks and not 1 <= d.recall_pairs <= v // 4:
+        problems.append(f"data.recall_pairs={d.recall_pairs} must lie in [1, model.vocab_size / 4 "
+                        f"= {v // 4}] (distinct keys); try data.recall_pairs=4")
+    if ev.every < 0:
+        problems.append(f"eval.every={ev.every} must be >= 0 (0 = no evals); try eval.every=0")
+    if not ev.every:
+        return problems
+    problems += [f"eval.tasks contains {t!r}; pick from {', '.join(C.EVAL_TASKS)}"
+                 for t in ev.tasks if t not in C.EVAL_TASKS]
+    if not ev.tasks:
+        problems.append("eval.tasks is empty; try eval.tasks=[passkey]")
+    if ev.samples < 1:
+        problems.append(f"eval.samples={ev.samples} must be >= 1; try eval.samples=8")
+    problems += [f"eval.depths contains {x}; depths are fractions in [0, 1]"
+                 for x in ev.depths if not 0 <= x <= 1]
+    if not ev.depths:
+        problems.append("eval.depths is empty; try eval.depths=[0,0.5,1]")
+    need = 2 * d.recall_pairs * (d.answer_len + 2) if "recall" in ev.tasks else 2 * (
+        d.answer_len + 1)
+    for n in ev.lengths or [cfg.train.seq_len]:
+        if not need <= n <= cfg.train.seq_len:
+            problems.append(f"eval.lengths contains {n}; each context length must lie in "
+                            f"[{need} (needle and query of {', '.join(ev.tasks)}), train.seq_len="
+                            f"{cfg.train.seq_len}]")
     return problems
 
 
@@ -227,7 +265,8 @@ def validate(cfg: LctrainConfig, world_size: int) -> list[str]:
     if problems:  # later rules divide by these sizes or branch on these names
         return problems + _scalars(cfg) if world_size >= 1 else problems
     world = _world(cfg, world_size)
-    problems += world + _heads(cfg) + _context(cfg) + _layers(cfg) + _scalars(cfg)
+    problems += (world + _heads(cfg) + _context(cfg) + _layers(cfg) + _scalars(cfg)
+                 + _data(cfg))
     if not world:
         problems += _batch(cfg, world_size)
     return problems

@@ -15,7 +15,7 @@ def test_train_tiny_recipe_four_ranks(tmp_path):
     run_dir = tmp_path / "run"
     done = subprocess.run(
         [sys.executable, "-m", "lctrain.cli", "train", "+recipe=tiny", "train.steps=12",
-         "train.global_batch=8", "train.micro_batch=1", "logging.log_every=1",
+         "train.global_batch=8", "train.micro_batch=1", "logging.log_every=1", "eval.every=6",
          f"hydra.run.dir={run_dir}"],
         cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -31,6 +31,12 @@ def test_train_tiny_recipe_four_ranks(tmp_path):
     per_layer_seq = 3 * (2 - 1) * 2 * (256 // 2) * (2 * 16)
     assert all(r["cp_bytes_sent"] == per_layer_seq * 4 * 4 * 4 for r in records)
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
+    # the passkey evals ran at steps 6 and 12, on every cell of the recipe
+    cells = [f"eval/passkey/len{n}/depth{d:.2f}" for n in (64, 128, 256)
+             for d in (0, 0.25, 0.5, 0.75, 1)]
+    assert [r["step"] for r in records if "eval/passkey/acc" in r] == [6, 12]
+    assert all(0 <= records[5][c] <= 1 for c in cells)
+    assert "eval passkey len256: acc" in done.stdout
     config = (run_dir / "config.yaml").read_text()
     assert "cp: 2" in config and "attention: ring" in config and "steps: 12" in config
 
@@ -44,11 +50,12 @@ def test_non_editable_install_finds_conf_and_recipes(tmp_path):
     assert (target / "lctrain" / "conf" / "model" / "llama3-8b.yaml").is_file()
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    code = ("import lctrain, sys; print(lctrain.__file__); from lctrain.cli import main; "
-            "main(sys.argv[1:])")
+    code = ("import lctrain, sys; print(lctrain.__file__); import lctrain.attention, "
+            "lctrain.data.loader as d; print(lctrain.attention.__file__); print(d.__file__); "
+            "from lctrain.cli import main; main(sys.argv[1:])")
     done = subprocess.run([sys.executable, "-c", code, "plan", "+recipe=llama-256k"],
                           cwd=elsewhere, env={**ENV, "PYTHONPATH": str(target)},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines()[0].startswith(str(target))
+    assert all(line.startswith(str(target)) for line in done.stdout.splitlines()[:3])
     assert "world size 256" in done.stdout

@@ -29,11 +29,16 @@ def test_zigzag_chunks_and_runs():
         sequence.split(torch.zeros(1, 20), 1, 0, 4, "zigzag")
 
 
-def test_document_ids_and_positions():
-    tokens = torch.tensor([[5, 6, 0, 7, 0, 8, 9, 9]])
-    ids = sequence.document_ids(tokens, eos=0)
-    assert ids.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]  # EOS belongs to the document it ends
-    assert sequence.document_positions(ids).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
+def test_document_positions_restart_per_document():
+    ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 3]])
+    assert sequence.document_positions(ids).tolist() == [[0, 1, 2, 0, 1, 0, 1, 2],
+                                                         [0, 0, 1, 2, 3, 4, 0, 0]]
+
+
+def test_chunk_ranges():
+    assert sequence.chunk_ranges(16, 1, 4, "zigzag") == [(2, 4), (12, 14)]
+    assert sequence.chunk_ranges(48, 2, 3, "none") == [(32, 48)]
+    assert sequence.chunk_ranges(10, 0, 1, "zigzag") == [(0, 10)]
 
 
 def test_attention_rejects_bad_shapes_before_any_collective():

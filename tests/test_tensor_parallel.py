@@ -93,7 +93,7 @@ def test_activation_checkpointing_changes_nothing_but_memory(tmp_path):
 
 def _grads_after_one_backward(cfg, seqs):
     from lctrain.build import apply_data_parallel, build_attention, build_model, setup_distributed
-    from lctrain.data import MicroBatch
+    from lctrain.data.batch import micro_batch_from_tokens
     from lctrain.parallelize import apply_tensor_parallel
     from lctrain.train import forward_backward
 
@@ -105,7 +105,9 @@ def _grads_after_one_backward(cfg, seqs):
     dp, dp_rank = rt.topology.dp, rt.topology.axis_rank(rt.rank, "dp")
     mine = seqs.chunk(dp)[dp_rank]  # this dp rank's sequences
     scale = rt.topology.group_size("dp_cp") / seqs[:, 1:].numel()
-    forward_backward(model, MicroBatch(mine[:, :-1], mine[:, 1:]), scale, None, cfg, rt)
+    mb = micro_batch_from_tokens(mine, cfg.train.seq_len, rt.topology.axis_rank(rt.rank, "cp"),
+                                 cfg.parallel.cp, cfg.parallel.load_balance)
+    forward_backward(model, mb, scale, None, cfg, rt)
     return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
             for n, p in model.named_parameters()}
 

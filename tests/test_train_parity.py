@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from lctrain.build import apply_data_parallel, build_model, setup_distributed
-from lctrain.data import IGNORE_INDEX, MicroBatch
+from lctrain.data.batch import IGNORE_INDEX, MicroBatch
 from lctrain.optim import build_optimizer, build_scheduler
 from lctrain.train import train, train_step
 from tests.helpers import on_ranks, tiny_config
@@ -62,7 +62,8 @@ def test_loss_is_token_weighted_across_ranks_and_micro_steps():
     # very uneven valid-token counts: 3, 32, 10, 1
     for i, keep in enumerate((3, 32, 10, 1)):
         labels[i, keep:] = IGNORE_INDEX
-    mbs = [MicroBatch(seqs[i: i + 1, :-1], labels[i: i + 1]) for i in range(4)]
+    positions = torch.arange(cfg.train.seq_len)[None]
+    mbs = [MicroBatch(seqs[i: i + 1, :-1], labels[i: i + 1], positions, None) for i in range(4)]
     out = on_ranks(_token_weighted_step, 2, cfg, [mbs[:2], mbs[2:]])
     # reference: one process, mean over all valid tokens of the whole global batch
     model = build_model(cfg, torch.device("cpu"))

@@ -48,12 +48,13 @@ def merge_into(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> No
 
 
 def _segments(q: Block, k: Block, qa: int, q0: int, qn: int, ka: int, k0: int, kn: int,
-              causal: bool):
+              causal: bool, row: slice):
     """Split one key run against one query run into kernel calls.
 
     Causal: keys before the query run are fully visible, keys inside its position range form the
     causal diagonal, keys after it are invisible. Yields (key slice, kind, bool mask or None) with
-    kind 'full' | 'causal' | 'mask'; document borders add a mask where the documents differ.
+    kind 'full' | 'causal' | 'mask'; document ids (of the batch rows `row`) add a mask where the
+    documents differ.
     """
     qs = slice(qa, qa + qn)
     cuts = [k0, k0 + kn]
@@ -71,7 +72,7 @@ def _segments(q: Block, k: Block, qa: int, q0: int, qn: int, ka: int, k0: int, k
         if kind == "mask":
             mask = (k.pos[ks][None, :] <= q.pos[qs][:, None])[None, None]  # [1, 1, qn, kn]
         if q.doc is not None:
-            qd, kd = q.doc[:, qs], k.doc[:, ks]
+            qd, kd = q.doc[row, qs], k.doc[row, ks]
             if not bool((qd.amin() == kd.amax()) & (qd.amax() == kd.amin())):
                 if mask is None:
                     mask = torch.ones(qn, hi - lo, dtype=torch.bool, device=q.pos.device)
@@ -83,13 +84,50 @@ def _segments(q: Block, k: Block, qa: int, q0: int, qn: int, ka: int, k0: int, k
         yield ks, kind, mask
 
 
+def _stretches(doc: Tensor) -> dict[int, tuple[int, int]] | None:
+    """{document id: (offset, length)} of a run's tokens [n], or None when an id comes back
+    after another one (then documents are not contiguous and need an explicit mask)."""
+    ids, counts = torch.unique_consecutive(doc, return_counts=True)
+    if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        return None
+    starts = torch.cumsum(counts, 0) - counts
+    return {d: (s, n) for d, s, n in zip(ids.tolist(), starts.tolist(), counts.tolist())}
+
+
+def _document_calls(qb: Block, kb: Block, q_run, k_run, causal: bool):
+    """Calls of one run pair with packed documents: each row's documents attend only to
+    themselves, so the pair splits into same-document stretches that need no document mask
+    (memory and work O(document length^2), not O(run length^2))."""
+    (qa, q0, qn), (ka, k0, kn) = q_run, k_run
+    for b in range(qb.doc.shape[0]):
+        row = slice(b, b + 1)
+        q_docs, k_docs = _stretches(qb.doc[b, qa:qa + qn]), _stretches(kb.doc[b, ka:ka + kn])
+        if q_docs is None or k_docs is None:  # not packed: one masked pass over the pair
+            for ks, kind, mask in _segments(qb, kb, qa, q0, qn, ka, k0, kn, causal, row):
+                yield row, slice(qa, qa + qn), ks, kind, mask
+            continue
+        plain_q, plain_k = Block(qb.pos), Block(kb.pos)
+        for d, (qo, ql) in q_docs.items():
+            if d not in k_docs:
+                continue
+            ko, kl = k_docs[d]
+            for ks, kind, mask in _segments(plain_q, plain_k, qa + qo, q0 + qo, ql, ka + ko,
+                                            k0 + ko, kl, causal, row):
+                yield row, slice(qa + qo, qa + qo + ql), ks, kind, mask
+
+
 def _calls(qb: Block, kb: Block, causal: bool):
-    """Every kernel call of q block x kv block: (query slice, key slice, kind, mask)."""
+    """Every kernel call of q block x kv block: (batch rows, query slice, key slice, kind, mask)."""
     k_runs = kb.runs()
-    for qa, q0, qn in qb.runs():
-        for ka, k0, kn in k_runs:
-            for ks, kind, mask in _segments(qb, kb, qa, q0, qn, ka, k0, kn, causal):
-                yield slice(qa, qa + qn), ks, kind, mask
+    every = slice(None)
+    for q_run in qb.runs():
+        for k_run in k_runs:
+            if qb.doc is not None:
+                yield from _document_calls(qb, kb, q_run, k_run, causal)
+                continue
+            qa, q0, qn = q_run
+            for ks, kind, mask in _segments(qb, kb, qa, q0, qn, *k_run, causal, every):
+                yield every, slice(qa, qa + qn), ks, kind, mask
 
 
 def _cpu_fwd(q, k, v, kind, mask, scale):
@@ -156,10 +194,10 @@ def attend_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal
     """
     fwd, _ = _kernels(q.device)
     calls = 0
-    for qs, ks, kind, mask in _calls(qb, kb, causal):
-        out, lse = fwd(q[:, qs].transpose(1, 2), k[:, ks].transpose(1, 2),
-                       v[:, ks].transpose(1, 2), kind, mask, scale)
-        merge_into(out_acc[:, qs], lse_acc[:, :, qs], out.transpose(1, 2), lse)
+    for bs, qs, ks, kind, mask in _calls(qb, kb, causal):
+        out, lse = fwd(q[bs, qs].transpose(1, 2), k[bs, ks].transpose(1, 2),
+                       v[bs, ks].transpose(1, 2), kind, mask, scale)
+        merge_into(out_acc[bs, qs], lse_acc[bs, :, qs], out.transpose(1, 2), lse)
         calls += 1
     return calls
 
@@ -173,13 +211,13 @@ def attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     results simply add up (flash-attention backward decomposition). Accumulators are float32.
     """
     _, bwd = _kernels(q.device)
-    for qs, ks, kind, mask in _calls(qb, kb, causal):
-        dq, dk, dv = bwd(*(x[:, qs].transpose(1, 2) for x in (dout, q)),
-                         k[:, ks].transpose(1, 2), v[:, ks].transpose(1, 2),
-                         out[:, qs].transpose(1, 2), lse[:, :, qs], kind, mask, scale)
-        dq_acc[:, qs] += dq.transpose(1, 2)
-        dk_acc[:, ks] += dk.transpose(1, 2)
-        dv_acc[:, ks] += dv.transpose(1, 2)
+    for bs, qs, ks, kind, mask in _calls(qb, kb, causal):
+        dq, dk, dv = bwd(*(x[bs, qs].transpose(1, 2) for x in (dout, q)),
+                         k[bs, ks].transpose(1, 2), v[bs, ks].transpose(1, 2),
+                         out[bs, qs].transpose(1, 2), lse[bs, :, qs], kind, mask, scale)
+        dq_acc[bs, qs] += dq.transpose(1, 2)
+        dk_acc[bs, ks] += dk.transpose(1, 2)
+        dv_acc[bs, ks] += dv.transpose(1, 2)
 
 
 def acc_dtype(x: Tensor) -> torch.dtype:

@@ -1,0 +1,5 @@
+"""Data: ingestion and preprocessing into token shards (ingest, preprocess, shards), packing
+with document borders (packing), the resumable dp x cp loader (loader, batch), and the built-in
+synthetic source and long-context tasks (synthetic, tasks).
+
+Nothing is imported here, so that `lctrain preprocess` never pays for torch."""

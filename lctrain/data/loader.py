@@ -1,0 +1,141 @@
+"""The resumable dp x cp data loader, and building the configured source.
+
+Global order: optimizer step s consumes the global samples [c + s G, c + (s + 1) G), G =
+train.global_batch, c = where the run (re)started. DP rank r takes the contiguous slice
+[r G/dp, (r + 1) G/dp) of it, cut into grad_accum micro-batches, so the union over ranks and
+micro-steps is the same set for every (dp, micro_batch) split. Every rank of a TP/CP/PP group
+shares its dp coordinate and so the same sequences; each cp rank then reads only its chunks.
+
+State: the count of global samples consumed and a fingerprint of the source. The count means the
+same thing for every layout, so a run resumed with another dp, tp, cp or micro-batch re-shards
+the samples not yet consumed: none is lost, none is seen twice. A changed source, seq_len or seed
+would change what the count points at: loading refuses it and says what changed.
+"""
+
+from __future__ import annotations
+
+import os
+
+from lctrain.config import BUILTIN_SOURCES, LctrainConfig
+from lctrain.data.batch import MicroBatch, build_micro_batch
+from lctrain.data.packing import Mixture, PackedTokens
+from lctrain.data.shards import TokenStore
+from lctrain.data.synthetic import SyntheticLM
+from lctrain.data.tasks import TASKS
+
+
+class DataLoader:
+    """This rank's micro-batches, step after step."""
+
+    def __init__(self, source, seq_len: int, *, dp_rank: int, dp: int, cp_rank: int, cp: int,
+                 load_balance: str, micro_batch: int, grad_accum: int, document_masking: bool,
+                 seed: int):
+        assert 0 <= dp_rank < dp and 0 <= cp_rank < cp, "rank outside its group"
+        self.source, self.seq_len, self.seed = source, seq_len, seed
+        self.dp_rank, self.dp, self.cp_rank, self.cp = dp_rank, dp, cp_rank, cp
+        self.load_balance, self.document_masking = load_balance, document_masking
+        self.micro_batch, self.grad_accum = micro_batch, grad_accum
+        self.consumed = 0
+        """Global samples consumed by all ranks together."""
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch * self.grad_accum * self.dp
+
+    def indices(self) -> list[list[int]]:
+        """Global sample indices of this rank's micro-batches in the next step."""
+        start = self.consumed + self.dp_rank * self.micro_batch * self.grad_accum
+        return [list(range(start + m * self.micro_batch, start + (m + 1) * self.micro_batch))
+                for m in range(self.grad_accum)]
+
+    def next_step(self) -> list[MicroBatch]:
+        out = [build_micro_batch([self.source.window(i) for i in idx], self.seq_len, self.cp_rank,
+                                 self.cp, self.load_balance, self.document_masking)
+               for idx in self.indices()]
+        self.consumed += self.global_batch
+        return out
+
+    def _fingerprint(self) -> dict:
+        return {**self.source.fingerprint(), "seq_len": self.seq_len, "seed": self.seed}
+
+    def state_dict(self) -> dict:
+        """The same on every rank: samples consumed, and what they were drawn from."""
+        return {"consumed": self.consumed, "fingerprint": self._fingerprint()}
+
+    def load_state_dict(self, state: dict) -> None:
+        mine, theirs = self._fingerprint(), state["fingerprint"]
+        if mine != theirs:
+            diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+            raise ValueError(
+                "the data-loader state was saved for other data: "
+                + "; ".join(f"{k}: saved {theirs.get(k)!r}, now {mine.get(k)!r}" for k in diff)
+                + ". Restore those settings to resume, or start the data over by loading the "
+                "model only")
+        self.consumed = int(state["consumed"])
+
+
+def build_source(cfg: LctrainConfig):
+    """The configured source: window(i) for every global sample i, and fingerprint()."""
+    d = cfg.data
+    if d.source == "mixture":
+        return Mixture([_one_source(cfg, e.source) for e in d.mixture],
+                       [e.weight for e in d.mixture])
+    return _one_source(cfg, d.path if d.source == "tokens" else d.source)
+
+
+def _one_source(cfg: LctrainConfig, name: str):
+    args = (cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed)
+    if name == "synthetic":
+        return SyntheticLM(*args)
+    if name in TASKS:
+        return TASKS[name](*args)
+    return PackedTokens(TokenStore(name), cfg.train.seq_len, cfg.train.seed, cfg.data.long_docs)
+
+
+def source_problems(cfg: LctrainConfig) -> list[str]:
+    """Validation of data.source / data.path / data.mixture against the model (cheap: reads
+    only each dataset's meta.json and document index)."""
+    d, problems = cfg.data, []
+    if d.source == "mixture":
+        if not d.mixture:
+            return ["data.source=mixture needs data.mixture, e.g. "
+                    "data.mixture='[{source: passkey, weight: 1}, {source: recall, weight: 1}]'"]
+        names = [(f"data.mixture[{i}].source", e.source) for i, e in enumerate(d.mixture)]
+        problems += [f"data.mixture[{i}].weight={e.weight} must be > 0; try 1.0"
+                     for i, e in enumerate(d.mixture) if not e.weight > 0]
+    elif d.mixture:
+        return [f"data.mixture is set but data.source={d.source}; set data.source=mixture to use "
+                "it, or data.mixture=[] to drop it"]
+    elif d.source == "tokens":
+        if d.path is None:
+            return ["data.source=tokens needs data.path=<directory written by lctrain preprocess>"]
+        names = [("data.path", d.path)]
+    else:
+        names = [("data.source", d.source)]
+    for key, name in names:
+        if name in BUILTIN_SOURCES:
+            continue
+        if not os.path.isdir(name):
+            problems.append(f"{key}={name} is neither a built-in source "
+                            f"({', '.join(BUILTIN_SOURCES)}) nor a directory")
+            continue
+        try:
+            store = PackedTokens(TokenStore(name), cfg.train.seq_len, cfg.train.seed, d.long_docs)
+        except ValueError as e:
+            problems.append(f"{key}: {e}")
+            continue
+        if store.store.vocab_size > cfg.model.vocab_size:
+            problems.append(f"{key}={name} was tokenized with {store.store.vocab_size} tokens, "
+                            f"more than model.vocab_size={cfg.model.vocab_size}; set "
+                            f"model.vocab_size={store.store.vocab_size} or more")
+    return problems
+
+
+def build_loader(cfg: LctrainConfig, topology, rank: int, grad_accum: int) -> DataLoader:
+    """This rank's loader for a validated config."""
+    return DataLoader(build_source(cfg), cfg.train.seq_len,
+                      dp_rank=topology.axis_rank(rank, "dp"), dp=topology.dp,
+                      cp_rank=topology.axis_rank(rank, "cp"), cp=topology.cp,
+                      load_balance=cfg.parallel.load_balance, micro_batch=cfg.train.micro_batch,
+                      grad_accum=grad_accum, document_masking=cfg.data.document_masking,
+                      seed=cfg.train.seed)

@@ -1,0 +1,379 @@
+"""`lctrain preprocess`: tokenize a corpus once into the token-shard format of lctrain.data.shards.
+
+    lctrain preprocess data.path=corpus/ data.tokenizer=tok.json \\
+        preprocess.output=data/corpus-tok preprocess.workers=2
+
+Training then reads it with `data.source=tokens data.path=data/corpus-tok`.
+
+The main process reads rows (lctrain.data.ingest) in batches of preprocess.batch_rows; a fork pool
+of preprocess.workers processes, each with its own tokenizer built once, checks and tokenizes
+them. Ordered `imap` hands the results back in input order and only the main process writes, so
+the dataset is byte-identical whatever the worker count. At most 2 batches per worker are in
+flight, so the corpus is never read ahead. Bad rows are skipped and counted by reason (or, with
+data.strict=true, the first one stops the run); nothing is published unless the run completes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+
+from lctrain import config as C
+from lctrain.config import DataConfig, LctrainConfig
+from lctrain.data.ingest import (
+    SKIP_REASONS,
+    DataError,
+    Row,
+    TokenizerInfo,
+    TokenizerMismatch,
+    check_row,
+    iter_rows,
+    load_tokenizer,
+    resolve_inputs,
+)
+from lctrain.data.shards import ShardWriter, dtype_for_vocab
+
+__all__ = ["DataError", "PreprocessSummary", "preprocess", "run_preprocess", "validate_preprocess"]
+
+EXAMPLES = 3
+"""Locations kept per skip reason."""
+
+
+def _choice(key: str, value: object, allowed: tuple[str, ...]) -> list[str]:
+    if value in allowed:
+        return []
+    return [f"{key}={value!r} is not one of {', '.join(allowed)}; pick one of them"]
+
+
+def _output_problems(pre: C.PreprocessConfig) -> list[str]:
+    if not pre.output:
+        return ["preprocess.output is not set; name the directory to write, e.g. "
+                "preprocess.output=data/corpus-tok"]
+    out = Path(pre.output).expanduser()
+    if not out.name:
+        return [f"preprocess.output={pre.output!r} must name a directory, e.g. "
+                "preprocess.output=data/corpus-tok"]
+    if not out.exists():
+        return []
+    if not pre.overwrite:
+        return [f"preprocess.output={pre.output} exists; set preprocess.overwrite=true to replace "
+                "it (once the new dataset is complete) or choose another preprocess.output"]
+    if out.is_dir() and ((out / "meta.json").is_file() or not any(out.iterdir())):
+        return []
+    return [f"preprocess.output={pre.output} exists and is not a preprocessed dataset (no "
+            "meta.json); preprocess.overwrite=true only replaces datasets: choose another "
+            "preprocess.output or remove it yourself"]
+
+
+def validate_preprocess(cfg: LctrainConfig) -> list[str]:
+    """Every problem of a preprocess configuration at once (cheap: no tokenizer, no corpus read)."""
+    d, p = cfg.data, cfg.preprocess
+    problems = _output_problems(p)
+    if not d.path:
+        problems.append("data.path is not set; point it at the corpus: a file, a folder, a glob "
+                        "such as 'corpus/*.jsonl' or a hub dataset name")
+    if not d.tokenizer:
+        problems.append("data.tokenizer is not set; give a tokenizer.json file, a folder holding "
+                        "one, or a hub name")
+    if not d.text_field:
+        problems.append("data.text_field is empty; name the field holding the text, e.g. "
+                        "data.text_field=text")
+    if p.workers < 0:
+        problems.append(f"preprocess.workers={p.workers} must be >= 0 (0 = one per CPU core); "
+                        "try preprocess.workers=0")
+    for key, value, default in (("preprocess.shard_tokens", p.shard_tokens, 2**28),
+                                ("preprocess.batch_rows", p.batch_rows, 512)):
+        if value < 1:
+            problems.append(f"{key}={value} must be a positive integer; try {key}={default}")
+    return (problems + _choice("data.format", d.format, C.DATA_FORMATS)
+            + _choice("data.text_unit", d.text_unit, C.TEXT_UNITS)
+            + _choice("preprocess.dtype", p.dtype, C.TOKEN_DTYPES))
+
+
+@dataclass
+class EncodedBatch:
+    """One batch of rows, checked and tokenized: documents back to back and the skipped rows."""
+
+    rows: int
+    tokens: np.ndarray
+    """uint32 [sum(lengths)]."""
+    lengths: np.ndarray
+    """int64 [documents]."""
+    skips: list[tuple[str, str, str]]
+    """(reason, location, detail) in row order."""
+
+
+class BatchEncoder:
+    """Checks and tokenizes batches of rows; built once per worker process."""
+
+    def __init__(self, info: TokenizerInfo, text_field: str):
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_str(info.json)
+        self.text_field = text_field
+        self.head = [] if info.bos_id is None else [info.bos_id]
+        self.tail = [] if info.eos_id is None else [info.eos_id]
+        self._encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
+
+    def __call__(self, rows: list[Row]) -> EncodedBatch:
+        texts, where, skips = [], [], []
+        for i, (kind, prefix, n, payload) in enumerate(rows):
+            text, reason, detail = check_row(kind, payload, self.text_field)
+            if text is None:
+                skips.append((i, reason, f"{prefix}{n}", detail))
+            else:
+                texts.append(text)
+                where.append((i, prefix, n))
+        ids, lengths = [], []
+        for (i, prefix, n), enc in zip(where, self._encode(texts, add_special_tokens=False)):
+            doc = self.head + enc.ids + self.tail
+            if not doc:
+                skips.append((i, "no_tokens", f"{prefix}{n}", "the text has no tokens and "
+                              "neither BOS nor EOS is added"))
+                continue
+            ids += doc
+            lengths.append(len(doc))
+        return EncodedBatch(rows=len(rows), tokens=np.asarray(ids, dtype=np.uint32),
+                            lengths=np.asarray(lengths, dtype=np.int64),
+                            skips=[s[1:] for s in sorted(skips)])
+
+
+_worker_encoder: BatchEncoder | None = None
+"""The encoder of this worker process (set by `_init_worker`, the pool initializer)."""
+
+
+def _init_worker(info: TokenizerInfo, text_field: str) -> None:
+    global _worker_encoder
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker; no fork warnings
+    signal.signal(signal.SIGINT, signal.SIG_IGN)    # the main process stops the pool
+    _worker_encoder = BatchEncoder(info, text_field)
+
+
+def _encode_in_worker(rows: list[Row]) -> EncodedBatch:
+    assert _worker_encoder is not None, "worker used without _init_worker"
+    return _worker_encoder(rows)
+
+
+class _Throttle:
+    """Feeds batches to Pool.imap at most `limit` ahead of the results taken back."""
+
+    def __init__(self, batches: Iterator[list[Row]], limit: int):
+        self._batches, self._slots, self._stop = batches, threading.Semaphore(limit), False
+
+    def __iter__(self) -> Iterator[list[Row]]:
+        while True:
+            self._slots.acquire()
+            batch = None if self._stop else next(self._batches, None)
+            if batch is None:
+                return
+            yield batch
+
+    def taken(self) -> None:
+        self._slots.release()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._slots.release()
+
+
+def _batches(rows: Iterator[Row], size: int) -> Iterator[list[Row]]:
+    while batch := list(islice(rows, size)):
+        yield batch
+
+
+def encoded_batches(rows: Iterator[Row], info: TokenizerInfo, text_field: str, batch_rows: int,
+                    workers: int) -> Iterator[EncodedBatch]:
+    """Batches of rows, tokenized by `workers` fork processes (1: in this process), in order."""
+    batches = _batches(rows, batch_rows)
+    if workers == 1:
+        yield from map(BatchEncoder(info, text_field), batches)
+        return
+    throttle = _Throttle(batches, limit=2 * workers)
+    pool = multiprocessing.get_context("fork").Pool(workers, _init_worker, (info, text_field))
+    try:
+        for batch in pool.imap(_encode_in_worker, throttle):
+            throttle.taken()
+            yield batch
+        pool.close()
+        pool.join()
+    finally:
+        throttle.stop()
+        pool.terminate()
+
+
+def _cpu_count() -> int:
+    """Cores this process may run on (a SLURM or taskset allotment, not the whole host)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+@dataclass
+class _Tally:
+    strict: bool
+    rows: int = 0
+    documents: int = 0
+    tokens: int = 0
+    skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SKIP_REASONS, 0))
+    examples: dict[str, list[str]] = field(default_factory=lambda: {r: [] for r in SKIP_REASONS})
+
+    def add(self, batch: EncodedBatch) -> None:
+        """Count a batch; with data.strict=true its first bad row is a DataError."""
+        if self.strict and batch.skips:
+            reason, loc, detail = batch.skips[0]
+            raise DataError(f"{loc}: {reason} ({detail}); fix or remove the row, or set "
+                            "data.strict=false to skip and count bad rows")
+        self.rows += batch.rows
+        self.documents += len(batch.lengths)
+        self.tokens += len(batch.tokens)
+        for reason, loc, _ in batch.skips:
+            self.skipped[reason] += 1
+            if len(self.examples[reason]) < EXAMPLES:
+                self.examples[reason].append(loc)
+
+    def skip_text(self) -> str:
+        parts = [f"{r} {n} (e.g. {', '.join(self.examples[r])})"
+                 for r, n in self.skipped.items() if n]
+        return "; ".join(parts) or "none"
+
+
+@dataclass
+class PreprocessSummary:
+    """What a preprocess run did, for the console and for benchmarks."""
+
+    output: str
+    rows: int
+    """Rows read, skipped ones included."""
+    documents: int
+    tokens: int
+    skipped: dict[str, int]
+    examples: dict[str, list[str]]
+    """First locations of each skip reason."""
+    dtype: str
+    vocab_size: int
+    shards: int
+    seconds: float
+
+    @property
+    def tokens_per_sec(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def render(self) -> str:
+        lines = [f"lctrain: preprocessed {self.documents:,} documents, {self.tokens:,} tokens "
+                 f"({self.dtype}, {self.shards} shard{'s' * (self.shards != 1)}) -> {self.output}",
+                 f"  rows read {self.rows:,}, skipped {sum(self.skipped.values()):,}"]
+        for reason, n in self.skipped.items():
+            if n:
+                lines.append(f"    {reason}: {n:,}  e.g. {', '.join(self.examples[reason])}")
+        lines.append(f"  {self.seconds:.1f} s, {self.tokens_per_sec:,.0f} tokens/s")
+        return "\n".join(lines)
+
+
+def _meta(data: DataConfig, info: TokenizerInfo, tally: _Tally, kinds: list[str]) -> dict:
+    """meta.json beyond what ShardWriter writes: a function of the config and the data only."""
+    return {
+        "vocab_size": info.vocab_size, "bos_id": info.bos_id, "eos_id": info.eos_id,
+        "add_bos": data.add_bos, "add_eos": data.add_eos,
+        "tokenizer": {"spec": data.tokenizer, "sha256": info.sha256,
+                      "bos_token": info.bos_token, "eos_token": info.eos_token},
+        "source": {"path": data.path, "format": data.format, "text_field": data.text_field,
+                   "text_unit": data.text_unit, "split": data.split,
+                   "inputs": {k: kinds.count(k) for k in sorted(set(kinds))}},
+        "summary": {"rows": tally.rows, "documents": tally.documents, "tokens": tally.tokens,
+                    "skipped": dict(tally.skipped),
+                    "examples": {r: list(locs) for r, locs in tally.examples.items()}},
+    }
+
+
+@contextlib.contextmanager
+def _live(enabled: bool) -> Iterator[Callable[[_Tally], None]]:
+    """A live progress line on stdout when it is a terminal; otherwise nothing."""
+    if not (enabled and sys.stdout.isatty()):
+        yield lambda tally: None
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    start = time.perf_counter()
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  transient=True) as bar:
+        task = bar.add_task("reading")
+
+        def show(t: _Tally) -> None:
+            rate = t.tokens / max(time.perf_counter() - start, 1e-9)
+            bar.update(task, description=f"rows {t.rows:,}  docs {t.documents:,}  tokens "
+                       f"{t.tokens:,}  skipped {sum(t.skipped.values()):,}  {rate:,.0f} tok/s")
+        yield show
+
+
+def preprocess(cfg: LctrainConfig, progress: bool = True) -> PreprocessSummary:
+    """Tokenize data.path into preprocess.output; publish it only if the whole run succeeds."""
+    problems = validate_preprocess(cfg)
+    if problems:
+        raise ValueError("; ".join(problems))
+    data, pre = cfg.data, cfg.preprocess
+    start = time.perf_counter()
+    inputs = resolve_inputs(data)
+    info = load_tokenizer(data)  # never encodes here: the workers fork after this
+    try:
+        dtype = dtype_for_vocab(info.vocab_size, pre.dtype)
+    except ValueError as e:
+        raise TokenizerMismatch(str(e)) from e
+    workers = pre.workers or _cpu_count()
+    writer = ShardWriter(Path(pre.output).expanduser(), dtype, pre.shard_tokens)
+    tally = _Tally(strict=data.strict)
+    try:
+        batches = encoded_batches(iter_rows(inputs, data), info, data.text_field,
+                                  pre.batch_rows, workers)
+        with contextlib.closing(batches), _live(progress) as show:
+            for batch in batches:
+                tally.add(batch)
+                writer.add(batch.tokens, batch.lengths)
+                show(tally)
+        if tally.documents == 0:
+            raise DataError(f"data.path={data.path!r}: no valid document in {tally.rows} rows "
+                            f"(skipped: {tally.skip_text()}); check data.text_field="
+                            f"{data.text_field!r}, data.format and data.text_unit")
+        writer.commit(_meta(data, info, tally, [i.kind for i in inputs]), overwrite=pre.overwrite)
+    except BaseException:
+        writer.abort()
+        raise
+    return PreprocessSummary(output=str(pre.output), rows=tally.rows, documents=tally.documents,
+                             tokens=tally.tokens, skipped=dict(tally.skipped),
+                             examples={r: list(v) for r, v in tally.examples.items()}, dtype=dtype,
+                             vocab_size=info.vocab_size, shards=len(writer.shards),
+                             seconds=time.perf_counter() - start)
+
+
+def run_preprocess(composed) -> int:
+    """`lctrain preprocess`: exit 2 on a config problem, 1 on a data error, 0 when written."""
+    from lctrain.cli import fail_config
+
+    cfg: LctrainConfig = composed.cfg
+    problems = validate_preprocess(cfg)
+    if problems:
+        fail_config(problems)
+    try:
+        summary = preprocess(cfg, progress=cfg.logging.progress)
+    except TokenizerMismatch as e:
+        fail_config([str(e)])
+    except (ValueError, OSError) as e:  # DataError, unreadable corpus or tokenizer, no document
+        message = str(e).replace("\n", " ")
+        print(f"lctrain: data error: {message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"lctrain: preprocess interrupted; {cfg.preprocess.output} was not written",
+              file=sys.stderr)
+        return 130
+    print(summary.render())
+    return 0
