@@ -10,7 +10,8 @@ on the same input, side by side (their outputs must be byte-identical, which is 
 loader: the dataset packed into sequences of --seq-len tokens (262,144 by default); the time of
 one loader step (micro-batch of 1) for cp=1 and for one rank of cp=8, with and without
 document masking, against one training step (forward, backward, AdamW) of the tiny model on the
-same micro-batch in one process, with document masking so attention stays within documents.
+same micro-batch in one process, with document masking so attention stays within documents
+and full activation checkpointing so 256K tokens of activations fit in memory.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ def section_loader(dataset: Path, seq_len: int) -> None:
     cfg = LctrainConfig()
     cfg.train.seq_len, cfg.train.micro_batch, cfg.train.global_batch = seq_len, 1, 1
     cfg.data.document_masking = True
+    cfg.train.activation_checkpointing = "full"  # 256K tokens of activations fit any machine
     cfg.logging.progress = False
     source = PackedTokens(TokenStore(dataset), seq_len, seed=0)
     print(f"\nloader: {source.tokens:,} tokens, {source.samples_per_epoch} sequences of "

@@ -8,6 +8,8 @@ the schema does not know (also those added with `+key=...`) are all reported at 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -90,10 +92,24 @@ def _hydra_message(e: BaseException) -> str:
     return " <- ".join(p.replace("\n", " ") for p in parts if p)
 
 
+_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """`text` with the value of every secret-looking environment variable (WANDB_API_KEY,
+    HF_TOKEN, ...) replaced: a value interpolated into the config never reaches a file or log."""
+    for name, value in os.environ.items():
+        if _SECRET_NAME.search(name) and len(value) >= 8:
+            text = text.replace(value, f"<{name} redacted>")
+    return text
+
+
 def to_yaml(cfg: LctrainConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The resolved config as YAML (config.yaml, checkpoints), secrets redacted."""
+    return redact(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
 
 
 def as_dict(cfg: LctrainConfig) -> dict:
-    return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
+    """The resolved config as plain data (W&B), secrets redacted."""
+    return OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)))  # type: ignore[return-value]
 

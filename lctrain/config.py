@@ -26,6 +26,7 @@ TOKEN_DTYPES = ("auto", "uint16", "uint32")
 DEVICES = ("auto", "cpu", "cuda")
 START_METHODS = ("fork", "spawn")
 RESUME_MODES = ("none", "auto")
+ON_NAN = ("stop", "skip")
 
 
 @dataclass
@@ -108,6 +109,9 @@ class TrainConfig:
     """Compute dtype under autocast: fp32 | bf16 (parameters and optimizer stay fp32)."""
     device: str = "auto"
     """auto (cuda if available, else cpu) | cpu | cuda."""
+    on_nan: str = "stop"
+    """A non-finite loss or gradient norm: stop (fail the run, naming the step) | skip (drop the
+    step's update, log it, and go on)."""
     activation_checkpointing: str = "none"
     """none | selective (save matmul and attention outputs, recompute the rest) | full (whole
     blocks recomputed in backward)."""
@@ -235,9 +239,25 @@ class OptimConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 0
-    """Save every N steps (0 = never)."""
+    """Save every N optimizer steps and after the last one (0 = never)."""
+    dir: str | None = None
+    """Where checkpoints go; null = <run dir>/checkpoints."""
+    keep: int = 3
+    """Newest complete checkpoints to keep (0 = all)."""
+    async_save: bool = False
+    """Stage the tensors in memory and write them in the background while training goes on
+    (the key cannot be `async`: that is a Python keyword)."""
     resume: str = "none"
-    """none | auto (newest complete checkpoint in the run dir)."""
+    """none | auto (the newest complete checkpoint in checkpoint.dir; a damaged one is skipped
+    with a warning for the one before it; none found = start at step 0)."""
+    load: str | None = None
+    """A checkpoint directory to start from (takes the place of resume=auto; it must be
+    complete and undamaged)."""
+    load_model_only: bool = False
+    """With checkpoint.load / resume: take only the weights (fine-tuning): fresh optimizer,
+    step 0, data from the start."""
+    verify: bool = True
+    """Check every file's sha256 against the manifest before loading (sizes are always checked)."""
     export_hf: str | None = None
     """Write the final weights here as a Hugging Face Llama directory (config.json + safetensors)."""
 

@@ -16,11 +16,17 @@ import pickle
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from pathlib import Path
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+"""Signals that ask a run to checkpoint and stop (SLURM sends SIGUSR1 ahead of the time limit
+with --signal, SIGTERM at preemption)."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,61 @@ def _stop(procs: list) -> None:
             p.join()
 
 
+class PreemptionWatcher:
+    """Turns SIGTERM / SIGUSR1 on any rank, or a stop file (touched by lctrain's sbatch script
+    when SLURM warns), into one decision taken by every rank after the same step."""
+
+    def __init__(self, stop_file: Path, rank: int):
+        self.stop_file, self.rank = stop_file, rank
+        self.reason: str | None = None
+        """Why the run stops (None while it does not)."""
+        self._signal: str | None = None
+        self._previous: dict = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        if rank == 0 and stop_file.exists():  # left by the run this one resumes
+            stop_file.unlink()
+
+    def _handle(self, signum, frame) -> None:
+        self._signal = signal.Signals(signum).name
+
+    def requested(self, rt) -> bool:
+        """Collective: True on every rank once any rank got a signal or rank 0 sees the file."""
+        import torch
+        import torch.distributed as dist
+
+        flags = [int(self._signal is not None),
+                 int(self.rank == 0 and self.stop_file.exists())]
+        if rt.world_size > 1:
+            box = torch.tensor(flags, device=rt.device)
+            dist.all_reduce(box, op=dist.ReduceOp.MAX)
+            flags = box.tolist()
+        if any(flags) and self.reason is None:
+            self.reason = (f"{self._signal} received" if self._signal else
+                           "a stop signal on another rank" if flags[0] else
+                           f"{self.stop_file} exists")
+        return any(flags)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+def _forward_signals(procs: list) -> dict:
+    """While local ranks run, SIGTERM / SIGUSR1 sent to the launcher go to every rank."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def forward(signum, frame):
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signum)
+
+    return {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+
+
 def run_ranks(fn: Callable, nproc: int, args: tuple = (), *, start_method: str = "fork",
               threads: int = 1, backend: str | None = "gloo", timeout_s: float | None = None,
               master_port: int = 0, collective_timeout_s: int = 600) -> list:
@@ -162,6 +223,7 @@ def run_ranks(fn: Callable, nproc: int, args: tuple = (), *, start_method: str =
         conns.append(parent)
     results: dict[int, object] = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    previous = _forward_signals(procs)
     try:
         pending = set(range(nproc))
         failures: list[tuple[float, int, str]] = []  # (when, rank, reason)
@@ -179,6 +241,9 @@ def run_ranks(fn: Callable, nproc: int, args: tuple = (), *, start_method: str =
     except BaseException:
         _stop(procs)
         raise
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     for p in procs:
         p.join()
     return [results[r] for r in range(nproc)]

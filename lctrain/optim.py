@@ -49,6 +49,16 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_st
         optimizer, lambda step: lr_at(step, cfg, total_steps) / cfg.lr)
 
 
+def resume_scheduler(scheduler, step: int) -> None:
+    """Put a `build_scheduler` schedule where it is after `step` optimizer steps: the schedule
+    is a function of the step alone, so this is exact under any layout (any param groups)."""
+    scheduler.last_epoch = step
+    lrs = [base * f(step) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
+
+
 @torch.no_grad()
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Global L2 norm of all gradients (DTensor shards included); clip when max_norm > 0.

@@ -37,12 +37,21 @@ def render_sbatch(cfg: LctrainConfig, overrides: list[str], run_dir: Path) -> st
         'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "export MASTER_PORT=${MASTER_PORT:-29500}",
         "export OMP_NUM_THREADS=1",
+        "# SLURM's USR1 (--signal above) reaches this shell only: it asks lctrain, through the",
+        "# stop file, to checkpoint after the current step and exit cleanly",
+        f"trap 'touch {shlex.quote(str(run_dir / 'STOP'))}' USR1",
         "srun --kill-on-bad-exit=1 torchrun \\",
         "  --nnodes=\"$SLURM_NNODES\" \\",
         f"  --nproc-per-node={s.gpus_per_node} \\",
         "  --rdzv-backend=c10d --rdzv-id=\"$SLURM_JOB_ID\" \\",
         "  --rdzv-endpoint=\"$MASTER_ADDR:$MASTER_PORT\" \\",
-        f"  -m lctrain.cli train {args}",
+        f"  -m lctrain.cli train {args} &",
+        "srun_pid=$!",
+        "while true; do  # a trap interrupts wait: wait again until srun itself has ended",
+        '  status=0; wait "$srun_pid" || status=$?',
+        '  kill -0 "$srun_pid" 2>/dev/null || break',
+        "done",
+        'exit "$status"',
     ]
     return "\n".join(header + [""] + body) + "\n"
 

@@ -28,12 +28,14 @@ from lctrain.build import (
     build_model,
     setup_distributed,
 )
+from lctrain.checkpoint import Checkpointer
 from lctrain.comm import record_traffic
 from lctrain.config import LctrainConfig, derive
 from lctrain.data.batch import IGNORE_INDEX, MicroBatch
 from lctrain.data.loader import build_loader
 from lctrain.evals import Evaluator, format_table
 from lctrain.hf import export_hf, load_hf_weights
+from lctrain.launch import PreemptionWatcher
 from lctrain.metrics import MetricsLogger
 from lctrain.model import Llama
 from lctrain.optim import build_optimizer, build_scheduler, clip_grad_norm_
@@ -49,9 +51,6 @@ def check_supported(cfg: LctrainConfig) -> list[str]:
     if p.tp > 1 and cfg.model.tie_embeddings:
         problems.append(f"parallel.tp={p.tp} with model.tie_embeddings=true is not supported yet; "
                         "set model.tie_embeddings=false or parallel.tp=1")
-    if cfg.checkpoint.every or cfg.checkpoint.resume != "none":
-        problems.append("checkpoint.every / checkpoint.resume: checkpointing is not implemented in "
-                        "this version; set checkpoint.every=0 checkpoint.resume=none")
     return problems
 
 
@@ -116,26 +115,24 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[Micro
         with _gradient_sync(model, sync=i == len(micro_batches) - 1):
             loss_sum += forward_backward(model, mb, loss_scale, dtype, cfg, rt)
     grad_norm = clip_grad_norm_(list(model.parameters()), cfg.optim.grad_clip)
-    lr = scheduler.get_last_lr()[0]
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
     loss = _all_reduce(loss_sum, rt) / tokens
+    lr = scheduler.get_last_lr()[0]
+    # the same global values on every rank, so every rank takes the same decision
+    finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
+    if finite:  # a non-finite update would destroy the weights: never apply it
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
     return {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
-            "valid_tokens": int(tokens.item())}
+            "valid_tokens": int(tokens.item()), "skipped": int(not finite)}
 
 
-def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
-    """Train on this rank; returns the metrics of every step (identical on all ranks)."""
-    rt = setup_distributed(cfg)
-    run_dir = _agree_run_dir(Path(run_dir), rt)
-    if rt.rank == 0:
-        from lctrain.compose import to_yaml
+class NonFiniteError(RuntimeError):
+    """A non-finite loss or gradient norm with train.on_nan=stop."""
 
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    derived = derive(cfg, rt.world_size)
-    torch.manual_seed(cfg.train.seed)
+
+def _build(cfg: LctrainConfig, rt: Runtime):
+    """Model (TP, HF weights, checkpointing, DP), optimizer and schedule, in that order."""
     model = build_model(cfg, rt.device, build_attention(cfg, rt))
     if cfg.parallel.tp > 1:
         model = apply_tensor_parallel(model, rt.mesh["tp"], cfg.parallel.sp)
@@ -145,10 +142,23 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
                                            cfg.parallel.cp)
     model = apply_data_parallel(model, cfg, rt)
     optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
-    loader = build_loader(cfg, rt.topology, rt.rank, derived.grad_accum)
-    from lctrain.compose import as_dict
+    return model, optimizer, build_scheduler(optimizer, cfg.optim, cfg.train.steps)
 
+
+def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
+    """Train on this rank; returns the metrics of every step run (identical on all ranks)."""
+    from lctrain.compose import as_dict, to_yaml
+
+    rt = setup_distributed(cfg)
+    run_dir = _agree_run_dir(Path(run_dir), rt)
+    watcher = PreemptionWatcher(run_dir / "STOP", rt.rank)
+    if rt.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    derived = derive(cfg, rt.world_size)
+    torch.manual_seed(cfg.train.seed)
+    model, optimizer, scheduler = _build(cfg, rt)
+    loader = build_loader(cfg, rt.topology, rt.rank, derived.grad_accum)
     metrics = MetricsLogger(cfg.logging, run_dir, rt.rank, cfg.train.steps, as_dict(cfg))
     metrics.info(f"lctrain: {rt.world_size} rank(s) on {rt.device.type}, layout "
                  f"{rt.topology.shape} (pp, dp, cp_ring, cp_ulysses, tp), grad_accum "
@@ -156,32 +166,63 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
     if getattr(loader.source, "dropped", 0):
         metrics.info(f"lctrain: data.long_docs=drop skips {loader.source.dropped:,} documents "
                      f"longer than train.seq_len={cfg.train.seq_len}")
+    checkpointer = Checkpointer(cfg, rt, run_dir, to_yaml(cfg), metrics.info)
     evaluator = Evaluator(cfg, rt)
-    history, tokens_seen = [], 0
+    history: list[dict] = []
     try:
-        for step in range(1, cfg.train.steps + 1):
-            t0 = time.perf_counter()
-            micro_batches = loader.next_step()
-            data_time = time.perf_counter() - t0
-            with record_traffic() as traffic:
-                out = train_step(model, optimizer, scheduler, micro_batches, cfg, rt)
-            elapsed = time.perf_counter() - t0
-            tokens_seen += derived.tokens_per_step
-            out.update(step=step, tokens=tokens_seen, step_time=elapsed, data_time=data_time,
-                       tokens_per_sec=derived.tokens_per_step / elapsed,
-                       cp_bytes_sent=sum(traffic.bytes.values()))
+        state = checkpointer.maybe_resume(model, optimizer, scheduler, loader)
+        for step in range(state.step + 1, cfg.train.steps + 1):
+            out = _run_step(model, optimizer, scheduler, loader, cfg, rt, derived)
+            if out["skipped"]:
+                if cfg.train.on_nan == "stop":
+                    raise NonFiniteError(
+                        f"step {step}: loss {out['loss']}, grad norm {out['grad_norm']}; the "
+                        "update was not applied (train.on_nan=stop). Resume from the last "
+                        "checkpoint with a lower optim.lr, check the data, or set "
+                        "train.on_nan=skip")
+                metrics.info(f"lctrain: warning: step {step} skipped: loss {out['loss']}, grad "
+                             f"norm {out['grad_norm']} (train.on_nan=skip)")
+            state.step, state.tokens = step, state.tokens + derived.tokens_per_step
+            out.update(step=step, tokens=state.tokens)
             evaluated = evaluator.should_run(step)
             if evaluated:
                 results = evaluator.run(model)
                 out.update(results)
                 for line in format_table(results, cfg.eval.tasks):
                     metrics.info(line)
+            stop = watcher.requested(rt)
+            if checkpointer.should_save(step) or stop:
+                t0 = time.perf_counter()
+                checkpointer.save(step, model, optimizer, loader, state, wait=stop)
+                out["checkpoint_stall"] = time.perf_counter() - t0
             history.append(out)
-            if metrics.should_log(step) or evaluated:
+            if metrics.should_log(step) or evaluated or stop:
                 metrics.log(step, {k: v for k, v in out.items() if k != "step"})
-        if cfg.checkpoint.export_hf is not None:
+            if stop:
+                metrics.info(f"lctrain: stopping after step {step} ({watcher.reason}); the "
+                             "checkpoint is saved: run again with checkpoint.resume=auto")
+                break
+        checkpointer.wait()
+        if cfg.checkpoint.export_hf is not None and not watcher.reason:
             export_hf(model, cfg.model, cfg.checkpoint.export_hf, rt.rank)
             metrics.info(f"lctrain: exported Hugging Face weights to {cfg.checkpoint.export_hf}")
     finally:
+        checkpointer.close()
+        watcher.restore()
         metrics.close()
     return history
+
+
+def _run_step(model, optimizer, scheduler, loader, cfg: LctrainConfig, rt: Runtime,
+              derived) -> dict:
+    """One step with its timings and traffic."""
+    t0 = time.perf_counter()
+    micro_batches = loader.next_step()
+    data_time = time.perf_counter() - t0
+    with record_traffic() as traffic:
+        out = train_step(model, optimizer, scheduler, micro_batches, cfg, rt)
+    elapsed = time.perf_counter() - t0
+    out.update(step_time=elapsed, data_time=data_time,
+               tokens_per_sec=derived.tokens_per_step / elapsed,
+               cp_bytes_sent=sum(traffic.bytes.values()))
+    return out

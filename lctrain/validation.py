@@ -65,6 +65,7 @@ def _choices(cfg: LctrainConfig) -> list[str]:
         + _choice("data.long_docs", cfg.data.long_docs, C.LONG_DOCS)
         + _choice("data.doc_len_dist", cfg.data.doc_len_dist, C.DOC_LEN_DISTS)
         + _choice("checkpoint.resume", cfg.checkpoint.resume, C.RESUME_MODES)
+        + _choice("train.on_nan", cfg.train.on_nan, C.ON_NAN)
         + _choice("launch.backend", cfg.launch.backend, ("auto", "gloo", "nccl"))
         + _choice("launch.start_method", cfg.launch.start_method, C.START_METHODS)
         + _choice("logging.wandb_mode", cfg.logging.wandb_mode, ("online", "offline", "disabled"))
@@ -185,9 +186,18 @@ def _scalars(cfg: LctrainConfig) -> list[str]:
         problems.append(f"optim.min_lr={o.min_lr} must lie in [0, optim.lr={o.lr}]; try "
                         f"optim.min_lr={o.lr / 10:g}")
     for key, v in (("optim.warmup_steps", o.warmup_steps), ("optim.weight_decay", o.weight_decay),
-                   ("optim.grad_clip", o.grad_clip), ("checkpoint.every", ck.every)):
+                   ("optim.grad_clip", o.grad_clip), ("checkpoint.every", ck.every),
+                   ("checkpoint.keep", ck.keep)):
         if v < 0:
             problems.append(f"{key}={v} must be >= 0; try {key}=0")
+    if ck.load is not None and not os.path.isdir(ck.load):
+        problems.append(f"checkpoint.load={ck.load} is not a directory; give a checkpoint "
+                        "directory such as <run dir>/checkpoints/step-00000100")
+    if ck.load is not None and ck.resume == "auto":
+        problems.append(f"checkpoint.load={ck.load} and checkpoint.resume=auto both choose the "
+                        "checkpoint; set checkpoint.resume=none to load that one")
+    if ck.load_model_only and ck.load is None and ck.resume == "none":
+        problems.append("checkpoint.load_model_only=true needs checkpoint.load=<checkpoint dir>")
     m = cfg.model
     if m.rope_type != "default" and m.rope_factor < 1:
         problems.append(f"model.rope_factor={m.rope_factor} must be >= 1 for rope_type="

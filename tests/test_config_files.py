@@ -96,6 +96,8 @@ def test_sbatch_renders_torchrun_rendezvous(tmp_path):
     script = render_sbatch(composed.cfg, composed.overrides, composed.run_dir)
     assert "#SBATCH --nodes=32" in script and "--nproc-per-node=8" in script
     assert "--rdzv-backend=c10d" in script and "srun --kill-on-bad-exit=1" in script
+    assert "#SBATCH --signal=B:USR1@300" in script and "trap 'touch " in script
+    assert f"{composed.run_dir.resolve() / 'STOP'}' USR1" in script
     assert f"hydra.run.dir={(tmp_path / 'r').resolve()}" in script
     assert script.count("hydra.run.dir=") == 1 and "+recipe=llama-256k train.steps=10" in script
 

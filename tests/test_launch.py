@@ -73,3 +73,29 @@ def test_environment_detection(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("LOCAL_RANK", "5")
     assert env_from_environment().rank == 5  # torchrun's variables win
+
+
+def _wait_for_sigterm(ready_dir):
+    """Ready once the handler is in; then the SIGTERM forwarded by the launcher must arrive."""
+    from pathlib import Path
+
+    got = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    (Path(ready_dir) / str(dist.get_rank())).touch()
+    deadline = time.monotonic() + 60
+    while not got and time.monotonic() < deadline:
+        signal.sigtimedwait([signal.SIGUSR2], 0.05)
+    return bool(got)
+
+
+def test_sigterm_to_the_launcher_reaches_every_rank(tmp_path):
+    import threading
+
+    def send_when_ready():
+        while len(list(tmp_path.iterdir())) < 2:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=send_when_ready, daemon=True).start()
+    assert run_ranks(_wait_for_sigterm, 2, (str(tmp_path),), timeout_s=60) == [True, True]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the launcher put it back

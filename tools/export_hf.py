@@ -1,0 +1,53 @@
+"""Export the weights of an lctrain checkpoint as a Hugging Face Llama directory.
+
+    python tools/export_hf.py runs/x/checkpoints/step-00001000 exported/
+
+One process, any saved layout: the checkpoint is verified against its manifest, the model is
+built from the checkpoint's config.yaml, the weights are read from the DCP shards (resharded to
+one process) and written as config.json + model.safetensors, which
+`transformers.AutoModelForCausalLM.from_pretrained` loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def export_checkpoint(checkpoint: Path, out: Path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from omegaconf import OmegaConf
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from lctrain.build import build_model
+    from lctrain.checkpoint import SafeReader, damaged_files
+    from lctrain.config import LctrainConfig
+    from lctrain.hf import export_hf
+
+    problems = damaged_files(checkpoint)
+    if problems:
+        raise SystemExit(f"export_hf: {checkpoint} cannot be used: {'; '.join(problems)}")
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LctrainConfig),
+                                              OmegaConf.load(checkpoint / "config.yaml")))
+    model = build_model(cfg, torch.device("cpu"))
+    weights = {"model": get_model_state_dict(model)}
+    dcp.load(weights, storage_reader=SafeReader(checkpoint), no_dist=True)
+    set_model_state_dict(model, weights["model"])
+    export_hf(model, cfg.model, str(out), rank=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a step-NNNNNNNN checkpoint directory")
+    parser.add_argument("out", type=Path, help="the Hugging Face directory to write")
+    args = parser.parse_args()
+    export_checkpoint(args.checkpoint, args.out)
+    print(f"export_hf: wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
