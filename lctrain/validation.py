@@ -23,7 +23,8 @@ def nearest_multiple(x: int, m: int) -> int:
     return max(m, (x + m // 2) // m * m)
 
 
-def _choice(key: str, value: object, allowed: tuple[str, ...]) -> list[str]:
+def choice_problems(key: str, value: object, allowed: tuple[str, ...]) -> list[str]:
+    """[] when `value` is allowed, else the message naming the key and the choices."""
     if value in allowed:
         return []
     return [f"{key}={value!r} is not one of {', '.join(allowed)}; pick one of them"]
@@ -53,24 +54,24 @@ def _positive(cfg: LctrainConfig) -> list[str]:
 
 def _choices(cfg: LctrainConfig) -> list[str]:
     return (
-        _choice("parallel.attention", cfg.parallel.attention, C.ATTENTION_ALGORITHMS)
-        + _choice("parallel.load_balance", cfg.parallel.load_balance, C.LOAD_BALANCE)
-        + _choice("parallel.dp_engine", cfg.parallel.dp_engine, C.DP_ENGINES)
-        + _choice("train.dtype", cfg.train.dtype, C.DTYPES)
-        + _choice("train.device", cfg.train.device, C.DEVICES)
-        + _choice("train.activation_checkpointing", cfg.train.activation_checkpointing,
+        choice_problems("parallel.attention", cfg.parallel.attention, C.ATTENTION_ALGORITHMS)
+        + choice_problems("parallel.load_balance", cfg.parallel.load_balance, C.LOAD_BALANCE)
+        + choice_problems("parallel.dp_engine", cfg.parallel.dp_engine, C.DP_ENGINES)
+        + choice_problems("train.dtype", cfg.train.dtype, C.DTYPES)
+        + choice_problems("train.device", cfg.train.device, C.DEVICES)
+        + choice_problems("train.activation_checkpointing", cfg.train.activation_checkpointing,
                   ("none", "selective", "full"))
-        + _choice("optim.schedule", cfg.optim.schedule, C.SCHEDULES)
-        + _choice("data.source", cfg.data.source, C.DATA_SOURCES)
-        + _choice("data.long_docs", cfg.data.long_docs, C.LONG_DOCS)
-        + _choice("data.doc_len_dist", cfg.data.doc_len_dist, C.DOC_LEN_DISTS)
-        + _choice("checkpoint.resume", cfg.checkpoint.resume, C.RESUME_MODES)
-        + _choice("train.on_nan", cfg.train.on_nan, C.ON_NAN)
-        + _choice("launch.backend", cfg.launch.backend, ("auto", "gloo", "nccl"))
-        + _choice("launch.start_method", cfg.launch.start_method, C.START_METHODS)
-        + _choice("logging.wandb_mode", cfg.logging.wandb_mode, ("online", "offline", "disabled"))
-        + _choice("plan.format", cfg.plan.format, ("text", "json"))
-        + _choice("model.rope_type", cfg.model.rope_type, ("default", "linear", "llama3", "yarn"))
+        + choice_problems("optim.schedule", cfg.optim.schedule, C.SCHEDULES)
+        + choice_problems("data.source", cfg.data.source, C.DATA_SOURCES)
+        + choice_problems("data.long_docs", cfg.data.long_docs, C.LONG_DOCS)
+        + choice_problems("data.doc_len_dist", cfg.data.doc_len_dist, C.DOC_LEN_DISTS)
+        + choice_problems("checkpoint.resume", cfg.checkpoint.resume, C.RESUME_MODES)
+        + choice_problems("train.on_nan", cfg.train.on_nan, C.ON_NAN)
+        + choice_problems("launch.backend", cfg.launch.backend, ("auto", "gloo", "nccl"))
+        + choice_problems("launch.start_method", cfg.launch.start_method, C.START_METHODS)
+        + choice_problems("logging.wandb_mode", cfg.logging.wandb_mode, ("online", "offline", "disabled"))
+        + choice_problems("plan.format", cfg.plan.format, ("text", "json"))
+        + choice_problems("model.rope_type", cfg.model.rope_type, ("default", "linear", "llama3", "yarn"))
     )
 
 

@@ -225,12 +225,12 @@ def test_preemption_signal_and_stop_file_checkpoint_and_stop(tmp_path):
     cfg = _cfg(8, checkpoint={"every": 0})
     ref = on_ranks(_train, 2, cfg, str(tmp_path / "ref"))[0]
     for name, fault in [
-        ("sigterm", _at_step(3, 1, lambda T: os.kill(os.getpid(), signal.SIGTERM))),
+        ("sigusr1", _at_step(3, 1, lambda T: os.kill(os.getpid(), signal.SIGUSR1))),
         ("stop_file", _at_step(5, 1, lambda T: (tmp_path / "stop_file" / "STOP").touch())),
     ]:
         run = tmp_path / name
         histories = on_ranks(_train, 2, cfg, str(run), fault)
-        stopped = 3 if name == "sigterm" else 5
+        stopped = 3 if name == "sigusr1" else 5
         assert all([h["step"] for h in hist] == list(range(1, stopped + 1)) for hist in histories)
         assert [p.name for p in ck.complete_checkpoints(run / "checkpoints")] == [
             f"step-{stopped:08d}"]

@@ -7,11 +7,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from lctrain.build import apply_data_parallel, build_attention, build_model, setup_distributed
+from lctrain.build import build_model, setup_distributed
 from lctrain.data.batch import micro_batch_from_tokens
 from lctrain.data.tasks import KEY
 from lctrain.evals import Evaluator, format_table
-from lctrain.parallelize import apply_tensor_parallel
 from tests.helpers import on_ranks, tiny_config
 
 EVAL = {"every": 1, "tasks": ["passkey", "recall"], "lengths": [16, 32], "depths": [0.0, 1.0],
@@ -70,11 +69,10 @@ def _reference_predictions(cfg, examples):
 
 
 def _distributed_scores(cfg, examples):
+    from lctrain.train import _build
+
     rt = setup_distributed(cfg)
-    model = build_model(cfg, rt.device, build_attention(cfg, rt))
-    if cfg.parallel.tp > 1:
-        model = apply_tensor_parallel(model, rt.mesh["tp"], cfg.parallel.sp)
-    model = apply_data_parallel(model, cfg, rt)
+    model = _build(cfg, rt)[0]  # laid out exactly as training lays it out
     ev = Evaluator(cfg, rt)
     ev.examples = examples
     return ev.run(model)

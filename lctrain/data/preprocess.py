@@ -43,17 +43,12 @@ from lctrain.data.ingest import (
     resolve_inputs,
 )
 from lctrain.data.shards import ShardWriter, dtype_for_vocab
+from lctrain.validation import choice_problems
 
 __all__ = ["DataError", "PreprocessSummary", "preprocess", "run_preprocess", "validate_preprocess"]
 
 EXAMPLES = 3
 """Locations kept per skip reason."""
-
-
-def _choice(key: str, value: object, allowed: tuple[str, ...]) -> list[str]:
-    if value in allowed:
-        return []
-    return [f"{key}={value!r} is not one of {', '.join(allowed)}; pick one of them"]
 
 
 def _output_problems(pre: C.PreprocessConfig) -> list[str]:
@@ -96,9 +91,9 @@ def validate_preprocess(cfg: LctrainConfig) -> list[str]:
                                 ("preprocess.batch_rows", p.batch_rows, 512)):
         if value < 1:
             problems.append(f"{key}={value} must be a positive integer; try {key}={default}")
-    return (problems + _choice("data.format", d.format, C.DATA_FORMATS)
-            + _choice("data.text_unit", d.text_unit, C.TEXT_UNITS)
-            + _choice("preprocess.dtype", p.dtype, C.TOKEN_DTYPES))
+    return (problems + choice_problems("data.format", d.format, C.DATA_FORMATS)
+            + choice_problems("data.text_unit", d.text_unit, C.TEXT_UNITS)
+            + choice_problems("preprocess.dtype", p.dtype, C.TOKEN_DTYPES))
 
 
 @dataclass
