@@ -20,10 +20,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lctrain.config import LctrainConfig, ModelConfig  # noqa: E402
-from lctrain.launch import run_ranks  # noqa: E402
-from lctrain.memory import activation_formula, measure_block_activations  # noqa: E402
-from lctrain.plan import param_count  # noqa: E402
-from lctrain.validation import validate  # noqa: E402
+from lctrain.config.validation import validate  # noqa: E402
+from lctrain.parallel.launch import run_ranks  # noqa: E402
+from lctrain.parallel.memory import measure_block_activations
+from lctrain.planning.memory import (
+    activation_formula,  # noqa: E402
+    param_count,  # noqa: E402
+)
 
 LAYOUTS = [  # (world, parallel overrides)
     (1, {}), (2, {"tp": 2}), (2, {"tp": 2, "sp": True}),
@@ -53,8 +56,8 @@ def _other_per_token(cfg: LctrainConfig) -> float:
     import torch
     import torch.nn.functional as F
 
-    from lctrain.memory import measure_activations
-    from lctrain.model import Llama
+    from lctrain.models.llama import Llama
+    from lctrain.parallel.memory import measure_activations
 
     model = Llama(cfg.model)
     x = torch.randint(0, cfg.model.vocab_size, (1, cfg.train.seq_len + 1))

@@ -29,14 +29,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lctrain import sequence  # noqa: E402
 from lctrain.attention import ContextParallelAttention, CPGroups  # noqa: E402
-from lctrain.attention.kernels import Block, _calls  # noqa: E402
+from lctrain.attention.kernels import Block, kernel_calls  # noqa: E402
 from lctrain.attention.local import local_attention  # noqa: E402
-from lctrain.attention.traffic import attention_traffic  # noqa: E402
-from lctrain.comm import record_traffic  # noqa: E402
-from lctrain.launch import run_ranks  # noqa: E402
-from lctrain.topology import Topology  # noqa: E402
+from lctrain.layout import sequence  # noqa: E402
+from lctrain.layout.comm import record_traffic  # noqa: E402
+from lctrain.layout.topology import Topology  # noqa: E402
+from lctrain.parallel.launch import run_ranks  # noqa: E402
+from lctrain.parallel.runtime import build_mesh, cp_groups  # noqa: E402
+from lctrain.planning.traffic import attention_traffic  # noqa: E402
 
 LAYOUTS = {"ring": (1, "zigzag"), "ring-contiguous": (1, "none"), "ulysses": (None, "zigzag"),
            "usp": (2, "zigzag"), "allgather": (1, "zigzag")}
@@ -44,10 +45,7 @@ LAYOUTS = {"ring": (1, "zigzag"), "ring-contiguous": (1, "none"), "ulysses": (No
 
 def _groups(p: int, algorithm: str, uly: int) -> CPGroups:
     topo = Topology(cp_ring=p // uly, cp_ulysses=uly)
-    mesh, c = topo.build_mesh("cpu"), topo.coords(dist.get_rank())
-    return CPGroups(cp=mesh.group("cp"), ring=mesh.group("cp_ring"),
-                    ulysses=mesh.group("cp_ulysses"), ring_size=p // uly, ring_rank=c["cp_ring"],
-                    ulysses_size=uly, ulysses_rank=c["cp_ulysses"])
+    return cp_groups(topo, build_mesh(topo, "cpu"), dist.get_rank())
 
 
 def _inputs(S, H, Hkv, hd, g, lb, seed=0):
@@ -100,7 +98,7 @@ def section_balance() -> None:
             work = []
             for qb in blocks:
                 pairs = 0
-                for _, qs, ks, kind, mask in _calls(qb, Block(torch.cat([b.pos for b in blocks])),
+                for _, qs, ks, kind, mask in kernel_calls(qb, Block(torch.cat([b.pos for b in blocks])),
                                                  True):
                     n, m = qs.stop - qs.start, ks.stop - ks.start
                     pairs += {"full": n * m, "causal": n * (n + 1) // 2}.get(
@@ -158,7 +156,7 @@ def section_efficiency(S: int, reps: int) -> None:
 
 def _maxlen_rank(S: int) -> tuple[float, float]:
     from lctrain.config import LctrainConfig
-    from lctrain.train import train
+    from lctrain.training.loop import train
 
     cfg = LctrainConfig()  # model: the tiny preset's defaults
     cfg.parallel.cp, cfg.parallel.attention = 8, "ring"

@@ -22,7 +22,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lctrain.config import LctrainConfig, ModelConfig  # noqa: E402
-from lctrain.launch import run_ranks  # noqa: E402
+from lctrain.data.loader import build_loader  # noqa: E402
+from lctrain.parallel.launch import run_ranks  # noqa: E402
+from lctrain.parallel.parallelize import build_model  # noqa: E402
+from lctrain.parallel.runtime import setup_distributed  # noqa: E402
+from lctrain.training.checkpoint import Checkpointer, TrainState  # noqa: E402
+from lctrain.training.loop import train_step  # noqa: E402
+from lctrain.training.optim import build_optimizer, build_scheduler  # noqa: E402
 
 SIZES = {
     "tiny": ModelConfig(),
@@ -37,16 +43,17 @@ def _dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir())
 
 
-def _one(cfg: LctrainConfig, root: str) -> dict:
-    from lctrain.build import setup_distributed
-    from lctrain.checkpoint import Checkpointer, TrainState
-    from lctrain.config import derive
-    from lctrain.data.loader import build_loader
-    from lctrain.train import _build, train_step
+def _build(cfg: LctrainConfig, rt):
+    """Model, optimizer and schedule, as training builds them."""
+    model = build_model(cfg, rt)
+    optimizer = build_optimizer(model, cfg.optim)
+    return model, optimizer, build_scheduler(optimizer, cfg.optim, cfg.train.steps)
 
+
+def _one(cfg: LctrainConfig, root: str) -> dict:
     rt = setup_distributed(cfg)
     model, optimizer, scheduler = _build(cfg, rt)
-    loader = build_loader(cfg, rt.topology, rt.rank, derive(cfg, rt.world_size).grad_accum)
+    loader = build_loader(cfg, rt.topology, rt.rank, rt.derived.grad_accum)
     train_step(model, optimizer, scheduler, loader.next_step(), cfg, rt)
     out = {}
     for mode in ("sync", "async"):

@@ -102,13 +102,14 @@ def _loader_step_seconds(cfg, source, cp_rank: int, cp: int, masking: bool, reps
 def _train_step_seconds(cfg, source) -> float:
     import torch
 
-    from lctrain.build import build_model, setup_distributed
     from lctrain.data.loader import DataLoader
-    from lctrain.optim import build_optimizer, build_scheduler
-    from lctrain.train import train_step
+    from lctrain.parallel.parallelize import build_model
+    from lctrain.parallel.runtime import setup_distributed
+    from lctrain.training.loop import train_step
+    from lctrain.training.optim import build_optimizer, build_scheduler
 
     rt = setup_distributed(cfg)
-    model = build_model(cfg, rt.device)
+    model = build_model(cfg, rt)
     opt = build_optimizer(model, cfg.optim)
     sched = build_scheduler(opt, cfg.optim, cfg.train.steps)
     loader = DataLoader(source, cfg.train.seq_len, dp_rank=0, dp=1, cp_rank=0, cp=1,

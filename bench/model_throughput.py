@@ -30,8 +30,8 @@ import transformers
 from torch import Tensor, nn
 
 from lctrain.config import ModelConfig
-from lctrain.hf import hf_config, to_hf_state_dict
-from lctrain.model import Llama
+from lctrain.models.hf import hf_config, to_hf_state_dict
+from lctrain.models.llama import Llama
 
 PRESETS = {
     "tiny": ModelConfig(),

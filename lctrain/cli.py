@@ -1,4 +1,6 @@
-"""`lctrain train | plan | submit | preprocess [overrides...]`: compose, validate, then act.
+"""`lctrain <command> [overrides...] [flags]`: parse the command line, compose the configuration,
+run the command, and turn a ConfigError into its message and exit code 2 (the only place that
+does).
 
 Composition uses Hydra's compose API (not @hydra.main) so that every configuration error, including
 Hydra's own (bad types, unknown groups), ends with exit code 2 and a readable message, and so
@@ -8,80 +10,80 @@ that nothing (run dir, process group, child process) exists before validation pa
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 
-USAGE = """usage: lctrain {{train,plan,submit,preprocess}} [+recipe=NAME] [key=value ...] [flags]
+from lctrain.config import ConfigError
+from lctrain.config.compose import compose
+from lctrain.config.paths import recipe_names
 
-  train       validate, then train (local ranks, torchrun or srun)
-  plan        validate and print the layout, per-rank shapes, memory and traffic  [--json]
-  submit      render the sbatch script for slurm.* and submit it                  [--dry-run]
-  preprocess  tokenize data.path with data.tokenizer into preprocess.output, for
-              data.source=tokens (lctrain/data/preprocess.py)
-
-Every setting is a Hydra override, e.g. parallel.dp=2 train.steps=20 hydra.run.dir=runs/x.
-Recipes: {recipes}. Exit codes: 0 ok, 1 run failure (or data error), 2 configuration error.
-"""
-
+COMMANDS = {  # name: (what it does, the flags it takes)
+    "train": ("validate, then train (local ranks, torchrun or srun)", set()),
+    "plan": ("validate and print the layout, per-rank shapes, memory and traffic", {"--json"}),
+    "submit": ("render the sbatch script for slurm.* and submit it", {"--dry-run"}),
+    "preprocess": ("tokenize data.path with data.tokenizer into preprocess.output, for "
+                   "data.source=tokens", set()),
+}
 EXIT_CONFIG = 2
 
 
-@dataclass
-class Composed:
-    cfg: object
-    """LctrainConfig instance."""
-    run_dir: Path
-    overrides: list[str]
+def usage() -> str:
+    lines = ["usage: lctrain {" + ",".join(COMMANDS) + "} [+recipe=NAME] [key=value ...] [flags]",
+             ""]
+    for name, (summary, flags) in COMMANDS.items():
+        lines.append(f"  {name:<11} {summary}" + (f"  [{' '.join(sorted(flags))}]" if flags
+                                                    else ""))
+    lines += ["", "Every setting is a Hydra override, e.g. parallel.dp=2 train.steps=20 "
+              "hydra.run.dir=runs/x.",
+              f"Recipes: {', '.join(recipe_names())}. Exit codes: 0 ok, 1 run failure (or data "
+              "error), 2 configuration error."]
+    return "\n".join(lines)
 
 
-def fail_config(problems: list[str], header: str = "invalid configuration") -> None:
-    """Print every problem and exit 2."""
-    print(f"lctrain: {header}:", file=sys.stderr)
-    for p in problems:
-        print(f"  - {p}", file=sys.stderr)
-    sys.exit(EXIT_CONFIG)
+def _run_command(command: str, overrides: list[str], flags: set[str]) -> int:
+    composed = compose(overrides)
+    # Each command is imported when it runs: train and plan load torch (seconds), and
+    # preprocess must start without it.
+    if command == "train":
+        from lctrain.commands import train as module
+    elif command == "plan":
+        from lctrain.commands import plan as module
+    elif command == "submit":
+        from lctrain.commands import submit as module
+    else:
+        from lctrain.commands import preprocess as module
+    return module.run(composed, flags)
+
+
+def _parse(argv: list[str]) -> tuple[str, list[str], set[str]]:
+    """(command, overrides, flags); raises ConfigError for an unknown command or flag."""
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(usage(), file=sys.stderr)
+        raise ConfigError([f"unknown command {command!r}; use {', '.join(COMMANDS)}"])
+    flags = {a for a in rest if a.startswith("--")}
+    allowed = COMMANDS[command][1]
+    unknown = sorted(flags - allowed - {"--help"})
+    if unknown:
+        raise ConfigError([f"unknown flag {f} for lctrain {command}; allowed: "
+                           f"{', '.join(sorted(allowed)) or 'none'}" for f in unknown])
+    return command, [a for a in rest if not a.startswith("--")], flags
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from lctrain.paths import recipe_names
-
-    usage = USAGE.format(recipes=", ".join(recipe_names()))
     if not argv or argv[0] in ("-h", "--help", "help"):
-        print(usage)
+        print(usage())
         sys.exit(0 if argv else EXIT_CONFIG)
-    command, rest = argv[0], argv[1:]
-    if command not in ("train", "plan", "submit", "preprocess"):
-        print(usage, file=sys.stderr)
-        fail_config([f"unknown command {command!r}; use train, plan, submit or preprocess"])
-    flags = {a for a in rest if a.startswith("--")}
-    allowed = {"train": set(), "plan": {"--json"}, "submit": {"--dry-run"},
-               "preprocess": set()}[command]
-    if "--help" in flags or "-h" in rest:
-        print(usage)
-        sys.exit(0)
-    if flags - allowed:
-        fail_config([f"unknown flag {f} for lctrain {command}; allowed: "
-                     f"{', '.join(sorted(allowed)) or 'none'}" for f in sorted(flags - allowed)])
-    overrides = [a for a in rest if not a.startswith("--")]
-    from lctrain.compose import compose
-
-    composed = compose(overrides)
-    if command == "train":
-        from lctrain.run import run_train
-
-        sys.exit(run_train(composed))
-    if command == "plan":
-        from lctrain.plan import run_plan
-
-        sys.exit(run_plan(composed, as_json="--json" in flags))
-    if command == "preprocess":
-        from lctrain.data.preprocess import run_preprocess
-
-        sys.exit(run_preprocess(composed))
-    from lctrain.slurm import run_submit
-
-    sys.exit(run_submit(composed, dry_run="--dry-run" in flags))
+    try:
+        command, overrides, flags = _parse(argv)
+        if "--help" in flags or "-h" in overrides:
+            print(usage())
+            sys.exit(0)
+        sys.exit(_run_command(command, [o for o in overrides if o != "-h"], flags))
+    except ConfigError as e:
+        print(f"lctrain: {e.header}:", file=sys.stderr)
+        for p in e.problems:
+            print(f"  - {p}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from lctrain.config import LctrainConfig, ModelConfig
-from lctrain.launch import run_ranks
+from lctrain.models.llama import Llama
+from lctrain.parallel.launch import run_ranks
 
 
 def tiny_config(**sections) -> LctrainConfig:
@@ -26,3 +27,11 @@ def on_ranks(fn, nproc: int, *args, timeout_s: float = 120.0):
     """fn(*args) on nproc forked gloo ranks, one thread each; results in rank order."""
     return run_ranks(fn, nproc, args, start_method="fork", threads=1, backend="gloo",
                      timeout_s=timeout_s)
+
+
+def reference_model(cfg: LctrainConfig) -> Llama:
+    """The unsharded single-process model with the initial weights of train.seed: the reference
+    every layout is compared with."""
+    model = Llama(cfg.model)
+    model.init_weights(cfg.train.seed)
+    return model

@@ -4,7 +4,8 @@ checkpointing mode; and the 1/(tp*cp) scaling of the sequence-parallel parts."""
 
 import pytest
 
-from lctrain.memory import activation_formula, measure_block_activations
+from lctrain.parallel.memory import measure_block_activations
+from lctrain.planning.memory import activation_formula
 from tests.helpers import on_ranks, tiny_config
 
 MODEL = {"vocab_size": 128, "dim": 64, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4,

@@ -13,13 +13,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lctrain import sequence
 from lctrain.attention import ContextParallelAttention, CPGroups
-from lctrain.attention.kernels import Block, _calls, reference_attention
+from lctrain.attention.kernels import Block, kernel_calls, reference_attention
 from lctrain.attention.local import local_attention
-from lctrain.attention.traffic import attention_traffic
-from lctrain.comm import record_traffic
-from lctrain.topology import Topology
+from lctrain.layout import sequence
+from lctrain.layout.comm import record_traffic
+from lctrain.layout.topology import Topology
+from lctrain.parallel.runtime import build_mesh
+from lctrain.parallel.runtime import cp_groups as runtime_cp_groups
+from lctrain.planning.traffic import attention_traffic
 from tests.helpers import on_ranks
 
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
@@ -34,13 +36,9 @@ def cp_groups(world: int, ring: int, ulysses: int, cache: dict) -> CPGroups:
     key = (ring, ulysses)
     if key not in cache:
         topo = Topology(dp=world // (ring * ulysses), cp_ring=ring, cp_ulysses=ulysses)
-        cache[key] = (topo, topo.build_mesh("cpu"))
+        cache[key] = (topo, build_mesh(topo, "cpu"))
     topo, mesh = cache[key]
-    rank = dist.get_rank()
-    return CPGroups(cp=mesh.group("cp"), ring=mesh.group("cp_ring"),
-                    ulysses=mesh.group("cp_ulysses"), ring_size=ring,
-                    ring_rank=topo.coords(rank)["cp_ring"], ulysses_size=ulysses,
-                    ulysses_rank=topo.coords(rank)["cp_ulysses"])
+    return runtime_cp_groups(topo, mesh, dist.get_rank())
 
 
 def check_case(case: dict, cache: dict) -> None:
@@ -148,7 +146,7 @@ def test_packed_documents_attend_block_diagonally_without_masks():
     lengths = [[10, 50, 36], [40, 1, 55]]
     docs = torch.stack([torch.repeat_interleave(torch.arange(3), torch.tensor(n)) for n in lengths])
     block = Block(torch.arange(96), docs)
-    calls = list(_calls(block, block, causal=True))
+    calls = list(kernel_calls(block, block, causal=True))
     assert all(mask is None and kind == "causal" for _, _, _, kind, mask in calls)
     for b, row in enumerate(lengths):
         spans = sorted((qs.start, qs.stop) for bs, qs, _, _, _ in calls if bs.start == b)

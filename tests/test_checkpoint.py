@@ -17,9 +17,9 @@ import threading
 import pytest
 import torch
 
-from lctrain import checkpoint as ck
-from lctrain.launch import RankFailure
-from tests.helpers import on_ranks, tiny_config
+from lctrain.parallel.launch import RankFailure
+from lctrain.training import checkpoint as ck
+from tests.helpers import on_ranks, reference_model, tiny_config
 
 
 def _cfg(steps=8, parallel=None, checkpoint=None, train=None, **sections):
@@ -32,7 +32,7 @@ def _train(cfg, run_dir, fault=None):
     """train() in this rank, after `fault(rank)` installed its patches (if any)."""
     import torch.distributed as dist
 
-    import lctrain.train as T
+    import lctrain.training.loop as T
 
     if fault is not None:
         fault(dist.get_rank() if dist.is_initialized() else 0, T)
@@ -259,7 +259,7 @@ def test_non_finite_steps_stop_or_are_skipped(tmp_path):
 
 
 def test_loading_runs_no_code_and_secrets_stay_out(tmp_path, monkeypatch):
-    from lctrain.compose import compose, to_yaml
+    from lctrain.config.compose import compose, to_yaml
 
     on_ranks(_train, 1, _cfg(2, parallel={"dp": 1}), str(tmp_path / "run"))
     path = tmp_path / "run" / "checkpoints" / "step-00000002"
@@ -302,8 +302,6 @@ def test_export_a_checkpoint_for_transformers(tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    from lctrain.build import build_model
-
     cfg = _cfg(2, parallel={"cp": 2, "dp": 1}, train={"global_batch": 2})
     on_ranks(_train, 2, cfg, str(tmp_path / "run"))
     step = tmp_path / "run" / "checkpoints" / "step-00000002"
@@ -314,7 +312,7 @@ def test_export_a_checkpoint_for_transformers(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
     # the reference: the checkpoint's weights read straight from the shards into lctrain's model
     tensors = _load_tensors(step)
-    model = build_model(cfg, torch.device("cpu"))
+    model = reference_model(cfg)
     model.load_state_dict({k[len("model."):]: v for k, v in tensors.items()
                            if k.startswith("model.")})
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator()

@@ -7,13 +7,14 @@ from pathlib import Path
 import pytest
 
 from lctrain import cli
-from lctrain.compose import compose
-from lctrain.paths import conf_dir, recipe_names, recipes_dir
-from lctrain.plan import build_plan, plan_world_size
-from lctrain.run import local_world_size
-from lctrain.slurm import render_sbatch
-from lctrain.train import check_supported
-from lctrain.validation import validate
+from lctrain.commands.checks import preflight
+from lctrain.commands.plan import plan_world_size
+from lctrain.commands.submit import render_sbatch
+from lctrain.commands.train import local_world_size
+from lctrain.config.compose import compose
+from lctrain.config.paths import conf_dir, recipe_names, recipes_dir
+from lctrain.config.validation import check_supported
+from lctrain.planning.plan import build_plan
 
 MODELS = sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))
 
@@ -31,7 +32,7 @@ def test_model_presets_compose(model):
 
 
 def test_llama3_8b_has_the_real_shape():
-    from lctrain.plan import param_count
+    from lctrain.planning.memory import param_count
 
     cfg = compose(["model=llama3-8b"]).cfg
     assert round(param_count(cfg.model) / 1e9, 2) == 8.03  # Meta-Llama-3-8B: 8.03B
@@ -47,15 +48,15 @@ RECIPE_WORLD = {"tiny": local_world_size, "llama-256k": plan_world_size}
 def test_recipes_compose_and_validate(recipe):
     cfg = compose([f"+recipe={recipe}"]).cfg
     assert recipe in RECIPE_WORLD, f"say which world recipes/{recipe}.yaml targets"
-    assert validate(cfg, RECIPE_WORLD[recipe](cfg)) == []
+    assert preflight(cfg, RECIPE_WORLD[recipe](cfg)) == []
 
 
 def test_tiny_recipe_runs_here_and_accepts_layout_overrides():
     cfg = compose(["+recipe=tiny"]).cfg
     assert local_world_size(cfg) >= 4
-    assert validate(cfg, local_world_size(cfg)) == [] and check_supported(cfg) == []
+    assert preflight(cfg, local_world_size(cfg)) == [] and check_supported(cfg) == []
     cfg = compose(["+recipe=tiny", "parallel.dp=2", "train.global_batch=8"]).cfg
-    assert validate(cfg, local_world_size(cfg)) == []
+    assert preflight(cfg, local_world_size(cfg)) == []
 
 
 def test_llama_256k_plan(capsys):

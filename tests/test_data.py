@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from lctrain import sequence
 from lctrain.config import DataConfig
 from lctrain.data.batch import IGNORE_INDEX, array_window, build_micro_batch
 from lctrain.data.loader import DataLoader
@@ -17,6 +16,7 @@ from lctrain.data.packing import Mixture, PackedTokens
 from lctrain.data.shards import ShardWriter, TokenStore
 from lctrain.data.synthetic import EOS, SyntheticLM
 from lctrain.data.tasks import KEY, QUERY, Passkey, Recall, eval_examples
+from lctrain.layout import sequence
 
 
 def unique_corpus(path, lengths, shard_tokens=1000):
@@ -225,8 +225,8 @@ def test_tasks_place_needles_by_depth_in_any_vocabulary(vocab):
 
 
 def test_validation_of_sources_against_the_model(tmp_path):
+    from lctrain.commands.checks import preflight
     from lctrain.config import MixtureEntry
-    from lctrain.validation import validate
     from tests.helpers import tiny_config
 
     small = unique_corpus(tmp_path / "small", [10, 12]).path  # 22 tokens, ids up to 21
@@ -234,7 +234,7 @@ def test_validation_of_sources_against_the_model(tmp_path):
     unique_corpus(big, [100, 200])  # 300 ids > model.vocab_size=128
 
     def problems(**data):
-        return validate(tiny_config(data=data), 1)
+        return preflight(tiny_config(data=data), 1)
 
     assert problems(source="tokens", path=str(small)) == [
         f"data.path: {small} holds 22 tokens, fewer than one sequence of train.seq_len + 1 = 33; "
@@ -254,7 +254,7 @@ def test_validation_of_sources_against_the_model(tmp_path):
 
 
 def _train(cfg, run_dir):
-    from lctrain.train import train
+    from lctrain.training.loop import train
 
     return train(cfg, run_dir)
 

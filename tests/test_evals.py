@@ -7,11 +7,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from lctrain.build import build_model, setup_distributed
 from lctrain.data.batch import micro_batch_from_tokens
 from lctrain.data.tasks import KEY
-from lctrain.evals import Evaluator, format_table
-from tests.helpers import on_ranks, tiny_config
+from lctrain.parallel.parallelize import build_model
+from lctrain.parallel.runtime import setup_distributed
+from lctrain.training.evals import Evaluator, format_table
+from tests.helpers import on_ranks, reference_model, tiny_config
 
 EVAL = {"every": 1, "tasks": ["passkey", "recall"], "lengths": [16, 32], "depths": [0.0, 1.0],
         "samples": 3}
@@ -55,7 +56,7 @@ def test_scores_of_models_with_known_answers():
 
 def _reference_predictions(cfg, examples):
     """One process, full logits: (argmax, argmin, top-2 margin) at every example's targets."""
-    model = build_model(cfg, torch.device("cpu"))
+    model = reference_model(cfg)
     out = []
     with torch.no_grad():
         for ex in examples:
@@ -69,10 +70,8 @@ def _reference_predictions(cfg, examples):
 
 
 def _distributed_scores(cfg, examples):
-    from lctrain.train import _build
-
     rt = setup_distributed(cfg)
-    model = _build(cfg, rt)[0]  # laid out exactly as training lays it out
+    model = build_model(cfg, rt)  # laid out exactly as training lays it out
     ev = Evaluator(cfg, rt)
     ev.examples = examples
     return ev.run(model)

@@ -8,10 +8,11 @@ import pytest
 import torch
 import transformers
 
-from lctrain import sequence
-from lctrain.build import apply_data_parallel, build_attention, build_model, setup_distributed
-from lctrain.comm import all_gather
-from lctrain.hf import check_hf_dir, export_hf, hf_config
+from lctrain.layout import sequence
+from lctrain.layout.comm import all_gather
+from lctrain.models.hf import check_hf_dir, export_hf, hf_config
+from lctrain.parallel.parallelize import build_model
+from lctrain.parallel.runtime import setup_distributed
 from tests.helpers import on_ranks, tiny_config
 
 MODEL = {"vocab_size": 128, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
@@ -19,15 +20,8 @@ MODEL = {"vocab_size": 128, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads"
 
 
 def _load_forward_export(cfg, tokens, out_dir):
-    from lctrain.hf import load_hf_weights
-    from lctrain.parallelize import apply_tensor_parallel
-
     rt = setup_distributed(cfg)
-    model = build_model(cfg, rt.device, build_attention(cfg, rt))
-    if cfg.parallel.tp > 1:
-        model = apply_tensor_parallel(model, rt.mesh["tp"], cfg.parallel.sp)
-    load_hf_weights(model, cfg.model.init_from)
-    model = apply_data_parallel(model, cfg, rt)  # FSDP over dp x cp, after the load
+    model = build_model(cfg, rt)  # TP, FSDP over dp x cp, then each rank loads its slices
     cp_rank = rt.topology.axis_rank(rt.rank, "cp")
     positions = sequence.positions(tokens.shape[1], cp_rank, 2, "zigzag")[None]
     with torch.no_grad():

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lctrain.launch import RankFailure, env_from_environment, run_ranks
+from lctrain.parallel.launch import RankFailure, env_from_environment, run_ranks
 
 
 def _sum_ranks():

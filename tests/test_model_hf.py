@@ -10,8 +10,8 @@ import torch.nn.functional as F
 import transformers
 
 from lctrain.config import ModelConfig
-from lctrain.hf import from_hf_state_dict, hf_config, to_hf_name, to_hf_state_dict
-from lctrain.model import Llama
+from lctrain.models.hf import from_hf_state_dict, hf_config, to_hf_name, to_hf_state_dict
+from lctrain.models.llama import Llama
 
 
 def build_pair(cfg: ModelConfig, seed: int = 0):
@@ -70,7 +70,7 @@ def test_logits_and_grads_match_transformers(name):
 
 @pytest.mark.parametrize("name", sorted(ROPE))
 def test_rope_scaling_changes_the_frequencies(name):
-    from lctrain.rope import rope_frequencies
+    from lctrain.models.rope import rope_frequencies
 
     cfg = CASES[f"rope_{name}"]
     plain = ModelConfig(**{**cfg.__dict__, "rope_type": "default"})

@@ -5,8 +5,8 @@ import math
 import pytest
 
 from lctrain.config import OptimConfig
-from lctrain.model import Llama
-from lctrain.optim import build_optimizer, lr_at
+from lctrain.models.llama import Llama
+from lctrain.training.optim import build_optimizer, lr_at
 from tests.helpers import tiny_config
 
 

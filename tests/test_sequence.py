@@ -4,8 +4,8 @@ attention layer raises before any collective. No processes."""
 import pytest
 import torch
 
-from lctrain import sequence
 from lctrain.attention import ContextParallelAttention, CPGroups
+from lctrain.layout import sequence
 
 
 @pytest.mark.parametrize("cp,lb", [(1, "zigzag"), (2, "zigzag"), (3, "none"), (4, "zigzag"),

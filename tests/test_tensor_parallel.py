@@ -6,12 +6,15 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from lctrain.comm import record_dtensor_traffic
 from lctrain.config import ModelConfig
-from lctrain.model import RotaryEmbedding, TransformerBlock, sdpa_attention
-from lctrain.parallelize import tp_plan
-from lctrain.train import train
-from tests.helpers import on_ranks, tiny_config
+from lctrain.data.batch import micro_batch_from_tokens
+from lctrain.layout.comm import record_dtensor_traffic
+from lctrain.models.llama import RotaryEmbedding, TransformerBlock
+from lctrain.parallel.parallelize import build_model
+from lctrain.parallel.runtime import setup_distributed
+from lctrain.parallel.tensor import tp_plan
+from lctrain.training.loop import forward_backward, train
+from tests.helpers import on_ranks, reference_model, tiny_config
 
 MODEL = {"vocab_size": 128, "dim": 64, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4,
          "ffn_dim": 96}
@@ -54,7 +57,7 @@ def _block_traffic(sp: bool):
     cos, sin = RotaryEmbedding(cfg)(
         torch.arange(s)[None], torch.float32)
     with record_dtensor_traffic() as fwd:
-        y = block(x, cos, sin, sdpa_attention, None)
+        y = block(x, cos=cos, sin=sin)
     with record_dtensor_traffic() as bwd:
         y.sum().backward()
     return ({op for _, op in fwd.elements}, fwd.total(), {op for _, op in bwd.elements},
@@ -92,22 +95,14 @@ def test_activation_checkpointing_changes_nothing_but_memory(tmp_path):
 
 
 def _grads_after_one_backward(cfg, seqs):
-    from lctrain.build import apply_data_parallel, build_attention, build_model, setup_distributed
-    from lctrain.data.batch import micro_batch_from_tokens
-    from lctrain.parallelize import apply_tensor_parallel
-    from lctrain.train import forward_backward
-
     rt = setup_distributed(cfg)
-    model = build_model(cfg, rt.device, build_attention(cfg, rt))
-    if cfg.parallel.tp > 1:
-        model = apply_tensor_parallel(model, rt.mesh["tp"], cfg.parallel.sp)
-    model = apply_data_parallel(model, cfg, rt)
+    model = build_model(cfg, rt)
     dp, dp_rank = rt.topology.dp, rt.topology.axis_rank(rt.rank, "dp")
     mine = seqs.chunk(dp)[dp_rank]  # this dp rank's sequences
     scale = rt.topology.group_size("dp_cp") / seqs[:, 1:].numel()
     mb = micro_batch_from_tokens(mine, cfg.train.seq_len, rt.topology.axis_rank(rt.rank, "cp"),
                                  cfg.parallel.cp, cfg.parallel.load_balance)
-    forward_backward(model, mb, scale, None, cfg, rt)
+    forward_backward(model, mb, scale, rt)
     return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
             for n, p in model.named_parameters()}
 
@@ -119,11 +114,9 @@ GRAD_LAYOUTS = [(2, {"tp": 2, "sp": True}), (4, {"tp": 4}),
 def test_every_gradient_matches_one_process():
     import torch.nn.functional as F
 
-    from lctrain.build import build_model
-
     seqs = torch.randint(1, 128, (2, 33), generator=torch.Generator().manual_seed(3))
     ref_cfg = tiny_config(model=MODEL)
-    ref = build_model(ref_cfg, torch.device("cpu"))
+    ref = reference_model(ref_cfg)
     logits = ref(seqs[:, :-1])
     F.cross_entropy(logits.flatten(0, 1), seqs[:, 1:].flatten()).backward()
     for world, par in GRAD_LAYOUTS:

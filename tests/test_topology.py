@@ -6,7 +6,7 @@ import math
 import numpy as np
 
 from lctrain.config import LctrainConfig
-from lctrain.topology import AXES, GROUPS, Topology
+from lctrain.layout.topology import AXES, GROUPS, Topology
 
 
 def factorisations(n: int, parts: int):

@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lctrain.build import apply_data_parallel, build_model, setup_distributed
 from lctrain.data.batch import IGNORE_INDEX, MicroBatch
-from lctrain.optim import build_optimizer, build_scheduler
-from lctrain.train import train, train_step
-from tests.helpers import on_ranks, tiny_config
+from lctrain.parallel.parallelize import build_model
+from lctrain.parallel.runtime import setup_distributed
+from lctrain.training.loop import train, train_step
+from lctrain.training.optim import build_optimizer, build_scheduler
+from tests.helpers import on_ranks, reference_model, tiny_config
 
 
 def _train(cfg, run_dir):
@@ -48,7 +49,7 @@ def test_dp_layouts_and_accumulation_match_one_process(tmp_path):
 
 def _token_weighted_step(cfg, batches_per_rank):
     rt = setup_distributed(cfg)
-    model = apply_data_parallel(build_model(cfg, rt.device), cfg, rt)
+    model = build_model(cfg, rt)
     opt = build_optimizer(model, cfg.optim)
     sched = build_scheduler(opt, cfg.optim, cfg.train.steps)
     return train_step(model, opt, sched, batches_per_rank[rt.rank], cfg, rt)
@@ -66,7 +67,7 @@ def test_loss_is_token_weighted_across_ranks_and_micro_steps():
     mbs = [MicroBatch(seqs[i: i + 1, :-1], labels[i: i + 1], positions, None) for i in range(4)]
     out = on_ranks(_token_weighted_step, 2, cfg, [mbs[:2], mbs[2:]])
     # reference: one process, mean over all valid tokens of the whole global batch
-    model = build_model(cfg, torch.device("cpu"))
+    model = reference_model(cfg)
     logits = model(seqs[:, :-1])
     loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
     loss.backward()

@@ -6,8 +6,10 @@ process started (the launcher is replaced by one that fails the test).
 
 import pytest
 
-from lctrain import cli, launch
-from lctrain.validation import nearest_multiple, validate, warnings_for
+from lctrain import cli
+from lctrain.commands.checks import preflight
+from lctrain.config.validation import nearest_multiple, warnings_for
+from lctrain.parallel import launch
 from tests.helpers import tiny_config
 
 # (section overrides, world size, substrings of the single expected message)
@@ -100,23 +102,23 @@ BAD = {
 @pytest.mark.parametrize("name", sorted(BAD))
 def test_each_rule_reports_key_value_and_fix(name):
     sections, world, expected = BAD[name]
-    problems = validate(tiny_config(**sections), world)
+    problems = preflight(tiny_config(**sections), world)
     assert len(problems) == 1, problems
     for text in expected:
         assert text in problems[0], (text, problems[0])
 
 
 def test_valid_layouts_pass():
-    assert validate(tiny_config(), 1) == []
-    assert validate(tiny_config(parallel={"dp": -1}), 4) == []
-    assert validate(tiny_config(parallel={"tp": 2, "sp": True, "cp": 2, "attention": "usp",
+    assert preflight(tiny_config(), 1) == []
+    assert preflight(tiny_config(parallel={"dp": -1}), 4) == []
+    assert preflight(tiny_config(parallel={"tp": 2, "sp": True, "cp": 2, "attention": "usp",
                                           "ulysses_degree": 2}, train={"global_batch": 2}), 8) == []
 
 
 def test_all_problems_reported_at_once():
     cfg = tiny_config(parallel={"attention": "flash"}, train={"dtype": "fp8"},
                       optim={"warmup_steps": -3})
-    problems = validate(cfg, 1)
+    problems = preflight(cfg, 1)
     assert len(problems) == 3
     assert any("parallel.attention" in p for p in problems)
     assert any("train.dtype" in p for p in problems)
@@ -125,7 +127,7 @@ def test_all_problems_reported_at_once():
 
 def test_sp_without_tp_is_a_warning_not_an_error():
     cfg = tiny_config(parallel={"sp": True})
-    assert validate(cfg, 1) == []
+    assert preflight(cfg, 1) == []
     assert any("parallel.sp=true has no effect with parallel.tp=1" in w for w in warnings_for(cfg))
 
 
@@ -156,7 +158,7 @@ def no_launch(monkeypatch):
         raise AssertionError("a process was started for an invalid config")
 
     monkeypatch.setattr(launch, "run_ranks", refuse)
-    monkeypatch.setattr("lctrain.train.train", refuse)
+    monkeypatch.setattr("lctrain.training.loop.train", refuse)
 
 
 @pytest.mark.parametrize("name", sorted(BAD))

@@ -16,24 +16,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (  # noqa: E402
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from lctrain.config import LctrainConfig  # noqa: E402
+from lctrain.models.hf import export_hf  # noqa: E402
+from lctrain.models.llama import Llama  # noqa: E402
+from lctrain.training.checkpoint import SafeReader, damaged_files  # noqa: E402
+
 
 def export_checkpoint(checkpoint: Path, out: Path) -> None:
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from omegaconf import OmegaConf
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-    from lctrain.build import build_model
-    from lctrain.checkpoint import SafeReader, damaged_files
-    from lctrain.config import LctrainConfig
-    from lctrain.hf import export_hf
-
     problems = damaged_files(checkpoint)
     if problems:
         raise SystemExit(f"export_hf: {checkpoint} cannot be used: {'; '.join(problems)}")
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LctrainConfig),
                                               OmegaConf.load(checkpoint / "config.yaml")))
-    model = build_model(cfg, torch.device("cpu"))
+    model = Llama(cfg.model)  # unsharded, on the CPU: DCP reshards any layout into it
     weights = {"model": get_model_state_dict(model)}
     dcp.load(weights, storage_reader=SafeReader(checkpoint), no_dist=True)
     set_model_state_dict(model, weights["model"])

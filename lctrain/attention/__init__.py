@@ -1,8 +1,9 @@
 """Context-parallel attention: one contract, one shared (out, lse) merge, one file per algorithm.
 
-`ContextParallelAttention` is the attention function injected into the model: it receives the
-local shards q [B, S/cp, H, d], k/v [B, S/cp, H_kv, d] laid out by `lctrain.sequence`, and the
-global document ids [B, S] when documents are packed, and runs the configured algorithm.
+`ContextParallelAttention` is the attention core the model calls: it receives the local shards
+q [B, S/cp, H, d], k/v [B, S/cp, H_kv, d] laid out by `lctrain.layout.sequence`, and the global
+document ids [B, S] when documents are packed, and runs the configured algorithm (ring.py,
+ulysses.py, usp.py, allgather.py) over the kernels of kernels.py.
 """
 
 from __future__ import annotations
@@ -14,16 +15,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lctrain import sequence
 from lctrain.attention.allgather import allgather_attention
 from lctrain.attention.kernels import Block
 from lctrain.attention.local import local_attention
 from lctrain.attention.ring import ring_attention
 from lctrain.attention.ulysses import check_heads, ulysses_attention
 from lctrain.attention.usp import usp_attention
-from lctrain.comm import traffic_tag
-
-ALGORITHMS = ("ulysses", "ring", "usp", "allgather")
+from lctrain.config import ParallelConfig, choices_of
+from lctrain.layout import sequence
+from lctrain.layout.comm import traffic_tag
 
 
 @dataclass(frozen=True)
@@ -52,14 +52,17 @@ class ContextParallelAttention:
 
     def __init__(self, algorithm: str, groups: CPGroups, seq_len: int, load_balance: str, *,
                  causal: bool = True, kv_replication: int = 1):
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown attention algorithm {algorithm!r}; use one of {ALGORITHMS}")
+        algorithms = choices_of(ParallelConfig, "attention")
+        if algorithm not in algorithms:
+            raise ValueError(f"unknown attention algorithm {algorithm!r}; use one of {algorithms}")
         sequence.check_divisible(seq_len, groups.cp_size, load_balance)
         self.algorithm, self.groups, self.seq_len = algorithm, groups, seq_len
         self.load_balance, self.causal, self.kv_replication = load_balance, causal, kv_replication
         cp = groups.cp_size
         self._pos = [sequence.positions(seq_len, r, cp, load_balance) for r in range(cp)]
         u = groups.ulysses_size
+        self.ulysses_degree = {"ulysses": cp, "usp": u}.get(algorithm, 1)
+        """Ranks the heads are split over (1 for ring and all-gather)."""
         self._group_pos = [torch.cat(self._pos[i * u:(i + 1) * u]) for i in range(groups.ring_size)]
 
     def _blocks(self, pos_list: list[Tensor], doc_ids: Tensor | None, device) -> list[Block]:
@@ -68,15 +71,15 @@ class ContextParallelAttention:
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor,
                   doc_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """(out, lse); lse is in the layout of the algorithm's core (see each algorithm)."""
+        """(out, lse); lse is in the layout of the algorithm's core (see each algorithm). Shapes
+        and heads are checked here, once, before any collective."""
         g, local = self.groups, self.seq_len // self.groups.cp_size
         if q.shape[1] != local or k.shape[1] != local:
             raise ValueError(f"{self.algorithm} attention expects local sequence {local} "
                              f"(seq_len {self.seq_len} / cp {g.cp_size}); got q {tuple(q.shape)}, "
                              f"k {tuple(k.shape)}")
-        u = {"ulysses": g.cp_size, "usp": g.ulysses_size}.get(self.algorithm, 1)
-        if u > 1:
-            check_heads(q, k, u, self.kv_replication)
+        if self.ulysses_degree > 1:
+            check_heads(q, k, self.ulysses_degree, self.kv_replication)
         if doc_ids is not None and doc_ids.shape[-1] != self.seq_len:
             raise ValueError(f"doc_ids must cover the global sequence ({self.seq_len} tokens); "
                              f"got {tuple(doc_ids.shape)}")

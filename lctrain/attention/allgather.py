@@ -2,7 +2,7 @@
 
 Each rank keeps its own (zigzag) queries, gathers K and V over the cp group, and attends with the
 true global positions of both, so causal offsets are exact. The backward reduce-scatters dK/dV
-back to their owners. Elements sent per rank: forward (P-1) * 2 * (L/P) * d_kv (all-gather);
+back to their owners. Elements sent per rank (docs/parallelism.md §8): forward (P-1) * 2 * (L/P) * d_kv (all-gather);
 backward 2 * (P-1)/P * L * d_kv (reduce-scatter of the gathered gradients).
 """
 
@@ -14,7 +14,7 @@ from torch import Tensor
 
 from lctrain.attention.kernels import Block
 from lctrain.attention.local import local_attention
-from lctrain.comm import all_gather, current_tag, reduce_scatter, traffic_tag
+from lctrain.layout.comm import all_gather, current_tag, reduce_scatter, traffic_tag
 
 
 class _GatherSequence(torch.autograd.Function):

@@ -2,10 +2,10 @@
 
 Every context-parallel algorithm reduces to: queries at global positions q_pos attend to keys at
 k_pos (causal: k_pos <= q_pos; packed documents: same document id). Positions come from
-`lctrain.sequence`, so a block is a set of runs of consecutive positions. Each (query run, key
+`lctrain.layout.sequence`, so a block is a set of runs of consecutive positions. Each (query run, key
 run) pair is classified as empty (skipped), full (no mask), causal diagonal (is_causal), or
 general (explicit mask, e.g. document borders), computed by the device kernel, and merged into
-float32 accumulators with one numerically stable (out, lse) merge.
+float32 accumulators with one numerically stable (out, lse) merge (docs/parallelism.md §4).
 
 Tensors are [B, S, H, d] (H_kv heads for k and v: GQA is native in the kernels); lse is
 [B, H, S] float32. A query row with no visible key has lse = -inf and output 0.
@@ -13,12 +13,14 @@ Tensors are [B, S, H, d] (H_kv heads for k and v: GQA is native in the kernels);
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from lctrain.sequence import runs
+from lctrain.layout.sequence import Run, runs
 
 _NEG_INF = float("-inf")
 
@@ -30,8 +32,23 @@ class Block:
     pos: Tensor
     doc: Tensor | None = None
 
-    def runs(self) -> list[tuple[int, int, int]]:
+    def runs(self) -> list[Run]:
         return runs(self.pos)
+
+
+class KernelCall(NamedTuple):
+    """One kernel launch of a (query block, key block) pair."""
+
+    rows: slice
+    """Batch rows it covers."""
+    q: slice
+    """Local query indices."""
+    k: slice
+    """Local key indices."""
+    kind: str
+    """full (no mask) | causal (is_causal diagonal) | mask (explicit boolean mask)."""
+    mask: Tensor | None
+    """[B or 1, 1, q, k] boolean, True where the key is visible (kind == 'mask' only)."""
 
 
 def merge_into(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
@@ -47,8 +64,7 @@ def merge_into(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> No
     lse_acc.copy_(new)
 
 
-def _segments(q: Block, k: Block, qa: int, q0: int, qn: int, ka: int, k0: int, kn: int,
-              causal: bool, row: slice):
+def _segments(q: Block, k: Block, qr: Run, kr: Run, causal: bool, row: slice):
     """Split one key run against one query run into kernel calls.
 
     Causal: keys before the query run are fully visible, keys inside its position range form the
@@ -56,18 +72,18 @@ def _segments(q: Block, k: Block, qa: int, q0: int, qn: int, ka: int, k0: int, k
     kind 'full' | 'causal' | 'mask'; document ids (of the batch rows `row`) add a mask where the
     documents differ.
     """
-    qs = slice(qa, qa + qn)
-    cuts = [k0, k0 + kn]
+    qs = qr.rows
+    cuts = [kr.start, kr.end]
     if causal:
-        cuts = sorted({k0, min(max(q0, k0), k0 + kn), min(max(q0 + qn, k0), k0 + kn), k0 + kn})
+        cuts = sorted({kr.start, kr.clamp(qr.start), kr.clamp(qr.end), kr.end})
     for lo, hi in zip(cuts, cuts[1:]):
-        if causal and lo >= q0 + qn:  # after the last query: causal masks it out entirely
+        if causal and lo >= qr.end:  # after the last query: causal masks it out entirely
             continue
-        ks = slice(ka + lo - k0, ka + hi - k0)
-        if not causal or hi <= q0:
+        ks = kr.local_slice(lo, hi)
+        if not causal or hi <= qr.start:
             kind = "full"
         else:
-            kind = "causal" if (lo, hi) == (q0, q0 + qn) else "mask"
+            kind = "causal" if (lo, hi) == (qr.start, qr.end) else "mask"
         mask = None
         if kind == "mask":
             mask = (k.pos[ks][None, :] <= q.pos[qs][:, None])[None, None]  # [1, 1, qn, kn]
@@ -75,7 +91,7 @@ def _segments(q: Block, k: Block, qa: int, q0: int, qn: int, ka: int, k0: int, k
             qd, kd = q.doc[row, qs], k.doc[row, ks]
             if not bool((qd.amin() == kd.amax()) & (qd.amax() == kd.amin())):
                 if mask is None:
-                    mask = torch.ones(qn, hi - lo, dtype=torch.bool, device=q.pos.device)
+                    mask = torch.ones(qr.length, hi - lo, dtype=torch.bool, device=q.pos.device)
                     mask = (mask.tril() if kind == "causal" else mask)[None, None]
                 mask = mask & (qd[:, None, :, None] == kd[:, None, None, :])
                 kind = "mask"
@@ -94,30 +110,29 @@ def _stretches(doc: Tensor) -> dict[int, tuple[int, int]] | None:
     return {d: (s, n) for d, s, n in zip(ids.tolist(), starts.tolist(), counts.tolist())}
 
 
-def _document_calls(qb: Block, kb: Block, q_run, k_run, causal: bool):
+def _document_calls(qb: Block, kb: Block, q_run: Run, k_run: Run, causal: bool):
     """Calls of one run pair with packed documents: each row's documents attend only to
     themselves, so the pair splits into same-document stretches that need no document mask
     (memory and work O(document length^2), not O(run length^2))."""
-    (qa, q0, qn), (ka, k0, kn) = q_run, k_run
     for b in range(qb.doc.shape[0]):
         row = slice(b, b + 1)
-        q_docs, k_docs = _stretches(qb.doc[b, qa:qa + qn]), _stretches(kb.doc[b, ka:ka + kn])
+        q_docs, k_docs = _stretches(qb.doc[b, q_run.rows]), _stretches(kb.doc[b, k_run.rows])
         if q_docs is None or k_docs is None:  # not packed: one masked pass over the pair
-            for ks, kind, mask in _segments(qb, kb, qa, q0, qn, ka, k0, kn, causal, row):
-                yield row, slice(qa, qa + qn), ks, kind, mask
+            for ks, kind, mask in _segments(qb, kb, q_run, k_run, causal, row):
+                yield KernelCall(row, q_run.rows, ks, kind, mask)
             continue
         plain_q, plain_k = Block(qb.pos), Block(kb.pos)
         for d, (qo, ql) in q_docs.items():
             if d not in k_docs:
                 continue
-            ko, kl = k_docs[d]
-            for ks, kind, mask in _segments(plain_q, plain_k, qa + qo, q0 + qo, ql, ka + ko,
-                                            k0 + ko, kl, causal, row):
-                yield row, slice(qa + qo, qa + qo + ql), ks, kind, mask
+            q_doc, k_doc = q_run.part(qo, ql), k_run.part(*k_docs[d])
+            for ks, kind, mask in _segments(plain_q, plain_k, q_doc, k_doc, causal, row):
+                yield KernelCall(row, q_doc.rows, ks, kind, mask)
 
 
-def _calls(qb: Block, kb: Block, causal: bool):
-    """Every kernel call of q block x kv block: (batch rows, query slice, key slice, kind, mask)."""
+def kernel_calls(qb: Block, kb: Block, causal: bool) -> Iterator[KernelCall]:
+    """Every kernel call of q block x kv block, in order: the decomposition the kernels run
+    (public for tests and benchmarks that count work)."""
     k_runs = kb.runs()
     every = slice(None)
     for q_run in qb.runs():
@@ -125,9 +140,8 @@ def _calls(qb: Block, kb: Block, causal: bool):
             if qb.doc is not None:
                 yield from _document_calls(qb, kb, q_run, k_run, causal)
                 continue
-            qa, q0, qn = q_run
-            for ks, kind, mask in _segments(qb, kb, qa, q0, qn, *k_run, causal, every):
-                yield every, slice(qa, qa + qn), ks, kind, mask
+            for ks, kind, mask in _segments(qb, kb, q_run, k_run, causal, every):
+                yield KernelCall(every, q_run.rows, ks, kind, mask)
 
 
 def _cpu_fwd(q, k, v, kind, mask, scale):
@@ -194,7 +208,7 @@ def attend_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal
     """
     fwd, _ = _kernels(q.device)
     calls = 0
-    for bs, qs, ks, kind, mask in _calls(qb, kb, causal):
+    for bs, qs, ks, kind, mask in kernel_calls(qb, kb, causal):
         out, lse = fwd(q[bs, qs].transpose(1, 2), k[bs, ks].transpose(1, 2),
                        v[bs, ks].transpose(1, 2), kind, mask, scale)
         merge_into(out_acc[bs, qs], lse_acc[bs, :, qs], out.transpose(1, 2), lse)
@@ -211,7 +225,7 @@ def attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     results simply add up (flash-attention backward decomposition). Accumulators are float32.
     """
     _, bwd = _kernels(q.device)
-    for bs, qs, ks, kind, mask in _calls(qb, kb, causal):
+    for bs, qs, ks, kind, mask in kernel_calls(qb, kb, causal):
         dq, dk, dv = bwd(*(x[bs, qs].transpose(1, 2) for x in (dout, q)),
                          k[bs, ks].transpose(1, 2), v[bs, ks].transpose(1, 2),
                          out[bs, qs].transpose(1, 2), lse[bs, :, qs], kind, mask, scale)

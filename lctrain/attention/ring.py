@@ -1,4 +1,4 @@
-"""Ring attention (Liu et al.; DIGEST section 4): Q stays, K/V blocks travel around the ring.
+"""Ring attention (Liu et al.): Q stays, K/V blocks travel around the ring.
 
 Forward: P steps; at each the next K/V block is already in flight (double buffer, batch_isend_irecv)
 while the current one is computed; partial results merge through (out, lse). Backward: K/V travel
@@ -6,7 +6,7 @@ again for recompute, and each block's dK/dV accumulator travels with it, collect
 contribution, and reaches its owner after P-1 hops (reduce-scatter semantics). dQ stays local.
 Blocks hidden by the causal mask are skipped inside the kernels (see kernels.py).
 
-Elements sent per rank: forward (P-1) * 2 * (L/P) * d_kv (DIGEST); backward twice that
+Elements sent per rank (docs/parallelism.md §6): forward (P-1) * 2 * (L/P) * d_kv; backward twice that
 (K/V again, plus dK/dV). The dK/dV accumulators travel in float32, so that summing P
 contributions in bf16 does not lose precision: in bytes, that half costs 4 per element.
 """
@@ -24,7 +24,7 @@ from lctrain.attention.kernels import (
     attend_forward,
     new_accumulators,
 )
-from lctrain.comm import RingExchange, current_tag, traffic_tag
+from lctrain.layout.comm import RingExchange, current_tag, traffic_tag
 
 KV_TAG, GRAD_TAG = 11, 12
 

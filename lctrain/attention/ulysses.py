@@ -1,12 +1,13 @@
-"""Ulysses (DeepSpeed, DIGEST section 4): all-to-all from sequence shards to head shards.
+"""Ulysses (DeepSpeed): all-to-all from sequence shards to head shards.
 
 [B, S/P, H, d] per rank -> [B, S, H/P, d]: every rank then sees the whole sequence of its Ulysses
 group for H/P heads and can run any local kernel; the inverse all-to-all restores the output.
-Elements sent per rank, one forward: (2 d + 2 d_kv) * L * (P-1) / P^2 (Q, K, V and the output).
+Elements sent per rank, one forward: (2 d + 2 d_kv) * L * (P-1) / P^2 (Q, K, V and the output;
+docs/parallelism.md §5).
 
 GQA: when the Ulysses degree does not divide the KV heads, each KV head is repeated
 `kv_replication` times first (the smallest count that splits evenly and keeps the query groups
-aligned; `lctrain.config.kv_replication`); autograd sums the copies' gradients back.
+aligned; `lctrain.config.derived.kv_replication`); autograd sums the copies' gradients back.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import Tensor
 
 from lctrain.attention.kernels import Block
 from lctrain.attention.local import local_attention
-from lctrain.comm import all_to_all_autograd
+from lctrain.layout.comm import all_to_all_autograd
 
 
 def scatter_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -48,8 +49,8 @@ def check_heads(q: Tensor, k: Tensor, degree: int, kv_replication: int = 1) -> N
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, group: dist.ProcessGroup, *,
                       causal: bool, scale: float, kv_replication: int = 1) -> tuple[Tensor, Tensor]:
     """q [B, S/P, H, d], k/v [B, S/P, H_kv, d] local; qb: positions of the whole Ulysses group's
-    tokens in group-rank order. Returns (out [B, S/P, H, d], lse [B, H/P, S] of the core)."""
-    check_heads(q, k, dist.get_world_size(group), kv_replication)
+    tokens in group-rank order. Returns (out [B, S/P, H, d], lse [B, H/P, S] of the core).
+    The caller checks the heads first (`check_heads`, before any collective)."""
     k, v = replicate_kv(k, v, kv_replication)
     q, k, v = (scatter_heads(x, group) for x in (q, k, v))
     out, lse = local_attention(q, k, v, qb, qb, causal=causal, scale=scale)

@@ -1,4 +1,4 @@
-"""USP = Ulysses x Ring (Fang & Zhao; DIGEST section 5).
+"""USP = Ulysses x Ring (Fang & Zhao; traffic in docs/parallelism.md §7).
 
 Inside each group of `ulysses_degree` ranks an all-to-all turns sequence shards into head shards;
 ranks holding the same heads in the cp/ulysses_degree groups then run Ring attention over the
@@ -13,7 +13,7 @@ from torch import Tensor
 
 from lctrain.attention.kernels import Block
 from lctrain.attention.ring import ring_attention
-from lctrain.attention.ulysses import check_heads, gather_heads, replicate_kv, scatter_heads
+from lctrain.attention.ulysses import gather_heads, replicate_kv, scatter_heads
 
 
 def usp_attention(q: Tensor, k: Tensor, v: Tensor, blocks: list[Block],
@@ -21,8 +21,7 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, blocks: list[Block],
                   causal: bool, scale: float, kv_replication: int = 1) -> tuple[Tensor, Tensor]:
     """q [B, S/cp, H, d], k/v [B, S/cp, H_kv, d]; blocks[i]: token positions of ring group i
     (its Ulysses members' tokens in member order). Returns (out [B, S/cp, H, d],
-    lse [B, H/u, S/ring] of the core)."""
-    check_heads(q, k, dist.get_world_size(ulysses_group), kv_replication)
+    lse [B, H/u, S/ring] of the core). The caller checks the heads first (`check_heads`)."""
     k, v = replicate_kv(k, v, kv_replication)
     q, k, v = (scatter_heads(x, ulysses_group) for x in (q, k, v))
     qb = blocks[dist.get_rank(ring_group)]

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lctrain import sequence
+from lctrain.layout import sequence
 
 IGNORE_INDEX = -100
 PAD = 0

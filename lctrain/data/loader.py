@@ -1,4 +1,4 @@
-"""The resumable dp x cp data loader, and building the configured source.
+"""The resumable dp x cp data loader: which samples each rank reads at each step.
 
 Global order: optimizer step s consumes the global samples [c + s G, c + (s + 1) G), G =
 train.global_batch, c = where the run (re)started. DP rank r takes the contiguous slice
@@ -14,14 +14,9 @@ would change what the count points at: loading refuses it and says what changed.
 
 from __future__ import annotations
 
-import os
-
-from lctrain.config import BUILTIN_SOURCES, LctrainConfig
+from lctrain.config import LctrainConfig
 from lctrain.data.batch import MicroBatch, build_micro_batch
-from lctrain.data.packing import Mixture, PackedTokens
-from lctrain.data.shards import TokenStore
-from lctrain.data.synthetic import SyntheticLM
-from lctrain.data.tasks import TASKS
+from lctrain.data.sources import build_source
 
 
 class DataLoader:
@@ -55,6 +50,11 @@ class DataLoader:
         self.consumed += self.global_batch
         return out
 
+    @property
+    def dropped(self) -> int:
+        """Documents the source skips (data.long_docs=drop)."""
+        return self.source.dropped
+
     def _fingerprint(self) -> dict:
         return {**self.source.fingerprint(), "seq_len": self.seq_len, "seed": self.seed}
 
@@ -72,63 +72,6 @@ class DataLoader:
                 + ". Restore those settings to resume, or start the data over by loading the "
                 "model only")
         self.consumed = int(state["consumed"])
-
-
-def build_source(cfg: LctrainConfig):
-    """The configured source: window(i) for every global sample i, and fingerprint()."""
-    d = cfg.data
-    if d.source == "mixture":
-        return Mixture([_one_source(cfg, e.source) for e in d.mixture],
-                       [e.weight for e in d.mixture])
-    return _one_source(cfg, d.path if d.source == "tokens" else d.source)
-
-
-def _one_source(cfg: LctrainConfig, name: str):
-    args = (cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed)
-    if name == "synthetic":
-        return SyntheticLM(*args)
-    if name in TASKS:
-        return TASKS[name](*args)
-    return PackedTokens(TokenStore(name), cfg.train.seq_len, cfg.train.seed, cfg.data.long_docs)
-
-
-def source_problems(cfg: LctrainConfig) -> list[str]:
-    """Validation of data.source / data.path / data.mixture against the model (cheap: reads
-    only each dataset's meta.json and document index)."""
-    d, problems = cfg.data, []
-    if d.source == "mixture":
-        if not d.mixture:
-            return ["data.source=mixture needs data.mixture, e.g. "
-                    "data.mixture='[{source: passkey, weight: 1}, {source: recall, weight: 1}]'"]
-        names = [(f"data.mixture[{i}].source", e.source) for i, e in enumerate(d.mixture)]
-        problems += [f"data.mixture[{i}].weight={e.weight} must be > 0; try 1.0"
-                     for i, e in enumerate(d.mixture) if not e.weight > 0]
-    elif d.mixture:
-        return [f"data.mixture is set but data.source={d.source}; set data.source=mixture to use "
-                "it, or data.mixture=[] to drop it"]
-    elif d.source == "tokens":
-        if d.path is None:
-            return ["data.source=tokens needs data.path=<directory written by lctrain preprocess>"]
-        names = [("data.path", d.path)]
-    else:
-        names = [("data.source", d.source)]
-    for key, name in names:
-        if name in BUILTIN_SOURCES:
-            continue
-        if not os.path.isdir(name):
-            problems.append(f"{key}={name} is neither a built-in source "
-                            f"({', '.join(BUILTIN_SOURCES)}) nor a directory")
-            continue
-        try:
-            store = PackedTokens(TokenStore(name), cfg.train.seq_len, cfg.train.seed, d.long_docs)
-        except ValueError as e:
-            problems.append(f"{key}: {e}")
-            continue
-        if store.store.vocab_size > cfg.model.vocab_size:
-            problems.append(f"{key}={name} was tokenized with {store.store.vocab_size} tokens, "
-                            f"more than model.vocab_size={cfg.model.vocab_size}; set "
-                            f"model.vocab_size={store.store.vocab_size} or more")
-    return problems
 
 
 def build_loader(cfg: LctrainConfig, topology, rank: int, grad_accum: int) -> DataLoader:

@@ -110,6 +110,11 @@ class Mixture:
         self._choice = np.concatenate([self._choice, choice])
         self._local = np.concatenate([self._local, local])
 
+    @property
+    def dropped(self) -> int:
+        """Documents skipped by data.long_docs=drop, over every source."""
+        return sum(s.dropped for s in self.sources)
+
     def locate(self, index: int) -> tuple[int, int]:
         """(source, that source's sample index) of global sample `index`."""
         if index >= len(self._choice):

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lctrain import config as C
-from lctrain.config import DataConfig, LctrainConfig
+from lctrain.config import DataConfig, LctrainConfig, PreprocessConfig
+from lctrain.config.validation import field_problems
 from lctrain.data.ingest import (
     SKIP_REASONS,
     DataError,
@@ -43,15 +43,14 @@ from lctrain.data.ingest import (
     resolve_inputs,
 )
 from lctrain.data.shards import ShardWriter, dtype_for_vocab
-from lctrain.validation import choice_problems
 
-__all__ = ["DataError", "PreprocessSummary", "preprocess", "run_preprocess", "validate_preprocess"]
+__all__ = ["DataError", "PreprocessSummary", "preprocess", "validate_preprocess"]
 
 EXAMPLES = 3
 """Locations kept per skip reason."""
 
 
-def _output_problems(pre: C.PreprocessConfig) -> list[str]:
+def _output_problems(pre: PreprocessConfig) -> list[str]:
     if not pre.output:
         return ["preprocess.output is not set; name the directory to write, e.g. "
                 "preprocess.output=data/corpus-tok"]
@@ -84,16 +83,7 @@ def validate_preprocess(cfg: LctrainConfig) -> list[str]:
     if not d.text_field:
         problems.append("data.text_field is empty; name the field holding the text, e.g. "
                         "data.text_field=text")
-    if p.workers < 0:
-        problems.append(f"preprocess.workers={p.workers} must be >= 0 (0 = one per CPU core); "
-                        "try preprocess.workers=0")
-    for key, value, default in (("preprocess.shard_tokens", p.shard_tokens, 2**28),
-                                ("preprocess.batch_rows", p.batch_rows, 512)):
-        if value < 1:
-            problems.append(f"{key}={value} must be a positive integer; try {key}={default}")
-    return (problems + choice_problems("data.format", d.format, C.DATA_FORMATS)
-            + choice_problems("data.text_unit", d.text_unit, C.TEXT_UNITS)
-            + choice_problems("preprocess.dtype", p.dtype, C.TOKEN_DTYPES))
+    return problems + field_problems(d, "data.") + field_problems(p, "preprocess.")
 
 
 @dataclass
@@ -348,27 +338,3 @@ def preprocess(cfg: LctrainConfig, progress: bool = True) -> PreprocessSummary:
                              examples={r: list(v) for r, v in tally.examples.items()}, dtype=dtype,
                              vocab_size=info.vocab_size, shards=len(writer.shards),
                              seconds=time.perf_counter() - start)
-
-
-def run_preprocess(composed) -> int:
-    """`lctrain preprocess`: exit 2 on a config problem, 1 on a data error, 0 when written."""
-    from lctrain.cli import fail_config
-
-    cfg: LctrainConfig = composed.cfg
-    problems = validate_preprocess(cfg)
-    if problems:
-        fail_config(problems)
-    try:
-        summary = preprocess(cfg, progress=cfg.logging.progress)
-    except TokenizerMismatch as e:
-        fail_config([str(e)])
-    except (ValueError, OSError) as e:  # DataError, unreadable corpus or tokenizer, no document
-        message = str(e).replace("\n", " ")
-        print(f"lctrain: data error: {message}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"lctrain: preprocess interrupted; {cfg.preprocess.output} was not written",
-              file=sys.stderr)
-        return 130
-    print(summary.render())
-    return 0

@@ -65,6 +65,8 @@ class SyntheticLM:
     """Packed documents: a chain walk, then the same walk again."""
 
     name = "synthetic"
+    dropped = 0
+    """Documents skipped (none: generated documents fit by construction)."""
 
     def __init__(self, cfg: DataConfig, vocab_size: int, seq_len: int, seed: int):
         self.cfg, self.seq_len, self.seed = cfg, seq_len, seed

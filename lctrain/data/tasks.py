@@ -38,6 +38,8 @@ class _Task:
 
     name, tag = "", 0
     """Task name, and its id in the random streams."""
+    dropped = 0
+    """Documents skipped (none: generated documents fit by construction)."""
 
     def __init__(self, cfg: DataConfig, vocab_size: int, seq_len: int, seed: int):
         assert vocab_size >= MIN_VOCAB, f"tasks need a vocabulary of at least {MIN_VOCAB}"
@@ -69,8 +71,13 @@ class _Task:
 class Passkey(_Task):
     name, tag = "passkey", 1
 
+    @staticmethod
+    def context_needed(cfg: DataConfig) -> int:
+        """Tokens of the needle and the query: shorter documents are plain filler."""
+        return 2 * (cfg.answer_len + 1)
+
     def min_length(self) -> int:
-        return 2 * (self.cfg.answer_len + 1)
+        return self.context_needed(self.cfg)
 
     def document(self, rng, length, depth):
         k = self.cfg.answer_len
@@ -86,8 +93,13 @@ class Passkey(_Task):
 class Recall(_Task):
     name, tag = "recall", 2
 
+    @staticmethod
+    def context_needed(cfg: DataConfig) -> int:
+        """Tokens of every needle and query: shorter documents are plain filler."""
+        return 2 * cfg.recall_pairs * (cfg.answer_len + 2)
+
     def min_length(self) -> int:
-        return 2 * self.cfg.recall_pairs * (self.cfg.answer_len + 2)
+        return self.context_needed(self.cfg)
 
     def document(self, rng, length, depth):
         n, k = self.cfg.recall_pairs, self.cfg.answer_len

@@ -1,0 +1,25 @@
+"""Everything checked before a command acts, with no process started: the configuration's own
+rules (`lctrain.config.validation`), the data it names (`lctrain.data.sources`) and the Hugging
+Face directory it starts from (`lctrain.models.hf`)."""
+
+from __future__ import annotations
+
+import os
+
+from lctrain.config import LctrainConfig
+from lctrain.config.validation import field_problems, validate
+from lctrain.data.sources import data_problems
+from lctrain.models.hf import check_hf_dir
+
+
+def preflight(cfg: LctrainConfig, world_size: int) -> list[str]:
+    """Every problem of `cfg` for `world_size` ranks, its data and its starting weights
+    included (empty = ready to launch)."""
+    problems = validate(cfg, world_size)
+    if field_problems(cfg, blocking_only=True):  # the data rules read these sizes and names
+        return problems
+    problems += data_problems(cfg)
+    init = cfg.model.init_from
+    if init is not None and os.path.isdir(init):
+        problems += check_hf_dir(init, cfg.model)
+    return problems

@@ -1,0 +1,62 @@
+"""`lctrain plan`: validate a layout for its world size and print its plan (per-rank shapes,
+memory, traffic, groups, rank table) as text or JSON, without a process or a device."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from lctrain.commands.checks import preflight
+from lctrain.config import ConfigError, LctrainConfig
+from lctrain.config.compose import Composed
+from lctrain.layout.topology import AXES
+from lctrain.planning.plan import build_plan
+
+
+def render_text(plan: dict, max_rows: int) -> str:
+    lay = plan["layout"]
+    lines = [
+        f"world size {plan['world_size']}: " + " x ".join(f"{a}={lay[a]}" for a in AXES)
+        + f"  (cp={lay['cp']}, sp={lay['sp']})",
+        f"attention {plan['attention']}, load balance {plan['load_balance']}, grad accumulation "
+        f"{plan['grad_accum']}, {plan['tokens_per_step']:,} tokens/step",
+        "", "per-rank shapes:",
+        *(f"  {k}: {v}" for k, v in plan["shapes"].items()),
+        "", f"memory per rank (GiB, estimate; activation checkpointing "
+            f"{plan['activation_checkpointing']}):",
+        *(f"  {k}: {v:,.3f}" for k, v in plan["memory_gib"].items()),
+        "", "traffic per rank (elements sent):",
+        *(f"  {k}: {v:,.0f}" for k, v in plan["traffic_elements_per_rank"].items()),
+        "", "groups:",
+        *(f"  {n:<11} size {g['size']:<4} axes {'x'.join(g['axes']):<25} {g['carries']}"
+          for n, g in plan["groups"].items()),
+        "", "ranks:", "  " + " ".join(f"{h:>10}" for h in ("rank", "node", *AXES)),
+    ]
+    for row in plan["ranks"][:max_rows]:
+        lines.append("  " + " ".join(f"{row[h]:>10}" for h in ("rank", "node", *AXES)))
+    if len(plan["ranks"]) > max_rows:
+        lines.append(f"  ... {len(plan['ranks']) - max_rows} more (plan.max_rank_rows, or --json)")
+    if plan["notes"]:
+        lines += ["", "notes:", *(f"  - {n}" for n in plan["notes"])]
+    return "\n".join(lines)
+
+
+def plan_world_size(cfg: LctrainConfig) -> int:
+    if cfg.launch.nproc is not None:
+        return cfg.launch.nproc
+    return cfg.slurm.nodes * cfg.slurm.gpus_per_node
+
+
+def run(composed: Composed, flags: set[str]) -> int:
+    cfg: LctrainConfig = composed.cfg
+    world = plan_world_size(cfg)
+    problems = preflight(cfg, world)
+    if problems:
+        raise ConfigError(problems)
+    plan = build_plan(cfg, world)
+    if "--json" in flags or cfg.plan.format == "json":
+        json.dump(plan, sys.stdout, indent=1)
+        print()
+    else:
+        print(render_text(plan, cfg.plan.max_rank_rows))
+    return 0

@@ -1,0 +1,122 @@
+"""Hydra composition of conf/ + recipes/ + overrides into a typed LctrainConfig, and the
+resolved config as YAML or plain data with secrets redacted.
+
+Recipes live in recipes/ (not under conf/) and are registered in Hydra's ConfigStore as the
+`recipe` group, so `+recipe=NAME` selects recipes/NAME.yaml with its own defaults list. Keys that
+the schema does not know (also those added with `+key=...`) are all reported at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from lctrain.config.errors import ConfigError
+from lctrain.config.paths import conf_dir, recipes_dir
+from lctrain.config.schema import LctrainConfig
+
+
+@dataclass
+class Composed:
+    """A composed configuration with where it runs and the overrides that made it."""
+
+    cfg: LctrainConfig
+    run_dir: Path
+    overrides: list[str]
+
+
+def _register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=LctrainConfig)
+    for path in sorted(recipes_dir().glob("*.yaml")):
+        cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
+
+
+def unknown_keys(node: object, schema: type, prefix: str = "") -> list[str]:
+    """Dotted keys present in `node` (a plain dict) that the dataclass `schema` does not define."""
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    out = []
+    for key, value in node.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            out.append(f"unknown key {dotted}; valid keys{' under ' + prefix[:-1] if prefix else ''}"
+                       f": {', '.join(fields)}")
+            continue
+        sub = fields[key].type
+        sub_type = getattr(sys.modules[LctrainConfig.__module__], sub, None) if isinstance(
+            sub, str) else sub
+        if isinstance(value, dict) and dataclasses.is_dataclass(sub_type):
+            out += unknown_keys(value, sub_type, dotted + ".")
+    return out
+
+
+def compose(overrides: list[str]) -> Composed:
+    """Compose, check keys and types, and return a `Composed`; raises ConfigError."""
+    _register()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(version_base="1.3", config_dir=str(conf_dir()),
+                                   job_name="lctrain"):
+            raw = hydra_compose("config", overrides=overrides, return_hydra_config=True)
+            HydraConfig.instance().set_config(raw)
+            run_dir = Path(str(OmegaConf.select(raw, "hydra.run.dir")))
+            user = OmegaConf.to_container(
+                OmegaConf.masked_copy(raw, [k for k in raw if k != "hydra"]), resolve=True)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError([_hydra_message(e)],
+                          header="configuration could not be composed") from e
+    problems = unknown_keys(user, LctrainConfig)
+    if problems:
+        raise ConfigError(problems)
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(LctrainConfig), user)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError([_hydra_message(e)]) from e
+    assert isinstance(cfg, LctrainConfig)
+    return Composed(cfg=cfg, run_dir=run_dir, overrides=list(overrides))
+
+
+def _hydra_message(e: BaseException) -> str:
+    parts = [str(e).strip()]
+    cause = e.__cause__
+    while cause is not None:
+        parts.append(str(cause).strip())
+        cause = cause.__cause__
+    return " <- ".join(p.replace("\n", " ") for p in parts if p)
+
+
+_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """`text` with the value of every secret-looking environment variable (WANDB_API_KEY,
+    HF_TOKEN, ...) replaced: a value interpolated into the config never reaches a file or log."""
+    for name, value in os.environ.items():
+        if _SECRET_NAME.search(name) and len(value) >= 8:
+            text = text.replace(value, f"<{name} redacted>")
+    return text
+
+
+def to_yaml(cfg: LctrainConfig) -> str:
+    """The resolved config as YAML (config.yaml, checkpoints), secrets redacted."""
+    return redact(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+
+
+def as_dict(cfg: LctrainConfig) -> dict:
+    """The resolved config as plain data (W&B), secrets redacted."""
+    return OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)))  # type: ignore[return-value]
+

@@ -1,0 +1,69 @@
+"""Values that follow from a validated config and a world size: dp when -1, gradient
+accumulation, the Ulysses and Ring degrees and KV replication. Never written back into the config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lctrain.config.schema import LctrainConfig, ParallelConfig
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Quantities that follow from the config and a world size (never written back)."""
+
+    world_size: int
+    dp: int
+    cp_ulysses: int
+    cp_ring: int
+    grad_accum: int
+    kv_replication: int
+    """Each KV head is repeated this many times before the Ulysses all-to-all (1 = none)."""
+    local_seq_len: int
+    """Tokens of each sequence held by one cp rank (before SP splits it further over tp)."""
+    tokens_per_step: int
+    """Tokens consumed by one optimizer step over all ranks."""
+
+
+def derive(cfg: LctrainConfig, world_size: int) -> Derived:
+    """Derived values of a config that `validate` accepted for this world size."""
+    p, t = cfg.parallel, cfg.train
+    dp = p.dp if p.dp != -1 else world_size // (p.tp * p.cp * p.pp)
+    cp_ulysses = ulysses_degree(p)
+    return Derived(
+        world_size=world_size,
+        dp=dp,
+        cp_ulysses=cp_ulysses,
+        cp_ring=p.cp // cp_ulysses,
+        grad_accum=t.global_batch // (t.micro_batch * dp),
+        kv_replication=kv_replication(cfg.model.n_heads, cfg.model.n_kv_heads, p.tp, cp_ulysses) or 1,
+        local_seq_len=t.seq_len // p.cp,
+        tokens_per_step=t.global_batch * t.seq_len,
+    )
+
+
+def ulysses_degree(p: ParallelConfig) -> int:
+    """Ulysses (all-to-all) degree inside the cp group."""
+    if p.cp == 1:
+        return 1
+    if p.attention == "ulysses":
+        return p.cp
+    if p.attention == "usp":
+        return p.ulysses_degree
+    return 1
+
+
+def kv_replication(n_heads: int, n_kv_heads: int, tp: int, cp_ulysses: int) -> int | None:
+    """Smallest r so that r * (local kv heads) splits over Ulysses and still groups the q heads.
+
+    Returns None when no such r exists (the layout must be rejected).
+    """
+    if n_kv_heads <= 0 or tp <= 0 or cp_ulysses <= 0 or n_kv_heads % tp or n_heads % tp:
+        return None
+    local_q, local_kv = n_heads // tp, n_kv_heads // tp
+    for r in range(1, local_q // local_kv + 1):
+        kv = local_kv * r
+        if kv % cp_ulysses == 0 and local_q % kv == 0 and (local_q // cp_ulysses) % (kv // cp_ulysses) == 0:
+            return r
+    return None

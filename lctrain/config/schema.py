@@ -1,0 +1,341 @@
+"""The typed configuration schema: every key lctrain reads, its default, and its allowed values.
+
+The dataclasses are registered as Hydra structured configs (``base_config``); YAML under conf/
+and recipes/ only sets values. Allowed values live beside their fields (`one_of`, `at_least`
+metadata), and `lctrain.config.validation` loops over them, so no second list of choices exists.
+Quantities that follow from a config and a world size are in `lctrain.config.derived`, never
+written back: the config describes the model and the layout, not the shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+
+def one_of(*choices: str, default: str | None = None):
+    """A string field whose value must be one of `choices` (the first is the default)."""
+    return field(default=choices[0] if default is None else default,
+                 metadata={"choices": choices})
+
+
+def each_one_of(*choices: str, default: tuple[str, ...] = ()):
+    """A list field whose every element must be one of `choices`."""
+    return field(default_factory=lambda: list(default), metadata={"choices": choices})
+
+
+def at_least(minimum: int, default, hint: str | None = None):
+    """A number field that must be >= `minimum` (None allowed for optional fields); `hint` is
+    the fix the error message suggests instead of `key=minimum`."""
+    return field(default=default, metadata={"min": minimum, "hint": hint})
+
+
+def choices_of(schema: type, name: str) -> tuple[str, ...]:
+    """The allowed values of field `name` of the dataclass `schema`."""
+    return next(f for f in fields(schema) if f.name == name).metadata["choices"]
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    """Preset name, for logs only."""
+    vocab_size: int = at_least(1, 512)
+    """Vocabulary size (rows of the embedding and of the output layer)."""
+    dim: int = at_least(1, 128)
+    """Model (hidden) dimension D."""
+    n_layers: int = at_least(1, 4)
+    """Number of transformer blocks."""
+    n_heads: int = at_least(1, 8)
+    """Query heads H; head dim d = dim / n_heads."""
+    n_kv_heads: int = at_least(1, 2)
+    """Key/value heads (GQA). Equal to n_heads for MHA, 1 for MQA."""
+    ffn_dim: int = at_least(1, 384)
+    """SwiGLU hidden size (w1/w3 output, w2 input)."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    rope_type: str = one_of("default", "linear", "llama3", "yarn")
+    """RoPE scaling for context extension: default | linear | llama3 | yarn (as transformers)."""
+    rope_factor: float = 1.0
+    """Context extension factor (linear, llama3, yarn)."""
+    rope_low_freq_factor: float = 1.0
+    """llama3: wavelengths above original_max / low_freq_factor are divided by the factor."""
+    rope_high_freq_factor: float = 4.0
+    """llama3: wavelengths below original_max / high_freq_factor are kept."""
+    rope_original_max_position: int = 8192
+    """llama3, yarn: context length the model was pretrained with."""
+    rope_beta_fast: float = 32.0
+    """yarn: rotations bounding the extrapolated (kept) dimensions."""
+    rope_beta_slow: float = 1.0
+    """yarn: rotations bounding the interpolated dimensions."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output layer."""
+    init_std: float = 0.02
+    """Std of the normal init of linear and embedding weights (output projections scaled by depth)."""
+    init_from: str | None = None
+    """Hugging Face Llama directory (config.json + *.safetensors) to start from, in any layout."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = at_least(1, 1)
+    """Tensor-parallel size (Megatron column/row split of the block matmuls)."""
+    sp: bool = False
+    """Megatron sequence parallelism inside the TP group (no extra device dimension)."""
+    cp: int = at_least(1, 1)
+    """Context-parallel size: ranks holding different token slices of the same sequences."""
+    pp: int = at_least(1, 1)
+    """Pipeline-parallel size (layers split into pp stages)."""
+    dp: int = -1
+    """Data-parallel size; -1 derives it as world_size / (tp * cp * pp)."""
+    attention: str = one_of("ulysses", "ring", "usp", "allgather", default="ring")
+    """Context-parallel attention: ulysses | ring | usp | allgather (ignored when cp = 1)."""
+    ulysses_degree: int = at_least(1, 1)
+    """Ulysses degree inside usp; the ring degree is cp / ulysses_degree."""
+    load_balance: str = one_of("zigzag", "none")
+    """Sequence split across cp ranks: zigzag (2*cp chunks, causal balance) | none (contiguous)."""
+    dp_engine: str = one_of("fsdp", "ddp")
+    """Data-parallel engine: fsdp (FSDP2, parameters sharded over dp x cp) | ddp."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = at_least(1, 100)
+    """Optimizer steps to run."""
+    seed: int = 0
+    """Seed for weights, data order and dropout-free RNG streams."""
+    seq_len: int = at_least(1, 256)
+    """Tokens per sequence (the global, unsplit context length)."""
+    micro_batch: int = at_least(1, 1)
+    """Sequences per data-parallel rank per forward/backward."""
+    global_batch: int = at_least(1, 8)
+    """Sequences per optimizer step over all dp ranks; accumulation = global / (micro * dp)."""
+    dtype: str = one_of("fp32", "bf16")
+    """Compute dtype under autocast: fp32 | bf16 (parameters and optimizer stay fp32)."""
+    device: str = one_of("auto", "cpu", "cuda")
+    """auto (cuda if available, else cpu) | cpu | cuda."""
+    on_nan: str = one_of("stop", "skip")
+    """A non-finite loss or gradient norm: stop (fail the run, naming the step) | skip (drop the
+    step's update, log it, and go on)."""
+    activation_checkpointing: str = one_of("none", "selective", "full")
+    """none | selective (save matmul and attention outputs, recompute the rest) | full (whole
+    blocks recomputed in backward)."""
+
+
+@dataclass
+class MixtureEntry:
+    source: str = "synthetic"
+    """A built-in source (synthetic, passkey, recall) or a directory from `lctrain preprocess`."""
+    weight: float = 1.0
+    """Share of the sequences drawn from this source (weights are normalised)."""
+
+
+@dataclass
+class DataConfig:
+    source: str = one_of("synthetic", "passkey", "recall", "tokens", "mixture")
+    """Where training sequences come from: synthetic (bigram chain whose documents repeat their
+    first half) | passkey | recall (long-context retrieval tasks, lctrain.data.tasks) | tokens
+    (a directory written by `lctrain preprocess`, at data.path) | mixture (data.mixture)."""
+    path: str | None = None
+    """source=tokens: the preprocessed directory. `lctrain preprocess`: the corpus to read (file,
+    folder, glob such as 'corpus/*.jsonl', or a hub dataset name when online)."""
+    mixture: list[MixtureEntry] = field(default_factory=list)
+    """source=mixture: the sources and their weights, e.g.
+    '[{source: /data/web, weight: 3}, {source: passkey, weight: 1}]'."""
+    tokenizer: str | None = None
+    """`lctrain preprocess`: tokenizer.json file, a folder holding one, or a hub name (online)."""
+    text_field: str = "text"
+    """`lctrain preprocess`: the field holding each document's text (json, jsonl, parquet, arrow,
+    hub)."""
+    format: str = one_of("auto", "jsonl", "json", "text", "parquet", "arrow", "hub")
+    """`lctrain preprocess`: auto (from file suffixes; hub when data.path is not local) | jsonl |
+    json | text | parquet | arrow | hub."""
+    text_unit: str = one_of("document", "paragraph", "line")
+    """`lctrain preprocess`, text files: what one document is: document (a whole file) |
+    paragraph (blank-line separated) | line."""
+    split: str = "train"
+    """`lctrain preprocess`, hub datasets: the split to read."""
+    add_bos: bool = True
+    """`lctrain preprocess`: put the tokenizer's BOS token before every document."""
+    add_eos: bool = True
+    """`lctrain preprocess`: put the tokenizer's EOS token after every document."""
+    bos_token: str | None = None
+    """BOS token string; null = from tokenizer_config.json or the usual names (<s>, ...)."""
+    eos_token: str | None = None
+    """EOS token string; null = from tokenizer_config.json or the usual names (</s>, ...)."""
+    strict: bool = False
+    """`lctrain preprocess`: fail on the first bad row (malformed JSON, missing or non-string
+    text, empty document, invalid UTF-8) instead of skipping and counting it."""
+    long_docs: str = one_of("split", "drop")
+    """Documents longer than train.seq_len: split (they continue over the next sequences, like
+    every document that crosses a sequence border) | drop (skipped, and the count is logged)."""
+    document_masking: bool = False
+    """Packed documents do not attend to each other, and RoPE positions restart per document."""
+    doc_len_min: int = 32
+    """synthetic, passkey, recall: shortest generated document in tokens."""
+    doc_len_max: int = 256
+    """synthetic, passkey, recall: longest generated document in tokens."""
+    doc_len_dist: str = one_of("uniform", "loguniform")
+    """synthetic, passkey, recall: how document lengths are drawn: uniform | loguniform (as
+    many short documents as long ones per octave: short ones teach a task fast, long ones teach
+    it over the whole context)."""
+    branching: int = 4
+    """synthetic (and the filler text of the tasks): successors each token may have in the
+    hidden bigram chain (entropy floor about ln b)."""
+    answer_len: int = 1
+    """passkey: tokens in the passkey; recall: tokens in each value."""
+    recall_pairs: int = 4
+    """recall: key-value pairs hidden in each document (all are queried at its end)."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = at_least(0, 0)
+    """Run the retrieval evals every N optimizer steps and after the last one (0 = never)."""
+    tasks: list[str] = each_one_of("passkey", "recall", default=("passkey",))
+    """Tasks to score: passkey | recall (lctrain.data.tasks), with data.answer_len and
+    data.recall_pairs."""
+    lengths: list[int] = field(default_factory=list)
+    """Context lengths to score (each <= train.seq_len); empty = [train.seq_len]."""
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    """Needle depths as fractions of the context (0 = first token, 1 = just before the query)."""
+    samples: int = 8
+    """Examples per (task, length, depth) cell."""
+
+
+@dataclass
+class PreprocessConfig:
+    output: str | None = None
+    """Directory to write (token shards, document index, meta.json); required."""
+    workers: int = at_least(0, 0)
+    """Tokenizer processes; 0 = one per CPU core."""
+    dtype: str = one_of("auto", "uint16", "uint32")
+    """Token dtype: auto (uint16 when the vocabulary fits, else uint32) | uint16 | uint32."""
+    shard_tokens: int = at_least(1, 268435456, hint="preprocess.shard_tokens=268435456")
+    """Tokens per shard file before the next one starts (at a document border)."""
+    batch_rows: int = at_least(1, 512, hint="preprocess.batch_rows=512")
+    """Rows sent to a worker at a time."""
+    overwrite: bool = False
+    """Replace an existing output directory (only once the new one is complete)."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = at_least(0, 10)
+    """Linear warmup steps from 0 to lr."""
+    schedule: str = one_of("cosine", "constant")
+    """cosine | constant (after warmup)."""
+    weight_decay: float = at_least(0, 0.1)
+    """AdamW decay for matrices; norms and embeddings are never decayed."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = at_least(0, 1.0)
+    """Global gradient-norm clip over all shards; 0 disables clipping (the norm is still logged)."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = at_least(0, 0)
+    """Save every N optimizer steps and after the last one (0 = never)."""
+    dir: str | None = None
+    """Where checkpoints go; null = <run dir>/checkpoints."""
+    keep: int = at_least(0, 3)
+    """Newest complete checkpoints to keep (0 = all)."""
+    async_save: bool = False
+    """Stage the tensors in memory and write them in the background while training goes on
+    (the key cannot be `async`: that is a Python keyword)."""
+    resume: str = one_of("none", "auto")
+    """none | auto (the newest complete checkpoint in checkpoint.dir; a damaged one is skipped
+    with a warning for the one before it; none found = start at step 0)."""
+    load: str | None = None
+    """A checkpoint directory to start from (takes the place of resume=auto; it must be
+    complete and undamaged)."""
+    load_model_only: bool = False
+    """With checkpoint.load / resume: take only the weights (fine-tuning): fresh optimizer,
+    step 0, data from the start."""
+    verify: bool = True
+    """Check every file's sha256 against the manifest before loading (sizes are always checked)."""
+    export_hf: str | None = None
+    """Write the final weights here as a Hugging Face Llama directory (config.json + safetensors)."""
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = at_least(1, 1)
+    """Log (console, metrics.jsonl, W&B) every N steps; the last step is always logged."""
+    progress: bool = True
+    """Show a progress bar on rank 0 (plain lines when the output is not a terminal)."""
+    wandb: bool = False
+    """Log to Weights & Biases (rank 0)."""
+    wandb_project: str = "lctrain"
+    """W&B project."""
+    wandb_mode: str = one_of("online", "offline", "disabled", default="offline")
+    """W&B mode: online | offline | disabled."""
+
+
+@dataclass
+class SlurmConfig:
+    nodes: int = at_least(1, 1)
+    """Nodes to request."""
+    gpus_per_node: int = at_least(1, 8)
+    """GPUs (= ranks) per node."""
+    cpus_per_gpu: int = 8
+    """CPU cores per GPU rank."""
+    partition: str | None = None
+    """SLURM partition (-p)."""
+    account: str | None = None
+    """SLURM account (-A)."""
+    qos: str | None = None
+    """SLURM QoS."""
+    time: str = "24:00:00"
+    """Wall-clock limit."""
+    job_name: str = "lctrain"
+    """Job name."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines run before srun (module load, source venv, ...)."""
+
+
+@dataclass
+class LaunchConfig:
+    nproc: int | None = at_least(1, None, hint="launch.nproc=null (= tp*cp*pp*dp)")
+    """Local processes when started plainly; default tp*cp*pp*dp (dp=-1 counts as 1)."""
+    backend: str = one_of("auto", "gloo", "nccl")
+    """auto (nccl on CUDA, else gloo) | gloo | nccl."""
+    start_method: str = one_of("fork", "spawn")
+    """How local ranks start: fork (fast, CPU) | spawn (needed once CUDA is initialised)."""
+    master_port: int = 0
+    """Rendezvous port for local launches; 0 picks a free one."""
+    timeout_s: int = at_least(1, 600)
+    """Collective timeout in seconds."""
+
+
+@dataclass
+class PlanConfig:
+    format: str = one_of("text", "json")
+    """text | json (same as `lctrain plan --json`)."""
+    max_rank_rows: int = 64
+    """Rank-table rows printed in text format (all rows in json)."""
+
+
+@dataclass
+class LctrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)

@@ -1,0 +1,258 @@
+"""The rules of a configuration: `validate(cfg, world_size)` returns every problem at once, before
+any process group exists.
+
+Each message names the override to type: the key, the value it has, and a valid alternative.
+Field-level rules (allowed values, ranges) come from the schema's field metadata; the rules here
+relate fields to each other and to the world size. Rules that depend on a size are skipped while
+that size is itself invalid, so one mistake does not produce a cascade of follow-up messages.
+Checks of what a config points at on disk (datasets, Hugging Face directories) belong to the
+layers that own those formats (`lctrain.data.sources`, `lctrain.models.hf`); `lctrain.commands`
+runs them all before launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from lctrain.config.derived import ulysses_degree
+from lctrain.config.schema import LctrainConfig
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def nearest_multiple(x: int, m: int) -> int:
+    """The multiple of m closest to x (ties go up), never below m."""
+    return max(m, (x + m // 2) // m * m)
+
+
+def _field_checks(node, prefix: str):
+    """(problem, blocking) for every field of the dataclass `node` that breaks its metadata;
+    blocking problems (a bad name or size) make the cross-field rules meaningless."""
+    for f in dataclasses.fields(node):
+        key, value = prefix + f.name, getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _field_checks(value, key + ".")
+        elif "choices" in f.metadata:
+            allowed = f.metadata["choices"]
+            if isinstance(value, list):
+                yield from ((f"{key} contains {v!r}; pick from {', '.join(allowed)}", True)
+                            for v in value if v not in allowed)
+            elif value not in allowed:
+                yield f"{key}={value!r} is not one of {', '.join(allowed)}; pick one of them", True
+        elif "min" in f.metadata and value is not None and value < f.metadata["min"]:
+            low, hint = f.metadata["min"], f.metadata["hint"]
+            fix = hint or f"{key}={low}"
+            if low >= 1:
+                yield f"{key}={value} must be a positive integer; try {fix}", True
+            else:
+                yield f"{key}={value} must be >= {low}; try {fix}", False
+
+
+def field_problems(node, prefix: str = "", blocking_only: bool = False) -> list[str]:
+    """Problems of single fields (choices and ranges) of `node` and its sections."""
+    return [p for p, blocking in _field_checks(node, prefix) if blocking or not blocking_only]
+
+
+def _dp(cfg: LctrainConfig) -> list[str]:
+    if cfg.parallel.dp == 0 or cfg.parallel.dp < -1:
+        return [f"parallel.dp={cfg.parallel.dp} must be positive or -1 (derive from the world "
+                "size); try parallel.dp=-1"]
+    return []
+
+
+def _world(cfg: LctrainConfig, world_size: int) -> list[str]:
+    p = cfg.parallel
+    model_par = p.tp * p.cp * p.pp
+    shape = f"parallel.tp={p.tp} x cp={p.cp} x pp={p.pp}"
+    if p.dp == -1:
+        if world_size % model_par:
+            return [f"world size {world_size} is not divisible by {shape} = {model_par}; run "
+                    f"{nearest_multiple(world_size, model_par)} processes (launch.nproc or "
+                    "slurm.nodes x slurm.gpus_per_node) or change the parallel sizes"]
+        return []
+    if model_par * p.dp != world_size:
+        fix = (f"set parallel.dp=-1 (derives dp={world_size // model_par})"
+               if world_size % model_par == 0 else f"run {model_par * p.dp} processes")
+        return [f"world size {world_size} != {shape} x dp={p.dp} = {model_par * p.dp}; {fix}"]
+    return []
+
+
+def _heads(cfg: LctrainConfig) -> list[str]:
+    """Head and width divisibility: RoPE pairs, GQA groups, TP shards, the Ulysses degree."""
+    m, p = cfg.model, cfg.parallel
+    problems = []
+    if m.dim % m.n_heads:
+        problems.append(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; try "
+                        f"model.dim={nearest_multiple(m.dim, m.n_heads)}")
+    elif (m.dim // m.n_heads) % 2:
+        problems.append(f"head dim model.dim / model.n_heads = {m.dim // m.n_heads} must be even "
+                        f"for RoPE; try model.dim={nearest_multiple(m.dim, 2 * m.n_heads)}")
+    if m.n_heads % m.n_kv_heads:
+        problems.append(f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads="
+                        f"{m.n_kv_heads} (GQA groups); try n_kv_heads in {divisors(m.n_heads)}")
+    if m.n_kv_heads > m.n_heads:
+        problems.append(f"model.n_kv_heads={m.n_kv_heads} exceeds model.n_heads={m.n_heads}")
+    if m.n_heads % p.tp:
+        problems.append(f"model.n_heads={m.n_heads} is not divisible by parallel.tp={p.tp}; try "
+                        f"parallel.tp in {divisors(m.n_heads)}")
+    elif m.n_kv_heads % p.tp:
+        problems.append(f"model.n_kv_heads={m.n_kv_heads} is not divisible by parallel.tp={p.tp} "
+                        f"(each TP rank holds whole KV heads); try parallel.tp in "
+                        f"{divisors(m.n_kv_heads)}")
+    for key, size in (("model.vocab_size", m.vocab_size), ("model.ffn_dim", m.ffn_dim)):
+        if size % p.tp:
+            problems.append(f"{key}={size} is not divisible by parallel.tp={p.tp}; try "
+                            f"{key}={nearest_multiple(size, p.tp)}")
+    u = ulysses_degree(p)
+    if u > 1 and m.n_heads % p.tp == 0 and (m.n_heads // p.tp) % u:  # docs/parallelism.md §5
+        key = "parallel.cp" if p.attention == "ulysses" else "parallel.ulysses_degree"
+        local = m.n_heads // p.tp
+        problems.append(
+            f"{key}={u} with parallel.attention={p.attention} needs the heads per TP rank "
+            f"(model.n_heads / parallel.tp = {local}) divisible by the Ulysses degree {u}; try "
+            f"{key} in {[d for d in divisors(local) if d > 1] or [1]} or parallel.attention=ring")
+    return problems
+
+
+def _context(cfg: LctrainConfig) -> list[str]:
+    """The cp split of the sequence (docs/parallelism.md §3) and the USP degrees."""
+    p, s = cfg.parallel, cfg.train.seq_len
+    problems = []
+    if p.ulysses_degree != 1 and p.attention != "usp":
+        problems.append(f"parallel.ulysses_degree={p.ulysses_degree} is only used with "
+                        f"parallel.attention=usp (got {p.attention}); set parallel.ulysses_degree=1 "
+                        "or parallel.attention=usp")
+    if p.attention == "usp" and p.cp % p.ulysses_degree:
+        problems.append(f"parallel.ulysses_degree={p.ulysses_degree} does not divide parallel.cp="
+                        f"{p.cp} (ring degree = cp / ulysses_degree); try ulysses_degree in "
+                        f"{divisors(p.cp)}")
+    needs, why = 1, []
+    if p.cp > 1:
+        chunks = 2 * p.cp if p.load_balance == "zigzag" else p.cp
+        needs = chunks
+        why.append(f"parallel.cp={p.cp} with load_balance={p.load_balance} splits it into "
+                   f"{chunks} chunks")
+    if p.sp and p.tp > 1:
+        needs = math.lcm(needs, p.cp * p.tp)
+        why.append(f"parallel.sp=true splits each cp shard over parallel.tp={p.tp}")
+    if s % needs:
+        problems.append(f"train.seq_len={s} must be a multiple of {needs} ({'; '.join(why)}); "
+                        f"try train.seq_len={nearest_multiple(s, needs)}")
+    return problems
+
+
+def _batch(cfg: LctrainConfig, world_size: int) -> list[str]:
+    p, t = cfg.parallel, cfg.train
+    dp = p.dp if p.dp != -1 else world_size // (p.tp * p.cp * p.pp)
+    per_step = t.micro_batch * dp
+    if t.global_batch % per_step:
+        return [f"train.global_batch={t.global_batch} is not divisible by train.micro_batch="
+                f"{t.micro_batch} x dp={dp} = {per_step}; try train.global_batch="
+                f"{nearest_multiple(t.global_batch, per_step)}"]
+    accum = t.global_batch // per_step
+    if p.pp > 1 and accum < p.pp:
+        return [f"parallel.pp={p.pp} needs at least {p.pp} micro-batches per step to fill the "
+                f"pipeline; train.global_batch / (micro_batch x dp) = {accum}; try "
+                f"train.global_batch={p.pp * per_step}"]
+    return []
+
+
+def _layers(cfg: LctrainConfig) -> list[str]:
+    m, p = cfg.model, cfg.parallel
+    if m.n_layers % p.pp:
+        return [f"model.n_layers={m.n_layers} is not divisible by parallel.pp={p.pp} (every stage "
+                f"holds the same number of layers); try parallel.pp in {divisors(m.n_layers)}"]
+    return []
+
+
+def _scalars(cfg: LctrainConfig) -> list[str]:
+    """Values bounded by other values, and the checkpoint and model sources."""
+    o, ck, m = cfg.optim, cfg.checkpoint, cfg.model
+    problems = []
+    if o.lr <= 0:
+        problems.append(f"optim.lr={o.lr} must be > 0; try optim.lr=3e-4")
+    elif not 0 <= o.min_lr <= o.lr:
+        problems.append(f"optim.min_lr={o.min_lr} must lie in [0, optim.lr={o.lr}]; try "
+                        f"optim.min_lr={o.lr / 10:g}")
+    for key, v in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
+        if not 0 <= v < 1:
+            problems.append(f"{key}={v} must lie in [0, 1); try {key}=0.9")
+    if ck.load is not None and not os.path.isdir(ck.load):
+        problems.append(f"checkpoint.load={ck.load} is not a directory; give a checkpoint "
+                        "directory such as <run dir>/checkpoints/step-00000100")
+    if ck.load is not None and ck.resume == "auto":
+        problems.append(f"checkpoint.load={ck.load} and checkpoint.resume=auto both choose the "
+                        "checkpoint; set checkpoint.resume=none to load that one")
+    if ck.load_model_only and ck.load is None and ck.resume == "none":
+        problems.append("checkpoint.load_model_only=true needs checkpoint.load=<checkpoint dir>")
+    if m.rope_type != "default" and m.rope_factor < 1:
+        problems.append(f"model.rope_factor={m.rope_factor} must be >= 1 for rope_type="
+                        f"{m.rope_type}; try model.rope_factor=8")
+    if m.rope_type == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        problems.append(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
+                        f"model.rope_low_freq_factor={m.rope_low_freq_factor}; try 4.0 and 1.0")
+    if m.init_from is not None and not os.path.isdir(m.init_from):
+        problems.append(f"model.init_from={m.init_from} is not a directory; give a Hugging Face "
+                        "model directory (config.json + *.safetensors)")
+    return problems
+
+
+def _evals(cfg: LctrainConfig) -> list[str]:
+    """The eval grid (the tasks' own minimum lengths are checked by lctrain.data.sources)."""
+    ev, problems = cfg.eval, []
+    if not ev.every:
+        return problems
+    if not ev.tasks:
+        problems.append("eval.tasks is empty; try eval.tasks=[passkey]")
+    if ev.samples < 1:
+        problems.append(f"eval.samples={ev.samples} must be >= 1; try eval.samples=8")
+    problems += [f"eval.depths contains {x}; depths are fractions in [0, 1]"
+                 for x in ev.depths if not 0 <= x <= 1]
+    if not ev.depths:
+        problems.append("eval.depths is empty; try eval.depths=[0,0.5,1]")
+    problems += [f"eval.lengths contains {n}; each context length must lie in [1, train.seq_len="
+                 f"{cfg.train.seq_len}]" for n in ev.lengths if not 1 <= n <= cfg.train.seq_len]
+    return problems
+
+
+def validate(cfg: LctrainConfig, world_size: int) -> list[str]:
+    """Every problem of `cfg` for `world_size` ranks (empty list = valid)."""
+    problems = field_problems(cfg, blocking_only=True) + _dp(cfg)
+    if world_size < 1:
+        problems.append(f"world size {world_size} must be positive")
+    later = [p for p in field_problems(cfg) if p not in problems] + _scalars(cfg)
+    if problems:  # the rules below divide by these sizes or branch on these names
+        return problems + later if world_size >= 1 else problems
+    world = _world(cfg, world_size)
+    problems += (world + _heads(cfg) + _context(cfg) + _layers(cfg) + later + _evals(cfg))
+    if not world:
+        problems += _batch(cfg, world_size)
+    return problems
+
+
+def check_supported(cfg: LctrainConfig) -> list[str]:
+    """Valid layouts that `lctrain train` cannot run yet (`lctrain plan` still accepts them)."""
+    p, problems = cfg.parallel, []
+    if p.pp != 1:
+        problems.append(f"parallel.pp={p.pp}: pipeline parallelism is not implemented in this "
+                        "version; set parallel.pp=1 (lctrain plan accepts the layout)")
+    if p.tp > 1 and cfg.model.tie_embeddings:
+        problems.append(f"parallel.tp={p.tp} with model.tie_embeddings=true is not supported yet; "
+                        "set model.tie_embeddings=false or parallel.tp=1")
+    return problems
+
+
+def warnings_for(cfg: LctrainConfig) -> list[str]:
+    """Settings that are valid but do nothing; printed, never fatal."""
+    p = cfg.parallel
+    out = []
+    if p.sp and p.tp == 1:
+        out.append("parallel.sp=true has no effect with parallel.tp=1 (SP splits activations "
+                   "inside the TP group)")
+    if p.cp == 1 and (p.attention != "ring" or p.ulysses_degree != 1):
+        out.append(f"parallel.attention={p.attention} is ignored with parallel.cp=1")
+    return out

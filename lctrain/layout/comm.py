@@ -1,0 +1,183 @@
+"""Collectives with traffic accounting (context parallelism's, and DTensor's on request); the
+group is always an argument.
+
+Traffic is counted as elements (and bytes) *sent by this rank* (docs/parallelism.md §0):
+an all-to-all sends (P-1)/P of its input (1/P stays local), an all-gather sends its local block to
+P-1 peers in a ring, a reduce-scatter sends (P-1)/P of its input, a P2P send sends its tensor.
+Counting is active only inside `record_traffic()`; each entry is keyed by (tag, collective), the
+tag naming the algorithm (`traffic_tag("ring")`). Only the collectives of this module are counted
+(context-parallel attention); FSDP/DDP gradient traffic is not. The training loop logs the bytes
+each step sent as `cp_bytes_sent` in metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_recorder: ContextVar[TrafficRecorder | None] = ContextVar("lctrain_traffic", default=None)
+_tag: ContextVar[str] = ContextVar("lctrain_traffic_tag", default="other")
+
+
+@dataclass
+class TrafficRecorder:
+    elements: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+
+    def add(self, op: str, elements: int, itemsize: int) -> None:
+        key = (_tag.get(), op)
+        self.elements[key] += elements
+        self.bytes[key] += elements * itemsize
+
+    def total(self, tag: str | None = None, op: str | None = None) -> int:
+        return sum(v for (t, o), v in self.elements.items()
+                   if (tag is None or t == tag) and (op is None or o == op))
+
+
+@contextlib.contextmanager
+def record_traffic():
+    """Count elements sent by this rank's collectives inside the block."""
+    rec = TrafficRecorder()
+    token = _recorder.set(rec)
+    try:
+        yield rec
+    finally:
+        _recorder.reset(token)
+
+
+@contextlib.contextmanager
+def traffic_tag(tag: str):
+    token = _tag.set(tag)
+    try:
+        yield
+    finally:
+        _tag.reset(token)
+
+
+def current_tag() -> str:
+    """The traffic tag in force; autograd functions keep it for their backward."""
+    return _tag.get()
+
+
+def _count(op: str, elements: int, t: Tensor) -> None:
+    rec = _recorder.get()
+    if rec is not None:
+        rec.add(op, elements, t.element_size())
+
+
+def all_to_all(x: Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> Tensor:
+    """Split x into P pieces along scatter_dim, send piece j to rank j, concatenate what arrives
+    along gather_dim in source-rank order. Ulysses: [B, S/P, H, d] -> [B, S, H/P, d] with
+    scatter_dim=2, gather_dim=1."""
+    p = dist.get_world_size(group)
+    if p == 1:
+        return x
+    pieces = torch.stack(x.chunk(p, dim=scatter_dim)).contiguous()  # [P, ...piece]
+    out = torch.empty_like(pieces)
+    dist.all_to_all_single(out, pieces, group=group)
+    _count("all_to_all", x.numel() * (p - 1) // p, x)
+    return torch.cat(out.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.group, ctx.dims, ctx.tag = group, (scatter_dim, gather_dim), current_tag()
+        return all_to_all(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        with traffic_tag(ctx.tag):
+            grad = all_to_all(grad.contiguous(), ctx.group, gather_dim, scatter_dim)
+        return grad, None, None, None
+
+
+def all_to_all_autograd(x: Tensor, group: dist.ProcessGroup, scatter_dim: int,
+                        gather_dim: int) -> Tensor:
+    """`all_to_all` whose backward is the inverse all-to-all (Ulysses, docs/parallelism.md §5)."""
+    return _AllToAll.apply(x, group, scatter_dim, gather_dim)
+
+
+def all_gather(x: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:
+    """Concatenation along dim of every rank's x, in group-rank order."""
+    p = dist.get_world_size(group)
+    if p == 1:
+        return x
+    out = torch.empty((p * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_single(out, x.contiguous(), group=group)
+    _count("all_gather", x.numel() * (p - 1), x)
+    return torch.cat(out.chunk(p, dim=0), dim=dim)
+
+
+def reduce_scatter(x: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:
+    """Sum over ranks of x, of which this rank keeps its 1/P slice along dim."""
+    p = dist.get_world_size(group)
+    if p == 1:
+        return x
+    pieces = torch.cat(x.chunk(p, dim=dim), dim=0).contiguous()  # [P * B, ...] piece j for rank j
+    out = torch.empty((pieces.shape[0] // p, *pieces.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, pieces, group=group)
+    _count("reduce_scatter", x.numel() * (p - 1) // p, x)
+    return out
+
+
+class RingExchange:
+    """Send tensors to the next rank of the group and receive the same shapes from the previous
+    one, asynchronously (batch_isend_irecv), so compute can overlap the transfer."""
+
+    def __init__(self, group: dist.ProcessGroup, tag: int = 0):
+        self.group, self.tag = group, tag
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (rank + 1) % size)
+        self.prev = dist.get_global_rank(group, (rank - 1) % size)
+        self._reqs: list = []
+        self._send: list[Tensor] = []
+        self._recv: list[Tensor] = []
+
+    def start(self, tensors: list[Tensor]) -> None:
+        assert not self._reqs, "previous exchange not waited for"
+        self._send = [t.contiguous() for t in tensors]  # kept alive until wait()
+        self._recv = [torch.empty_like(t) for t in self._send]
+        ops = []
+        for t, r in zip(self._send, self._recv):
+            ops.append(dist.P2POp(dist.isend, t, self.next, self.group, self.tag))
+            ops.append(dist.P2POp(dist.irecv, r, self.prev, self.group, self.tag))
+            _count("p2p", t.numel(), t)
+        self._reqs = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> list[Tensor]:
+        for req in self._reqs:
+            req.wait()
+        self._reqs, self._send = [], []
+        return self._recv
+
+
+class _FunctionalCollectives(TorchDispatchMode):
+    """Counts the functional collectives that DTensor (TP/SP) issues, like `_count` does."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name == "all_gather_into_tensor":
+            _count("all_gather", args[0].numel() * (args[1] - 1), args[0])
+        elif name == "reduce_scatter_tensor":
+            _count("reduce_scatter", args[0].numel() * (args[2] - 1) // args[2], args[0])
+        elif name == "all_reduce":
+            p = _resolve_process_group(args[2]).size()
+            _count("all_reduce", 2 * args[0].numel() * (p - 1) // p, args[0])
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def record_dtensor_traffic():
+    """Like `record_traffic`, for the collectives DTensor issues (TP/SP); slower: tests, benches."""
+    with record_traffic() as rec, _FunctionalCollectives():
+        yield rec

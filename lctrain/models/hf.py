@@ -1,0 +1,167 @@
+"""Hugging Face Llama interop: config and name mapping (weights are identical), checking an HF
+directory against the model config, loading it into any layout (each rank reads only its
+slices), and exporting one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from lctrain.config import ModelConfig
+
+# lctrain name pattern -> HF name pattern ({i} = layer id)
+_LAYER_MAP = {
+    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_TOP_MAP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
+
+
+def to_hf_name(name: str) -> str:
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", name)
+    if m:
+        return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}.weight"
+    return f"{_TOP_MAP[name.removesuffix('.weight')]}.weight"
+
+
+def to_hf_state_dict(state: dict[str, Tensor], tie_embeddings: bool) -> dict[str, Tensor]:
+    out = {to_hf_name(k): v for k, v in state.items()}
+    if tie_embeddings:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def from_hf_state_dict(hf_state: dict[str, Tensor], tie_embeddings: bool) -> dict[str, Tensor]:
+    inverse = {}
+    for k, v in hf_state.items():
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", k)
+        if m:
+            name = {h: ours for ours, h in _LAYER_MAP.items()}[m.group(2)]
+            inverse[f"layers.{m.group(1)}.{name}.weight"] = v
+        else:
+            inverse[{h: o for o, h in _TOP_MAP.items()}[k.removesuffix(".weight")] + ".weight"] = v
+    if tie_embeddings:
+        inverse["output.weight"] = inverse["tok_embeddings.weight"]
+    return inverse
+
+
+def rope_parameters(cfg: ModelConfig) -> dict:
+    """transformers' `rope_parameters` for the RoPE settings of `cfg`."""
+    params = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
+    if cfg.rope_type != "default":
+        params["factor"] = cfg.rope_factor
+    if cfg.rope_type == "llama3":
+        params.update(low_freq_factor=cfg.rope_low_freq_factor,
+                      high_freq_factor=cfg.rope_high_freq_factor,
+                      original_max_position_embeddings=cfg.rope_original_max_position)
+    if cfg.rope_type == "yarn":
+        params.update(original_max_position_embeddings=cfg.rope_original_max_position,
+                      beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow)
+    return params
+
+
+def hf_config(cfg: ModelConfig, max_position_embeddings: int = 8192):
+    """A transformers LlamaConfig with the same architecture as `cfg`."""
+    from transformers import LlamaConfig  # lazy: transformers takes seconds to import
+
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, rms_norm_eps=cfg.norm_eps,
+        rope_parameters=rope_parameters(cfg),
+        tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
+        max_position_embeddings=max_position_embeddings,
+    )
+
+
+# HF config key -> ModelConfig field, for the shape check of model.init_from
+_HF_SHAPE = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
+             "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
+             "intermediate_size": "ffn_dim", "tie_word_embeddings": "tie_embeddings"}
+
+
+def check_hf_dir(path: str, cfg: ModelConfig) -> list[str]:
+    """Problems with loading the HF directory `path` into a model of shape `cfg` (empty = ok)."""
+    root = Path(path)
+    config_file = root / "config.json"
+    if not config_file.is_file():
+        return [f"model.init_from={path} has no config.json; point it at a Hugging Face model "
+                "directory (config.json + *.safetensors)"]
+    if not list(root.glob("*.safetensors")):
+        return [f"model.init_from={path} has no *.safetensors file (pickled .bin weights are "
+                "never loaded); convert them with transformers' save_pretrained"]
+    hf = json.loads(config_file.read_text())
+    if hf.get("model_type") != "llama":
+        return [f"model.init_from={path} is model_type={hf.get('model_type')!r}; lctrain loads "
+                "Llama checkpoints (model_type llama) only"]
+    hf.setdefault("num_key_value_heads", hf.get("num_attention_heads"))
+    hf.setdefault("tie_word_embeddings", False)
+    return [f"model.init_from: {key}={hf[key]} in {config_file} but model.{ours}="
+            f"{getattr(cfg, ours)}; set model.{ours}={hf[key]}"
+            for key, ours in _HF_SHAPE.items() if key in hf and hf[key] != getattr(cfg, ours)]
+
+
+def _local_slices(param: Tensor) -> tuple[slice, ...]:
+    """Index of this rank's shard in the global tensor (all of it for a plain tensor)."""
+    if not isinstance(param, DTensor):
+        return tuple(slice(None) for _ in param.shape)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                          param.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, path: str) -> None:
+    """Copy an HF Llama directory's weights into `model` (plain or TP-sharded DTensors, before
+    FSDP). Each rank reads only the slices it holds, straight from the safetensors files."""
+    where = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            where.update({k: file for k in f.keys()})  # noqa: SIM118 (safe_open has no __iter__)
+    seen = set()
+    for name, param in model.named_parameters():
+        if id(param) in seen:  # tied output layer: loaded through the embedding
+            continue
+        seen.add(id(param))
+        hf_name = to_hf_name(name)
+        if hf_name not in where:
+            raise ValueError(f"{path} has no tensor {hf_name} (for {name}); is it a Llama "
+                             "checkpoint of this shape?")
+        with safe_open(str(where[hf_name]), framework="pt") as f:
+            piece = f.get_slice(hf_name)
+            if tuple(piece.get_shape()) != tuple(param.shape):
+                raise ValueError(f"{hf_name} in {path} has shape {piece.get_shape()}, the model "
+                                 f"expects {tuple(param.shape)}")
+            local = piece[_local_slices(param)]
+        target = param.to_local() if hasattr(param, "to_local") else param
+        target.copy_(local.to(target.dtype))
+
+
+@torch.no_grad()
+def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str, rank: int) -> None:
+    """Write `model` as an HF Llama directory (config.json + model.safetensors) that
+    `transformers.AutoModelForCausalLM.from_pretrained` loads. Collective over the model's
+    meshes: call on every rank; rank 0 writes."""
+    state = {}
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        state[name] = full.detach().float().cpu().contiguous()
+    if rank != 0:
+        return
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_state = to_hf_state_dict(state, cfg.tie_embeddings)
+    save_file(hf_state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    hf_config(cfg).save_pretrained(str(out))

@@ -1,0 +1,216 @@
+"""Single-device Llama: RMSNorm, RoPE, GQA, SwiGLU. Plain model code: tensor parallelism,
+activation checkpointing and data parallelism are applied to it from outside
+(`lctrain.parallel.parallelize`), and the untouched model is every test's reference.
+
+Parameter names follow torchtitan (`tok_embeddings`, `layers.{i}.attention.wq`, ...); layers live
+in a ModuleDict keyed by their global id so that a pipeline split deletes modules without
+renaming checkpoint keys. `forward` tolerates a missing embedding (input is then a hidden state)
+and a missing output layer (the hidden state is returned). RoPE uses the "rotate half" layout of
+Hugging Face Llama, so HF weights map one to one (see `lctrain.models.hf`).
+
+The attention core is a callable stored on each attention module: `core(q, k, v, doc_ids) ->
+out` with q [B, S, H, d], k, v [B, S, H_kv, d], causal, scale 1/sqrt(d), and doc_ids [B, S_global]
+(or None) marking packed documents that must not attend to each other. Context-parallel
+algorithms plug in there (`lctrain.attention.ContextParallelAttention`); S is then this rank's
+share of the sequence. Every module initialises its own parameters (`init_weights`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lctrain.attention.kernels import Block
+from lctrain.attention.local import local_attention
+from lctrain.config import ModelConfig
+from lctrain.models.rope import rope_frequencies
+
+AttentionCore = Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+    """Local causal attention. [B, S, H, d] x [B, S, H_kv, d] -> [B, S, H, d].
+
+    PyTorch SDPA without documents; with doc_ids, the position-aware kernels of
+    lctrain.attention (they skip what the document mask hides).
+    """
+    if doc_ids is not None:
+        block = Block(torch.arange(q.shape[1], device=q.device), doc_ids)
+        return local_attention(q, k, v, block, block, causal=True, scale=q.shape[-1] ** -0.5)[0]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+        enable_gqa=k.shape[2] != q.shape[2])
+    return out.transpose(1, 2)
+
+
+def _normal_(weight: Tensor, std: float, gen: torch.Generator) -> None:
+    weight.copy_(torch.randn(weight.shape, generator=gen, dtype=torch.float32) * std)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in float32 (as HF Llama does), scale in the input dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        self.weight.fill_(1.0)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for given positions, computed in float32 like HF, cast to the input dtype.
+
+    Frequencies come from `lctrain.models.rope` (theta and the optional context-extension
+    scaling).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        inv_freq, self.attention_scaling = rope_frequencies(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        # positions [B or 1, S] -> cos, sin [B or 1, S, 1, d]
+        freqs = positions.float()[..., None] * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        scale = self.attention_scaling
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, core: AttentionCore = sdpa_attention):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.core = core
+        """The attention core (local SDPA or a context-parallel algorithm)."""
+
+    def forward(self, x: Tensor, *, cos: Tensor, sin: Tensor,
+                doc_ids: Tensor | None = None) -> Tensor:
+        b, s, _ = x.shape
+        # Head counts come from the weights so that TP-sharded projections work unchanged.
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.core(q, k, v, doc_ids)  # [B, S, H, d]
+        return self.wo(out.reshape(b, s, -1))
+
+    @torch.no_grad()
+    def init_weights(self, gen: torch.Generator, std: float, out_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            _normal_(linear.weight, std, gen)
+        _normal_(self.wo.weight, out_std, gen)  # the output projection feeds the residual
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    @torch.no_grad()
+    def init_weights(self, gen: torch.Generator, std: float, out_std: float) -> None:
+        _normal_(self.w1.weight, std, gen)
+        _normal_(self.w3.weight, std, gen)
+        _normal_(self.w2.weight, out_std, gen)  # the down projection feeds the residual
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, core: AttentionCore = sdpa_attention):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg, core)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: Tensor, *, cos: Tensor, sin: Tensor,
+                doc_ids: Tensor | None = None) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos=cos, sin=sin, doc_ids=doc_ids)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self, gen: torch.Generator, std: float, out_std: float) -> None:
+        # registration order, so that the random stream is consumed as named_parameters lists
+        self.attention_norm.init_weights()
+        self.attention.init_weights(gen, std, out_std)
+        self.ffn_norm.init_weights()
+        self.feed_forward.init_weights(gen, std, out_std)
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig, core: AttentionCore = sdpa_attention):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.rope = RotaryEmbedding(cfg)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, core)
+                                     for i in range(cfg.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, x: Tensor, positions: Tensor | None = None,
+                doc_ids: Tensor | None = None) -> Tensor:
+        """tokens [B, S] (or hidden [B, S, D] without an embedding) -> logits [B, S, V].
+
+        positions: RoPE position ids [B or 1, S] (default 0..S-1); with context parallelism the
+        global positions of this rank's tokens. doc_ids: see the module docstring.
+        """
+        if positions is None:  # from the input: with sequence parallelism h holds S/tp tokens
+            positions = torch.arange(x.shape[1], device=x.device)[None]
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        cos, sin = self.rope(positions, h.dtype if not torch.is_autocast_enabled(h.device.type)
+                             else torch.get_autocast_dtype(h.device.type))
+        for layer in self.layers.values():
+            h = layer(h, cos=cos, sin=sin, doc_ids=doc_ids)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from `seed`, identical on every rank and for every layout: normal
+        (init_std) for the embedding and the input projections, init_std / sqrt(2 n_layers) for
+        the projections that feed the residual stream, ones for the norms. Modules draw from one
+        generator in registration order."""
+        gen = torch.Generator().manual_seed(seed)
+        std, out_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        if self.tok_embeddings is not None:
+            _normal_(self.tok_embeddings.weight, std, gen)
+        for layer in self.layers.values():
+            layer.init_weights(gen, std, out_std)
+        if self.norm is not None:
+            self.norm.init_weights()
+        if self.output is not None and not self.cfg.tie_embeddings:
+            _normal_(self.output.weight, std, gen)
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Parameters of `model` (global sizes, shared ones once), whatever wraps or shards it."""
+    return sum(p.numel() for p in model.parameters())

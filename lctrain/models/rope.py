@@ -1,0 +1,60 @@
+"""RoPE inverse frequencies for context extension, numerically as in Hugging Face transformers.
+
+rope_type: default (theta only) | linear (positions / factor) | llama3 (Llama 3.1 wavelength-
+dependent scaling) | yarn (NTK-by-parts interpolation plus an attention temperature applied to
+cos/sin). Returns (inv_freq [head_dim/2] float32, attention_scaling).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lctrain.config import ModelConfig
+
+
+def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    dim = cfg.dim // cfg.n_heads
+    base, factor = cfg.rope_theta, cfg.rope_factor
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (base ** exponents)
+    if cfg.rope_type == "default":
+        return inv_freq, 1.0
+    if cfg.rope_type == "linear":
+        return inv_freq / factor, 1.0
+    if cfg.rope_type == "llama3":
+        return _llama3(inv_freq, cfg), 1.0
+    assert cfg.rope_type == "yarn", f"unknown rope_type {cfg.rope_type!r}"
+    return _yarn(dim, cfg)
+
+
+def _llama3(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    factor, old = cfg.rope_factor, cfg.rope_original_max_position
+    low_wavelen = old / cfg.rope_low_freq_factor
+    high_wavelen = old / cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)  # long waves: / factor
+    smooth = (old / wavelen - cfg.rope_low_freq_factor) / (
+        cfg.rope_high_freq_factor - cfg.rope_low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(dim: int, cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    base, factor, old = cfg.rope_theta, cfg.rope_factor, cfg.rope_original_max_position
+    attention_factor = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(cfg.rope_beta_fast)), 0)
+    high = min(math.ceil(correction_dim(cfg.rope_beta_slow)), dim - 1)
+    if low == high:
+        high += 0.001  # no singular ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate by `factor`
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, attention_factor

@@ -1,0 +1,50 @@
+"""Activation checkpointing of the transformer blocks: none | selective | full.
+
+Applied with PyTorch's composable `checkpoint` (forward hooks on each block), so parameter names
+and the model code stay as they are; it composes with TP/SP (applied before) and FSDP (after).
+Selective checkpointing keeps what is expensive to recompute, the matmul outputs and, with local
+attention (cp = 1), the attention kernel's output and lse, and recomputes the cheap, memory-heavy
+rest (norms, RoPE, SwiGLU, residuals). Context-parallel attention runs many partial kernel calls
+(one per ring step and run pair); caching each would cost more than the whole output, so there
+the attention core is recomputed, as in Korthikanti et al.'s selective recompute
+(docs/parallelism.md §11).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+LOCAL_ATTENTION = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+"""The fused attention op local SDPA runs on the CPU, whose output and lse selective keeps."""
+
+
+def _policy(save: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def saved_ops(mode: str, cp: int) -> set | None:
+    """The ops whose outputs selective checkpointing keeps (None: full recompute)."""
+    if mode == "full":
+        return None
+    return MATMULS | (LOCAL_ATTENTION if cp == 1 else set())
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, cp: int = 1) -> nn.Module:
+    """Checkpoint every block of `model` in place (mode none | selective | full); returns it."""
+    if mode == "none":
+        return model
+    save = saved_ops(mode, cp)
+    context_fn = None if save is None else partial(create_selective_checkpoint_contexts,
+                                                    partial(_policy, save))
+    for layer in model.layers.values():
+        if context_fn is None:
+            checkpoint(layer)
+        else:
+            checkpoint(layer, context_fn=context_fn)
+    return model

@@ -1,0 +1,124 @@
+"""The runtime of one rank: its process group, device, meshes and named groups, and everything
+derived from the layout that builders and the loop need (`Runtime`), created once by
+`setup_distributed`. No parallel state lives anywhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lctrain.attention import CPGroups
+from lctrain.config import Derived, LctrainConfig, derive
+from lctrain.layout.topology import AXES, GROUPS, Topology
+from lctrain.parallel.launch import env_from_environment
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """The root mesh plus one 1-D mesh per named group (flattened ones kept, never re-sliced)."""
+
+    root: DeviceMesh
+    meshes: dict[str, DeviceMesh]
+
+    def __getitem__(self, group: str) -> DeviceMesh:
+        return self.meshes[group]
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        """The ProcessGroup of the named group that contains this rank."""
+        return self.meshes[name].get_group()
+
+
+def build_mesh(topology: Topology, device_type: str) -> ParallelMesh:
+    """The 5-D DeviceMesh and its flattened groups (collective: call on all ranks, once)."""
+    root = init_device_mesh(device_type, topology.shape, mesh_dim_names=AXES)
+    meshes = {axis: root[axis] for axis in AXES}
+    for name, (axes, _) in GROUPS.items():
+        if len(axes) > 1:
+            meshes[name] = root[axes]._flatten(name)
+    return ParallelMesh(root, meshes)
+
+
+def cp_groups(topology: Topology, mesh: ParallelMesh | None, rank: int) -> CPGroups:
+    """`rank`'s context-parallel groups, as the attention algorithms take them."""
+    group = (lambda name: mesh.group(name)) if mesh is not None else (lambda name: None)
+    return CPGroups(cp=group("cp"), ring=group("cp_ring"), ulysses=group("cp_ulysses"),
+                    ring_size=topology.cp_ring,
+                    ring_rank=topology.axis_rank(rank, "cp_ring"),
+                    ulysses_size=topology.cp_ulysses,
+                    ulysses_rank=topology.axis_rank(rank, "cp_ulysses"))
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """This rank in its layout: coordinates, groups, device and compute dtype."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    topology: Topology
+    derived: Derived
+    mesh: ParallelMesh | None
+    """Meshes and groups by name (None when running a single process)."""
+    dtype: str = "fp32"
+    """train.dtype: the autocast dtype of forward passes."""
+
+    def axis_rank(self, group: str) -> int:
+        """This rank's index inside the named group."""
+        return self.topology.axis_rank(self.rank, group)
+
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        """The named group that contains this rank (None in a single process)."""
+        return self.mesh.group(name) if self.mesh is not None else None
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup | None:
+        """Gradient and loss reduction group."""
+        return self.group("dp_cp")
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The autocast dtype, None for plain fp32."""
+        return torch.bfloat16 if self.dtype == "bf16" else None
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The context forward passes run in (training and evals alike)."""
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    @cached_property
+    def cp_groups(self) -> CPGroups:
+        """This rank's context-parallel groups, as the attention algorithms take them."""
+        return cp_groups(self.topology, self.mesh, self.rank)
+
+
+def setup_distributed(cfg: LctrainConfig) -> Runtime:
+    """The Runtime of this process: joins the process group (torchrun, srun or lctrain's own
+    launcher set the environment), picks the device and builds the meshes."""
+    env = env_from_environment()
+    world = env.world_size if env else 1
+    want = cfg.train.device
+    use_cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        local_rank = env.local_rank if env else 0
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    topology = Topology.from_config(cfg, world)
+    derived = derive(cfg, world)
+    if world == 1:
+        return Runtime(0, 1, device, topology, derived, None, cfg.train.dtype)
+    if not dist.is_initialized():
+        backend = cfg.launch.backend if cfg.launch.backend != "auto" else (
+            "nccl" if use_cuda else "gloo")
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.launch.timeout_s))
+    return Runtime(dist.get_rank(), world, device, topology, derived,
+                   build_mesh(topology, device.type), cfg.train.dtype)

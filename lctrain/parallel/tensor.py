@@ -1,0 +1,64 @@
+"""Tensor parallelism with Megatron sequence parallelism, as a declarative DTensor plan.
+
+Megatron TP (docs/parallelism.md §2): wq/wk/wv and w1/w3 are column-parallel (each TP rank owns a
+slice of heads / hidden units), wo and w2 row-parallel (partial sums). With SP the per-token
+regions (norms, residual adds) hold [B, S/(cp*tp), D]: the row-parallel outputs reduce-scatter
+along the sequence and the column-parallel inputs all-gather it, so no all-reduce is left in a
+block. Without SP the row-parallel outputs all-reduce. The embedding is vocab-parallel (row-wise),
+the output layer column-parallel over the vocabulary; the loss then runs vocab-parallel
+(`loss_parallel`), so no rank materialises full-vocabulary logits.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def tp_plan(sp: bool) -> tuple[dict, dict]:
+    """(top-level plan, per-block plan): module name -> parallel style. The attention and
+    feed-forward modules take the hidden state as their only positional input (RoPE tables and
+    document ids are keywords, which the plan leaves alone)."""
+    seq = Shard(1) if sp else Replicate()  # layout of the hidden state between blocks
+    top = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1),
+                                  use_local_output=False),
+    }
+    block = {
+        "attention": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(
+            Replicate(),)),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=seq),
+        "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(
+            Replicate(),)),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+    }
+    if sp:
+        top["norm"] = SequenceParallel()
+        block["attention_norm"] = SequenceParallel()
+        block["ffn_norm"] = SequenceParallel()
+    return top, block
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> nn.Module:
+    """Shard a Llama in place over `tp_mesh`; returns it. Logits come out as a vocab-sharded
+    DTensor [B, S/cp, V] (Shard(-1)) for the vocab-parallel loss."""
+    top, block = tp_plan(sp)
+    for layer in model.layers.values():
+        parallelize_module(layer, tp_mesh, block)
+    parallelize_module(model, tp_mesh, {k: v for k, v in top.items()
+                                        if getattr(model, k.split(".")[0], None) is not None})
+    return model

@@ -1,0 +1,50 @@
+"""Elements each rank sends: one attention layer per context-parallel algorithm (forward and
+backward), one block's TP/SP collectives, one step of FSDP. Derived in docs/parallelism.md
+§2 and §5-9; `lctrain plan` predicts with these, and tests and bench/attention.py compare them
+with what `lctrain.layout.comm.record_traffic` measures.
+
+L: global sequence (one sample), d = H * head_dim and d_kv = H_kv * r * head_dim per TP rank
+(r = KV replication), P = cp, u = Ulysses degree, R = ring degree = P / u.
+"""
+
+from __future__ import annotations
+
+
+def attention_traffic(algorithm: str, seq_len: int, d: int, d_kv: int, cp: int, ulysses: int,
+                      batch: int = 1) -> dict[str, float]:
+    """{'forward': elements, 'backward': elements} sent per rank."""
+    L, P, u = seq_len, cp, ulysses
+    if P == 1:
+        return {"forward": 0.0, "backward": 0.0}
+    if algorithm == "allgather":
+        # forward all-gathers K and V; backward reduce-scatters dK and dV: same volume
+        fwd = (P - 1) * 2 * (L / P) * d_kv
+        return {"forward": batch * fwd, "backward": batch * fwd}
+    if algorithm == "ulysses":
+        u = P
+    elif algorithm == "ring":
+        u = 1
+    R = P // u
+    tokens = L / R  # tokens of one Ulysses group
+    # all-to-all of Q, K, V and the output forward; of dO, dQ, dK, dV backward (same sizes)
+    a2a = (2 * d + 2 * d_kv) * tokens * (u - 1) / u**2
+    # ring: K, V blocks of L/R tokens with the 1/u of the heads this rank holds after the a2a;
+    # backward sends K, V again plus the travelling dK, dV accumulators
+    ring = (R - 1) * 2 * (L / R) * d_kv / u
+    return {"forward": batch * (a2a + ring), "backward": batch * (a2a + 2 * ring)}
+
+
+def tp_block_traffic(tokens: int, dim: int, tp: int) -> float:
+    """One block's forward TP collectives on [tokens, dim] activations: with SP two all-gathers
+    and two reduce-scatters, without it two all-reduces; either way 4 (t-1)/t tokens dim
+    elements (the backward sends the same)."""
+    return 4 * (tp - 1) / tp * tokens * dim
+
+
+def dp_step_traffic(engine: str, local_params: float, shards: int) -> float:
+    """One optimizer step of gradient synchronisation over `shards` ranks. FSDP: parameters
+    all-gathered for the forward and again for the backward, gradients reduce-scattered: 3 (n-1)/n
+    of the parameters. DDP: one all-reduce of the gradients: 2 (n-1)/n."""
+    if shards == 1:
+        return 0.0
+    return (3 if engine == "fsdp" else 2) * (shards - 1) / shards * local_params

@@ -1,0 +1,380 @@
+"""Checkpoints: everything a run needs to continue exactly, saved atomically (optionally in the
+background), verified on load, and loadable under any other valid layout.
+
+One checkpoint is one directory, `<checkpoint.dir>/step-00000040/`:
+
+    .metadata, __R_0.distcp   torch.distributed.checkpoint (DCP): model weights and AdamW state,
+                              keyed by parameter name with global shapes, so any tp / cp / dp /
+                              dp_engine layout can load them (DCP reshards)
+    train_state.json          step, tokens seen, data-loader state, the layout it was saved under
+    rng-0000R.json            each rank's RNG states (restored only under the same layout)
+    config.yaml               the resolved configuration (secrets redacted)
+    manifest.json             written last: every file with its size and sha256
+
+It is written as `.step-00000040.partial` and renamed into place after rank 0 has written the
+manifest, so a visible checkpoint is complete; a crash, a full disk or a failed rank leaves at
+most a partial directory, which is never loaded and is removed by the next run. `load` checks
+every file against the manifest (each rank hashes a share), and with checkpoint.resume=auto a
+damaged checkpoint is skipped with a warning for the previous complete one.
+
+Nothing is unpickled: tensors load with weights_only, DCP's metadata through an unpickler that
+admits only DCP's own metadata classes, everything else is JSON. The schedule is not saved: it
+is a function of the step (lctrain.training.optim.lr_at), so it resumes exactly in any layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import random
+import re
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from lctrain.training.optim import resume_scheduler
+
+MANIFEST = "manifest.json"
+STATE = "train_state.json"
+_NAME = re.compile(r"^step-(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message says which and what to do."""
+
+
+@dataclass
+class TrainState:
+    """Progress that is not a tensor."""
+
+    step: int = 0
+    tokens: int = 0
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_json(path: Path, value: object) -> None:
+    with open(path, "w") as f:
+        json.dump(value, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle: admit only the classes it is made of."""
+
+    ALLOWED = {("torch", "Size"), ("torch", "device"), ("torch.serialization", "_get_layout"),
+               ("collections", "OrderedDict"), ("pathlib", "PosixPath"),
+               ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
+
+    def find_class(self, module: str, name: str):
+        if module.startswith("torch.distributed.checkpoint.") or (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is "
+                                     "not part of a DCP checkpoint; refusing to load it")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """FileSystemReader whose metadata load can run no code."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _describe(error: BaseException, rank: int) -> str:
+    """One line per failed rank: DCP's CheckpointException carries every rank's exception."""
+    if isinstance(error, CheckpointException):
+        return "; ".join(f"rank {r}: {type(e).__name__}: {e}"
+                         for r, (e, _) in sorted(error.failures.items()))
+    return f"rank {rank}: {type(error).__name__}: {error}"
+
+
+def rng_state() -> dict:
+    """This rank's Python, NumPy and torch RNG states as JSON-able values."""
+    py = random.getstate()
+    out = {"python": [py[0], list(py[1]), py[2]], "numpy": None,
+           "torch": torch.get_rng_state().tolist()}
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    out["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state().tolist()
+    return out
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+
+
+def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """({"model": ..., "optim": ...} tensors for DCP, the optimizer's full state dict)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd["state"]}, optim_sd
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint directories under `root` that have a manifest, newest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def damaged_files(path: Path, rank: int = 0, world: int = 1, hashes: bool = True) -> list[str]:
+    """What is wrong with a checkpoint's files (this rank checks every world-th file)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return [f"{path / MANIFEST}: unreadable ({e})"]
+    problems = []
+    for i, (name, entry) in enumerate(sorted(files.items())):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{file} is missing")
+        elif file.stat().st_size != entry["size"]:
+            problems.append(f"{file} holds {file.stat().st_size} bytes, not {entry['size']}")
+        elif hashes and i % world == rank and _sha256(file) != entry["sha256"]:
+            problems.append(f"{file} does not match its sha256 (the file is corrupt)")
+    return problems
+
+
+class Checkpointer:
+    """Decides when to save (`should_save`), saves (`save`, optionally in the background) and
+    resumes (`maybe_resume`). Collective: every rank calls every method in the same order."""
+
+    def __init__(self, cfg, rt, run_dir: Path, config_yaml: str, log=print):
+        c = cfg.checkpoint
+        self.cfg, self.rt, self.config_yaml, self.log = cfg, rt, config_yaml, log
+        self.root = Path(c.dir) if c.dir else Path(run_dir) / "checkpoints"
+        self.layout = {"world_size": rt.world_size, "shape": list(rt.topology.shape),
+                       "dp_engine": cfg.parallel.dp_engine}
+        # checkpoint collectives get their own group: a background save must never interleave
+        # with the training step's collectives on the default group
+        self.pg = dist.new_group(backend="gloo") if rt.world_size > 1 else None
+        self._executor = ThreadPoolExecutor(1, "lctrain-ckpt") if c.async_save else None
+        self._pending: Future | None = None
+        if rt.rank == 0 and self.root.is_dir():
+            for stale in self.root.glob(".step-*.partial"):
+                log(f"lctrain: removing {stale}, a checkpoint an earlier run did not finish")
+                shutil.rmtree(stale, ignore_errors=True)
+        self._barrier()
+
+    def _barrier(self) -> None:
+        if self.pg is not None:
+            dist.barrier(group=self.pg)
+
+    def _gather(self, value: object) -> list:
+        if self.pg is None:
+            return [value]
+        out: list = [None] * self.rt.world_size
+        dist.all_gather_object(out, value, group=self.pg)
+        return out
+
+    def should_save(self, step: int) -> bool:
+        every = self.cfg.checkpoint.every
+        return every > 0 and (step % every == 0 or step == self.cfg.train.steps)
+
+    # ---- saving ---------------------------------------------------------------------------
+
+    def save(self, step: int, model: nn.Module, optimizer, loader, state: TrainState,
+             wait: bool = False) -> None:
+        """Checkpoint after `step` optimizer steps; returns once the tensors are staged (async)
+        or written and committed (sync, or wait=True)."""
+        self.wait()  # the previous checkpoint commits first (and raises its error, if any)
+        tensors, _ = tensor_state(model, optimizer)
+        tmp = self.root / f".step-{step:08d}.partial"
+        if self.rt.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True, exist_ok=True)
+        self._barrier()
+        extra = {"step": step, "tokens": state.tokens, "loader": loader.state_dict(),
+                 "layout": self.layout, "format": 1}
+        writer = dcp.FileSystemWriter(tmp)
+        if self._executor is not None and not wait:
+            staged = dcp.async_save(tensors, storage_writer=writer, process_group=self.pg)
+            self._pending = self._executor.submit(self._commit, staged, tmp, step, extra,
+                                                  rng_state())
+            return
+        try:
+            dcp.save(tensors, storage_writer=writer, process_group=self.pg)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001
+            self._fail(tmp, step, e)
+        self._commit(None, tmp, step, extra, rng_state())
+
+    def wait(self) -> None:
+        """Block until a background save has committed; raise its error."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    def _commit(self, staged: Future | None, tmp: Path, step: int, extra: dict,
+                rng: dict) -> None:
+        rank = self.rt.rank
+        error, hashes = None, {}
+        try:
+            if staged is not None:
+                staged.result()
+            rng_file = tmp / f"rng-{rank:05d}.json"
+            _write_json(rng_file, rng)
+            for file in [*tmp.glob(f"__{rank}_*"), rng_file]:
+                hashes[file.name] = {"size": file.stat().st_size, "sha256": _sha256(file)}
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 (reported on every rank)
+            error = _describe(e, rank)
+        gathered = self._gather((error, hashes))
+        errors = [e for e, _ in gathered if e]
+        if not errors and rank == 0:
+            try:
+                self._publish(tmp, step, extra, {k: v for _, h in gathered for k, v in h.items()})
+            except Exception as e:  # noqa: BLE001
+                errors.append(_describe(e, rank))
+        errors = [e for es in self._gather(errors) for e in es]
+        if errors:
+            self._fail(tmp, step, RuntimeError("; ".join(dict.fromkeys(errors))))
+
+    def _publish(self, tmp: Path, step: int, extra: dict, files: dict) -> None:
+        """Rank 0: the remaining files, the manifest last, then the rename that makes it real."""
+        _write_json(tmp / STATE, extra)
+        (tmp / "config.yaml").write_text(self.config_yaml)
+        for name in (".metadata", STATE, "config.yaml"):
+            files[name] = {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+        _write_json(tmp / MANIFEST, {"step": step, "files": files})
+        final = step_dir(self.root, step)
+        if final.exists():  # a checkpoint of the same step from an earlier attempt
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        keep = self.cfg.checkpoint.keep
+        for old in complete_checkpoints(self.root)[keep:] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+        self.log(f"lctrain: checkpoint {final}")
+
+    def _fail(self, tmp: Path, step: int, error: BaseException) -> None:
+        if isinstance(error, CheckpointException):
+            error = RuntimeError(_describe(error, self.rt.rank))
+        if self.rt.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = complete_checkpoints(self.root)
+        kept = f"the previous checkpoint {previous[0]} is intact" if previous else (
+            "no earlier checkpoint exists")
+        raise CheckpointError(
+            f"checkpoint of step {step} could not be written to {self.root} ({error}); {kept}. "
+            "Free disk space or fix the permissions of checkpoint.dir, or point checkpoint.dir "
+            "elsewhere") from error
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+
+    # ---- loading --------------------------------------------------------------------------
+
+    def _candidates(self) -> tuple[list[Path], bool]:
+        c = self.cfg.checkpoint
+        if c.load is not None:
+            return [Path(c.load)], True
+        if c.resume != "auto":
+            return [], False
+        box = [complete_checkpoints(self.root) if self.rt.rank == 0 else None]
+        if self.pg is not None:
+            dist.broadcast_object_list(box, src=0, group=self.pg)
+        return box[0], False
+
+    def _problems(self, path: Path) -> list[str]:
+        if not (path / MANIFEST).is_file():
+            return [f"{path} is not a complete lctrain checkpoint (no {MANIFEST})"]
+        local = damaged_files(path, self.rt.rank, self.rt.world_size, self.cfg.checkpoint.verify)
+        return sorted({p for ps in self._gather(local) for p in ps})
+
+    def maybe_resume(self, model: nn.Module, optimizer, scheduler, loader) -> TrainState:
+        """Load checkpoint.load, or the newest complete checkpoint (checkpoint.resume=auto);
+        a damaged one is skipped for the one before it. Returns where training continues."""
+        candidates, explicit = self._candidates()
+        for path in candidates:
+            problems = self._problems(path)
+            if not problems:
+                return self._load(path, model, optimizer, scheduler, loader)
+            if explicit:
+                raise CheckpointError(f"checkpoint.load={path} cannot be used: "
+                                      f"{'; '.join(problems)}")
+            self.log(f"lctrain: warning: skipping damaged checkpoint {path}: {problems[0]}"
+                     + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+        if candidates:
+            raise CheckpointError(f"every checkpoint in {self.root} is damaged (see the warnings "
+                                  "above); set checkpoint.resume=none to start over")
+        if self.cfg.checkpoint.resume == "auto":
+            self.log(f"lctrain: no checkpoint in {self.root}; starting at step 0")
+        return TrainState()
+
+    def _load(self, path: Path, model, optimizer, scheduler, loader) -> TrainState:
+        saved = json.loads((path / STATE).read_text())
+        reader = SafeReader(path)
+        if self.cfg.checkpoint.load_model_only:
+            weights = {"model": get_model_state_dict(model)}
+            dcp.load(weights, storage_reader=reader, process_group=self.pg)
+            set_model_state_dict(model, weights["model"])
+            self.log(f"lctrain: loaded the model weights of {path} (checkpoint.load_model_only)")
+            return TrainState()
+        tensors, optim_sd = tensor_state(model, optimizer)
+        dcp.load(tensors, storage_reader=reader, process_group=self.pg)
+        set_state_dict(model, optimizer, model_state_dict=tensors["model"],
+                       optim_state_dict={**optim_sd, "state": tensors["optim"]})
+        resume_scheduler(scheduler, saved["step"])
+        try:
+            loader.load_state_dict(saved["loader"])
+        except ValueError as e:
+            raise CheckpointError(f"{path}: {e}") from e
+        same = saved["layout"] == self.layout
+        if same:
+            set_rng_state(json.loads((path / f"rng-{self.rt.rank:05d}.json").read_text()))
+        self.log(f"lctrain: resumed from {path} at step {saved['step']}"
+                 + ("" if same else f" (saved under layout {saved['layout']}, resharded; RNG "
+                    "states not restored)"))
+        return TrainState(step=saved["step"], tokens=saved["tokens"])

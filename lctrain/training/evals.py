@@ -1,0 +1,130 @@
+"""Retrieval evals during training: passkey and multi-key recall accuracy by context length and
+needle depth (lctrain.data.tasks), on the training layout itself.
+
+Every (task, length, depth) cell has eval.samples examples. An example is one document at the
+start of a train.seq_len window (padding after it changes nothing under causal attention), so it
+runs through exactly the model, parallel layout and cp split that training uses. The prediction
+of each answer token is the argmax of the logits at the position before it, with the true
+answer before it as input (teacher forcing: one forward, no generation). An example counts as
+correct when every answer token is. Examples are spread over the dp ranks; each cp rank scores
+the answer tokens it holds, and one all-reduce over dp x cp adds up the misses.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lctrain.config import LctrainConfig
+from lctrain.data.batch import build_micro_batch
+from lctrain.data.tasks import TASKS, EvalExample, eval_examples
+from lctrain.layout import sequence
+from lctrain.parallel.runtime import Runtime
+
+
+def cell_key(ex: EvalExample) -> str:
+    return f"eval/{ex.task}/len{ex.length}/depth{ex.depth:.2f}"
+
+
+def vocab_argmax(logits: torch.Tensor, tp_group, tp_rank: int) -> torch.Tensor:
+    """argmax over the vocabulary [B, S, V] -> [B, S]; a vocab-sharded DTensor is reduced with
+    one all-gather of each TP rank's (max, index), never gathering the logits."""
+    if not isinstance(logits, DTensor):
+        return logits.argmax(-1)
+    local = logits.to_local().float()
+    best, idx = local.max(-1)
+    idx = idx + tp_rank * local.shape[-1]
+    pair = torch.stack([best, idx.float()])  # ids < 2^24 stay exact in float32
+    gathered = [torch.empty_like(pair) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(gathered, pair, group=tp_group)
+    stacked = torch.stack(gathered)  # [tp, 2, B, S]; the first max wins, as in a global argmax
+    winner = stacked[:, 0].argmax(0, keepdim=True)
+    return stacked[:, 1].gather(0, winner)[0].long()
+
+
+class Evaluator:
+    """Decides when to evaluate (`should_run`) and scores the model (`run`) on every rank."""
+
+    def __init__(self, cfg: LctrainConfig, rt: Runtime):
+        self.cfg, self.rt = cfg, rt
+        e, t = cfg.eval, cfg.train
+        self.examples: list[EvalExample] = []
+        for name in e.tasks if e.every else []:
+            task = TASKS[name](cfg.data, cfg.model.vocab_size, t.seq_len, t.seed)
+            self.examples += eval_examples(task, e.lengths or [t.seq_len], e.depths, e.samples,
+                                           t.seed)
+        self.dp, self.dp_rank = rt.topology.dp, rt.axis_rank("dp")
+        self.cp_rank = rt.axis_rank("cp")
+        local_pos = sequence.positions(t.seq_len, self.cp_rank, rt.topology.cp,
+                                       cfg.parallel.load_balance)
+        self.local_index = torch.full((t.seq_len,), -1, dtype=torch.long)
+        self.local_index[local_pos] = torch.arange(len(local_pos))
+
+    def should_run(self, step: int) -> bool:
+        every = self.cfg.eval.every
+        return every > 0 and (step % every == 0 or step == self.cfg.train.steps)
+
+    def _misses(self, logits: torch.Tensor, batch: list[int]) -> torch.Tensor:
+        """[examples, 2]: (answer tokens missed, answer tokens scored) on this rank."""
+        rt = self.rt
+        pred = vocab_argmax(logits, rt.group("tp"), rt.axis_rank("tp")).cpu()
+        out = torch.zeros(len(self.examples), 2, dtype=torch.float64)
+        for b, i in enumerate(batch):
+            targets = torch.from_numpy(self.examples[i].targets)
+            where = self.local_index[targets[:, 0]]
+            mine = where >= 0
+            out[i, 0] = (pred[b, where[mine]] != targets[mine, 1]).sum()
+            out[i, 1] = mine.sum()
+        return out
+
+    @torch.no_grad()
+    def run(self, model: nn.Module) -> dict[str, float]:
+        """Accuracy per cell, per task and overall (identical on every rank)."""
+        cfg, rt = self.cfg, self.rt
+        mine = list(range(self.dp_rank, len(self.examples), self.dp))
+        n_batches = -(-len(self.examples) // (self.dp * cfg.train.micro_batch))
+        misses = torch.zeros(len(self.examples), 2, dtype=torch.float64)
+        mb_size = cfg.train.micro_batch
+        for k in range(n_batches):  # the same count on every rank (FSDP gathers per forward)
+            batch = mine[k * mb_size:(k + 1) * mb_size]
+            scored = batch or mine[:1] or [0]  # a rank out of examples runs a discarded forward
+            mb = build_micro_batch([self.examples[i].window for i in scored], cfg.train.seq_len,
+                                   self.cp_rank, rt.topology.cp, cfg.parallel.load_balance,
+                                   cfg.data.document_masking).to(rt.device)
+            with rt.autocast():
+                logits = model(mb.inputs, mb.positions, mb.doc_ids)
+            if batch:
+                misses += self._misses(logits, batch)
+        if rt.dp_cp_group is not None:
+            dist.all_reduce(misses, group=rt.dp_cp_group)
+        return summarize(self.examples, misses)
+
+
+def summarize(examples: list[EvalExample], misses: torch.Tensor) -> dict[str, float]:
+    """Exact-match accuracy per cell, per task, and overall from per-example (missed, scored)."""
+    correct = ((misses[:, 0] == 0) & (misses[:, 1] > 0)).tolist()
+    groups: dict[str, list[bool]] = defaultdict(list)
+    for ex, ok in zip(examples, correct):
+        for key in (cell_key(ex), f"eval/{ex.task}/acc", f"eval/{ex.task}/len{ex.length}/acc"):
+            groups[key].append(ok)
+    return {k: float(np.mean(v)) for k, v in sorted(groups.items())}
+
+
+def format_table(results: dict[str, float], tasks: list[str]) -> list[str]:
+    """Console lines: one per task and context length, accuracy by depth."""
+    lines = []
+    for task in tasks:
+        cells: dict[str, list[str]] = defaultdict(list)
+        for key, acc in results.items():
+            parts = key.split("/")
+            if parts[1] == task and len(parts) == 4 and parts[3].startswith("depth"):
+                cells[parts[2]].append(f"{parts[3][5:]}:{acc:.2f}")
+        for length, row in sorted(cells.items(), key=lambda kv: int(kv[0][3:])):
+            lines.append(f"eval {task} {length}: acc {results[f'eval/{task}/{length}/acc']:.3f}  "
+                         f"by depth {' '.join(row)}")
+    return lines

@@ -1,0 +1,198 @@
+"""The training loop, read top to bottom: train() builds everything in data-flow order and runs
+the steps; train_step() is one optimizer step; forward_backward() is one micro-batch. It runs on
+every rank (`lctrain.commands.train` starts the ranks).
+
+Loss (docs/parallelism.md §10): the sum of token losses over valid targets, divided by the
+number of valid targets summed over dp x cp and over the accumulation micro-steps of the step
+(token-weighted, never a mean of per-rank means). Gradient reduction averages over dp x cp, so
+the backward loss is scaled by that group size to make the reduced gradient the exact gradient
+of the global token mean.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from lctrain.config import LctrainConfig
+from lctrain.config.compose import as_dict, to_yaml
+from lctrain.data.batch import IGNORE_INDEX, MicroBatch
+from lctrain.data.loader import DataLoader, build_loader
+from lctrain.layout.comm import record_traffic
+from lctrain.models.hf import export_hf
+from lctrain.models.llama import parameter_count
+from lctrain.parallel.data_parallel import gradient_sync, unwrap
+from lctrain.parallel.parallelize import build_model
+from lctrain.parallel.runtime import Runtime, setup_distributed
+from lctrain.training.checkpoint import Checkpointer, TrainState
+from lctrain.training.evals import Evaluator, format_table
+from lctrain.training.metrics import MetricsLogger
+from lctrain.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from lctrain.training.preemption import PreemptionWatcher
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss or gradient norm with train.on_nan=stop."""
+
+
+def _token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
+    """Sum of the cross-entropies of the valid targets, in float32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def forward_backward(model: nn.Module, mb: MicroBatch, loss_scale: float,
+                     rt: Runtime) -> Tensor:
+    """Backward of (sum of this rank's token losses) * loss_scale; returns the detached sum."""
+    mb = mb.to(rt.device)
+    with rt.autocast():
+        logits = model(mb.inputs, mb.positions, mb.doc_ids)
+    if not isinstance(logits, DTensor):
+        loss_sum = _token_loss_sum(logits, mb.labels)
+        (loss_sum * loss_scale).backward()
+        return loss_sum.detach()
+    with loss_parallel():  # vocab-sharded logits [B, S/cp, V/tp]: no rank holds all of V
+        loss_sum = _token_loss_sum(logits, mb.labels)
+        (loss_sum * loss_scale).backward()
+    return loss_sum.detach().full_tensor()
+
+
+def _all_reduce(x: Tensor, rt: Runtime) -> Tensor:
+    if rt.dp_cp_group is not None:
+        dist.all_reduce(x, group=rt.dp_cp_group)
+    return x
+
+
+def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[MicroBatch],
+               cfg: LctrainConfig, rt: Runtime) -> dict:
+    """One optimizer step over this rank's accumulation micro-batches."""
+    local_tokens = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in micro_batches)
+    # float64: exact token counts far beyond float32's 2^24
+    tokens = _all_reduce(torch.tensor(float(local_tokens), dtype=torch.float64,
+                                      device=rt.device), rt)
+    loss_scale = rt.topology.group_size("dp_cp") / tokens.item()
+    loss_sum = torch.zeros((), device=rt.device, dtype=torch.float32)
+    for i, mb in enumerate(micro_batches):
+        with gradient_sync(model, sync=i == len(micro_batches) - 1):
+            loss_sum += forward_backward(model, mb, loss_scale, rt)
+    grad_norm = clip_grad_norm_(list(model.parameters()), cfg.optim.grad_clip)
+    loss = _all_reduce(loss_sum, rt) / tokens
+    lr = scheduler.get_last_lr()[0]
+    # the same global values on every rank, so every rank takes the same decision
+    finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
+    if finite:  # a non-finite update would destroy the weights: never apply it
+        optimizer.step()
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
+            "valid_tokens": int(tokens.item()), "skipped": int(not finite)}
+
+
+def _agree_run_dir(run_dir: Path, rt: Runtime) -> Path:
+    """Rank 0's run dir: ranks started on different nodes may have resolved ${now:} differently."""
+    if rt.world_size == 1:
+        return run_dir
+    box = [str(run_dir)]
+    dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def _timed_step(model, optimizer, scheduler, loader: DataLoader, cfg: LctrainConfig,
+                rt: Runtime) -> dict:
+    """One step with its timings and the context-parallel traffic it sent."""
+    t0 = time.perf_counter()
+    micro_batches = loader.next_step()
+    data_time = time.perf_counter() - t0
+    with record_traffic() as traffic:
+        out = train_step(model, optimizer, scheduler, micro_batches, cfg, rt)
+    elapsed = time.perf_counter() - t0
+    out.update(step_time=elapsed, data_time=data_time,
+               tokens_per_sec=rt.derived.tokens_per_step / elapsed,
+               cp_bytes_sent=sum(traffic.bytes.values()))
+    return out
+
+
+def _check_finite(out: dict, step: int, cfg: LctrainConfig, metrics: MetricsLogger) -> None:
+    if not out["skipped"]:
+        return
+    if cfg.train.on_nan == "stop":
+        raise NonFiniteError(
+            f"step {step}: loss {out['loss']}, grad norm {out['grad_norm']}; the update was not "
+            "applied (train.on_nan=stop). Resume from the last checkpoint with a lower optim.lr, "
+            "check the data, or set train.on_nan=skip")
+    metrics.info(f"lctrain: warning: step {step} skipped: loss {out['loss']}, grad norm "
+                 f"{out['grad_norm']} (train.on_nan=skip)")
+
+
+def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
+    """Train on this rank; returns the metrics of every step run (identical on all ranks)."""
+    rt = setup_distributed(cfg)
+    run_dir = _agree_run_dir(Path(run_dir), rt)
+    watcher = PreemptionWatcher(run_dir / "STOP", rt.rank)
+    if rt.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg, rt)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    loader = build_loader(cfg, rt.topology, rt.rank, rt.derived.grad_accum)
+    metrics = MetricsLogger(cfg.logging, run_dir, rt.rank, cfg.train.steps, as_dict(cfg))
+    metrics.info(f"lctrain: {rt.world_size} rank(s) on {rt.device.type}, layout "
+                 f"{rt.topology.shape} (pp, dp, cp_ring, cp_ulysses, tp), grad_accum "
+                 f"{rt.derived.grad_accum}, {parameter_count(model):,} parameters")
+    if loader.dropped:
+        metrics.info(f"lctrain: data.long_docs=drop skips {loader.dropped:,} documents longer "
+                     f"than train.seq_len={cfg.train.seq_len}")
+    checkpointer = Checkpointer(cfg, rt, run_dir, to_yaml(cfg), metrics.info)
+    evaluator = Evaluator(cfg, rt)
+    history: list[dict] = []
+    try:
+        state = checkpointer.maybe_resume(model, optimizer, scheduler, loader)
+        for step in range(state.step + 1, cfg.train.steps + 1):
+            out = _timed_step(model, optimizer, scheduler, loader, cfg, rt)
+            _check_finite(out, step, cfg, metrics)
+            state.step, state.tokens = step, state.tokens + rt.derived.tokens_per_step
+            out.update(step=step, tokens=state.tokens)
+            evaluated = evaluator.should_run(step)
+            if evaluated:
+                results = evaluator.run(model)
+                out.update(results)
+                for line in format_table(results, cfg.eval.tasks):
+                    metrics.info(line)
+            stop = watcher.requested(rt)
+            if checkpointer.should_save(step) or stop:
+                out["checkpoint_stall"] = _save(checkpointer, step, model, optimizer, loader,
+                                                state, wait=stop)
+            history.append(out)
+            if metrics.should_log(step) or evaluated or stop:
+                metrics.log(step, {k: v for k, v in out.items() if k != "step"})
+            if stop:
+                metrics.info(f"lctrain: stopping after step {step} ({watcher.reason}); the "
+                             "checkpoint is saved: run again with checkpoint.resume=auto")
+                break
+        checkpointer.wait()
+        if cfg.checkpoint.export_hf is not None and not watcher.reason:
+            export_hf(unwrap(model), cfg.model, cfg.checkpoint.export_hf, rt.rank)
+            metrics.info(f"lctrain: exported Hugging Face weights to {cfg.checkpoint.export_hf}")
+    finally:
+        checkpointer.close()
+        watcher.restore()
+        metrics.close()
+    return history
+
+
+def _save(checkpointer: Checkpointer, step: int, model, optimizer, loader, state: TrainState,
+          wait: bool) -> float:
+    """Checkpoint after `step`; returns the seconds training stood still for it."""
+    t0 = time.perf_counter()
+    checkpointer.save(step, model, optimizer, loader, state, wait=wait)
+    return time.perf_counter() - t0
