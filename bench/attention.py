@@ -7,8 +7,8 @@
     python bench/attention.py --section maxlen      # tiny model, cp=8: memory per rank vs length
 
 traffic: one forward + backward per algorithm under `record_traffic`, divided by the formulas of
-lctrain.attention.traffic (DIGEST section 4). balance: query-key pairs each rank's kernels compute
-(the same run decomposition the kernels execute), contiguous vs zigzag. efficiency: wall time of
+lctrain.planning.traffic (docs/parallelism.md §5-8). balance: query-key pairs each rank's
+kernels compute (the same run decomposition the kernels execute), contiguous vs zigzag. efficiency: wall time of
 one causal forward + backward at a long sequence, single process vs P ranks, each 1 thread.
 maxlen: one cp=8 training step of the tiny model per length; peak RSS per rank, a linear fit,
 and the length at which 8 ranks would fill the machine's available memory.

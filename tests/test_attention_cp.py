@@ -3,7 +3,7 @@
 Every rank builds the full q, k, v and output gradient, runs `reference_attention` on the whole
 sequence in float64, shards with `lctrain.sequence.split` (the data path's function), runs the
 algorithm, and compares output, lse and dq/dk/dv. Traffic measured by `record_traffic` must equal
-the formulas of `lctrain.attention.traffic` (DIGEST section 4) exactly.
+the formulas of `lctrain.planning.traffic` (docs/parallelism.md §5-8) exactly.
 """
 
 import itertools

@@ -25,9 +25,10 @@ def test_train_tiny_recipe_four_ranks(tmp_path):
     for key in ("loss", "lr", "grad_norm", "tokens", "tokens_per_sec"):
         assert all(key in r for r in records), key
     assert records[-1]["tokens"] == 12 * 8 * 256
-    # ring, cp=2: per layer and sequence (P-1) * 2 * (L/P) * d_kv elements forward (DIGEST
-    # section 4) and twice that backward; d_kv = 2 KV heads x 16, L = 256, P = 2; 4 layers;
-    # 4 sequences per rank and step (global batch 8 over dp=2); fp32: 4 bytes per element
+    # ring, cp=2: per layer and sequence (P-1) * 2 * (L/P) * d_kv elements forward
+    # (docs/parallelism.md §6) and twice that backward; d_kv = 2 KV heads x 16, L = 256,
+    # P = 2; 4 layers; 4 sequences per rank and step (global batch 8 over dp=2); fp32: 4 bytes
+    # per element
     per_layer_seq = 3 * (2 - 1) * 2 * (256 // 2) * (2 * 16)
     assert all(r["cp_bytes_sent"] == per_layer_seq * 4 * 4 * 4 for r in records)
     assert records[-1]["loss"] < records[0]["loss"] - 1.0

@@ -80,7 +80,7 @@ def test_llama_256k_plan(capsys):
 
 
 def test_plan_traffic_matches_digest_formulas():
-    # DIGEST section 4, per rank per attention forward; L tokens, P ranks, d model width
+    # docs/parallelism.md §5-6, per rank per attention forward; L tokens, P ranks, d model width
     cfg = compose(["model=llama3-8b", "parallel.cp=8", "parallel.attention=ulysses",
                    "train.seq_len=65536", "launch.nproc=8"]).cfg
     L, P, d, d_kv = 65536, 8, 4096, 8 * 128

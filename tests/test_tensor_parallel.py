@@ -1,5 +1,5 @@
 """Megatron TP + SP (DTensor plan) against the single-process model, composed with cp and dp;
-and the collectives a block issues, against the Megatron SP formula (DIGEST section 2)."""
+and the collectives a block issues, against the Megatron SP formula (docs/parallelism.md §2)."""
 
 import pytest
 import torch

@@ -8,12 +8,18 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from lctrain.data.batch import IGNORE_INDEX, MicroBatch
+from lctrain.config import derive
+from lctrain.data.batch import IGNORE_INDEX, MicroBatch, micro_batch_from_tokens
+from lctrain.parallel.data_parallel import gradient_sync
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
-from lctrain.training.loop import train, train_step
+from lctrain.planning.memory import local_params
+from lctrain.planning.traffic import dp_step_traffic
+from lctrain.training.loop import forward_backward, train, train_step
 from lctrain.training.optim import build_optimizer, build_scheduler
 from tests.helpers import on_ranks, reference_model, tiny_config
 
@@ -110,3 +116,60 @@ def test_context_parallel_training_matches_one_process(tmp_path, document_maskin
                           parallel=par, data=data)
         for h in on_ranks(_train, world, cfg, str(tmp_path / str(i))):
             _assert_same_history(h, ref)
+
+
+def _dp_traffic(cfg, accum):
+    """Elements this rank's data-parallel engine sends in one optimizer step of `accum`
+    micro-steps: FSDP2's all-gathers and reduce-scatters, or DDP's gradient all-reduces (counted
+    in a comm hook)."""
+    rt = setup_distributed(cfg)
+    model = build_model(cfg, rt)
+    sent = [0.0]
+    gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
+
+    def counted_gather(out, inp, group=None, **kw):
+        sent[0] += inp.numel() * (dist.get_world_size(group) - 1)
+        return gather(out, inp, group=group, **kw)
+
+    def counted_scatter(output, input, group=None, **kw):
+        p = dist.get_world_size(group)
+        sent[0] += input.numel() * (p - 1) / p
+        return scatter(output, input, group=group, **kw)
+
+    def counted_all_reduce(group, bucket):
+        p = dist.get_world_size(group)
+        sent[0] += 2 * bucket.buffer().numel() * (p - 1) / p
+        return allreduce_hook(group, bucket)
+
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model.register_comm_hook(rt.dp_cp_group, counted_all_reduce)
+    dist.all_gather_single, dist.reduce_scatter_single = counted_gather, counted_scatter
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for _ in range(2):  # the first step initialises lazily; count the second
+            sent[0] = 0.0
+            for i in range(accum):
+                x = torch.randint(1, cfg.model.vocab_size, (1, cfg.train.seq_len + 1),
+                                  generator=gen)
+                mb = micro_batch_from_tokens(x, cfg.train.seq_len, rt.axis_rank("cp"),
+                                             cfg.parallel.cp, cfg.parallel.load_balance)
+                with gradient_sync(model, sync=i == accum - 1):
+                    forward_backward(model, mb, 1.0, rt)
+            model.zero_grad(set_to_none=True)
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
+    return sent[0]
+
+
+def test_data_parallel_traffic_equals_the_plan():
+    for world, par, accum in [(2, {"dp": 2}, 1), (2, {"dp": 2}, 2),
+                              (2, {"dp": 2, "dp_engine": "ddp"}, 2),
+                              (4, {"dp": 2, "tp": 2, "sp": True}, 2), (2, {"cp": 2}, 1)]:
+        cfg = tiny_config(parallel=par, train={"micro_batch": 1,
+                                               "global_batch": accum * par.get("dp", 1)})
+        d = derive(cfg, world)
+        want = dp_step_traffic(cfg.parallel.dp_engine, *local_params(cfg), d.dp * cfg.parallel.cp,
+                               d.grad_accum)
+        assert d.grad_accum == accum
+        for got in on_ranks(_dp_traffic, world, cfg, accum):
+            assert got == want, (par, accum, got, want)

@@ -2,8 +2,9 @@
 
 Each rank keeps its own (zigzag) queries, gathers K and V over the cp group, and attends with the
 true global positions of both, so causal offsets are exact. The backward reduce-scatters dK/dV
-back to their owners. Elements sent per rank (docs/parallelism.md §8): forward (P-1) * 2 * (L/P) * d_kv (all-gather);
-backward 2 * (P-1)/P * L * d_kv (reduce-scatter of the gathered gradients).
+back to their owners. Elements sent per rank (docs/parallelism.md §8): forward
+(P-1) * 2 * (L/P) * d_kv (all-gather); backward 2 * (P-1)/P * L * d_kv (reduce-scatter of the
+gathered gradients).
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 
 Every context-parallel algorithm reduces to: queries at global positions q_pos attend to keys at
 k_pos (causal: k_pos <= q_pos; packed documents: same document id). Positions come from
-`lctrain.layout.sequence`, so a block is a set of runs of consecutive positions. Each (query run, key
-run) pair is classified as empty (skipped), full (no mask), causal diagonal (is_causal), or
-general (explicit mask, e.g. document borders), computed by the device kernel, and merged into
-float32 accumulators with one numerically stable (out, lse) merge (docs/parallelism.md §4).
+`lctrain.layout.sequence`, so a block is a set of runs of consecutive positions. Each (query
+run, key run) pair is classified as empty (skipped), full (no mask), causal diagonal
+(is_causal), or general (explicit mask, e.g. document borders), computed by the device kernel,
+and merged into float32 accumulators with one numerically stable (out, lse) merge
+(docs/parallelism.md §4). `kernel_calls` lists the calls a block pair decomposes into.
 
 Tensors are [B, S, H, d] (H_kv heads for k and v: GQA is native in the kernels); lse is
 [B, H, S] float32. A query row with no visible key has lse = -inf and output 0.

@@ -6,8 +6,8 @@ again for recompute, and each block's dK/dV accumulator travels with it, collect
 contribution, and reaches its owner after P-1 hops (reduce-scatter semantics). dQ stays local.
 Blocks hidden by the causal mask are skipped inside the kernels (see kernels.py).
 
-Elements sent per rank (docs/parallelism.md §6): forward (P-1) * 2 * (L/P) * d_kv; backward twice that
-(K/V again, plus dK/dV). The dK/dV accumulators travel in float32, so that summing P
+Elements sent per rank (docs/parallelism.md §6): forward (P-1) * 2 * (L/P) * d_kv; backward
+twice that (K/V again, plus dK/dV). The dK/dV accumulators travel in float32, so that summing P
 contributions in bf16 does not lose precision: in bytes, that half costs 4 per element.
 """
 

@@ -20,11 +20,23 @@ def param_count(m: ModelConfig) -> int:
     return m.vocab_size * m.dim + m.n_layers * block + m.dim + head
 
 
+def local_params(cfg: LctrainConfig) -> tuple[int, int]:
+    """(block parameters, root parameters) one rank holds before FSDP: TP shards the matmuls,
+    the embedding and the output layer and replicates the norms; a stage holds n_layers / pp
+    blocks (the root counted whole: embedding, final norm and an untied output layer)."""
+    m, p = cfg.model, cfg.parallel
+    head_dim = m.dim // m.n_heads
+    matmuls = m.dim * head_dim * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.dim * m.ffn_dim
+    blocks = m.n_layers // p.pp * (matmuls // p.tp + 2 * m.dim)
+    vocab = m.vocab_size * m.dim // p.tp
+    return blocks, vocab * (1 if m.tie_embeddings else 2) + m.dim
+
+
 def state_bytes_per_rank(cfg: LctrainConfig, world_size: int) -> float:
     """Weights, gradients and AdamW moments one rank holds: TP and PP split the model; FSDP also
     shards it over dp x cp, DDP replicates it there."""
     d, p = derive(cfg, world_size), cfg.parallel
-    local = STATE_BYTES_PER_PARAM * param_count(cfg.model) / (p.tp * p.pp)
+    local = STATE_BYTES_PER_PARAM * sum(local_params(cfg))
     return local / (d.dp * p.cp) if p.dp_engine == "fsdp" else local
 
 
@@ -41,10 +53,10 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int) -> float
                  All-gather KV keeps the gathered K/V: 2 D_kv (cp - 1)/t more, and in every
                  mode its int64 key positions (8 S bytes).
       selective: (D + 2 D_kv + 2 F)/t + 2 D + D/s  (matmul outputs, before any KV
-                 replication; the two row-parallel partial sums at full width; the block input),
+                 replication; the two row-parallel partial sums at full width; the block output),
                  plus (D + H)/t for the attention output and lse when cp = 1 (context-parallel
                  attention is recomputed instead).
-      full:      D/s (the block input only).
+      full:      D/s (the block output only: the next block's checkpointed input).
     """
     m, p = cfg.model, cfg.parallel
     dv = derive(cfg, world_size)

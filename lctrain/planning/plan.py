@@ -13,7 +13,12 @@ from __future__ import annotations
 from lctrain.config import LctrainConfig, derive
 from lctrain.config.validation import warnings_for
 from lctrain.layout.topology import AXES, GROUPS, Topology
-from lctrain.planning.memory import activation_formula, param_count, state_bytes_per_rank
+from lctrain.planning.memory import (
+    activation_formula,
+    local_params,
+    param_count,
+    state_bytes_per_rank,
+)
 from lctrain.planning.traffic import attention_traffic, dp_step_traffic, tp_block_traffic
 
 GIB = 2**30
@@ -86,8 +91,8 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
         "traffic_elements_per_rank": {
             **traffic,
             "tp_per_layer_fwd": tp_block_traffic(tokens, m.dim, p.tp),
-            f"{p.dp_engine}_per_step": dp_step_traffic(p.dp_engine, n_params / (p.tp * p.pp),
-                                                       d.dp * p.cp),
+            f"{p.dp_engine}_per_step": dp_step_traffic(p.dp_engine, *local_params(cfg),
+                                                       d.dp * p.cp, d.grad_accum),
         },
         "groups": {name: {"axes": list(GROUPS[name][0]), "size": topo.group_size(name),
                           "carries": GROUPS[name][1]} for name in GROUPS},

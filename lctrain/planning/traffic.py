@@ -41,10 +41,16 @@ def tp_block_traffic(tokens: int, dim: int, tp: int) -> float:
     return 4 * (tp - 1) / tp * tokens * dim
 
 
-def dp_step_traffic(engine: str, local_params: float, shards: int) -> float:
-    """One optimizer step of gradient synchronisation over `shards` ranks. FSDP: parameters
-    all-gathered for the forward and again for the backward, gradients reduce-scattered: 3 (n-1)/n
-    of the parameters. DDP: one all-reduce of the gradients: 2 (n-1)/n."""
+def dp_step_traffic(engine: str, blocks: int, root: int, shards: int, accum: int) -> float:
+    """One optimizer step of data parallelism over `shards` ranks, for `blocks` and `root`
+    parameters per rank and `accum` micro-steps (docs/parallelism.md §9).
+
+    FSDP2: in every micro-step each block's parameters are all-gathered for the forward and again
+    for the backward (they are freed in between), the root's once (never freed); gradients are
+    reduce-scattered once, on the last micro-step. DDP: one all-reduce of the gradients."""
     if shards == 1:
         return 0.0
-    return (3 if engine == "fsdp" else 2) * (shards - 1) / shards * local_params
+    share = (shards - 1) / shards
+    if engine == "ddp":
+        return 2 * share * (blocks + root)
+    return share * (accum * (2 * blocks + root) + blocks + root)

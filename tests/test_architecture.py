@@ -1,0 +1,80 @@
+"""The codebase keeps the shape docs/architecture.md describes: every module says what it owns,
+lctrain modules are imported at the top (an exception says why), nothing points outside the
+repository, and every allowed-value list of the schema is enforced by validation. (The layer and
+cycle rules are import-linter contracts in pyproject.toml, run by `lint-imports`.)"""
+
+import ast
+import dataclasses
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from lctrain.config import LctrainConfig
+from lctrain.config.validation import validate
+
+REPO = Path(__file__).resolve().parents[1]
+MODULES = sorted((REPO / "lctrain").rglob("*.py"))
+
+
+def _function_imports(tree: ast.AST):
+    """(function, import) for every import of an lctrain module inside a function."""
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lctrain"):
+                    yield fn, node
+                elif isinstance(node, ast.Import) and any(a.name.startswith("lctrain")
+                                                          for a in node.names):
+                    yield fn, node
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(REPO)))
+def test_module_says_what_it_owns_and_imports_at_the_top(path):
+    source = path.read_text()
+    tree = ast.parse(source)
+    doc = ast.get_docstring(tree)
+    assert doc and doc.splitlines()[0].strip(), f"{path}: the first line must say what it owns"
+    lines = source.splitlines()
+    for fn, node in _function_imports(tree):
+        before = lines[fn.lineno:node.lineno - 1]  # the function's lines above the import
+        assert any(line.strip().startswith("#") for line in before), (
+            f"{path}:{node.lineno} imports an lctrain module inside {fn.name}() without a "
+            "comment saying why it cannot be imported at the top")
+
+
+def test_nothing_refers_outside_the_repository():
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout.split()
+    for name in files:
+        path = REPO / name
+        if path.suffix not in {".py", ".md", ".yaml", ".toml", ".txt", ""} or not path.is_file():
+            continue
+        text = path.read_text(errors="ignore")
+        if name == "tests/test_architecture.py":
+            continue
+        for needle in ("../shared", "DIGEST"):
+            assert needle not in text, f"{name} refers to {needle}, outside the repository"
+
+
+def _choice_fields(node, prefix=""):
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _choice_fields(value, f"{prefix}{f.name}.")
+        elif "choices" in f.metadata:
+            yield node, f, f"{prefix}{f.name}"
+
+
+def test_every_allowed_value_list_is_enforced():
+    fields = list(_choice_fields(LctrainConfig()))
+    assert len(fields) >= 20
+    for _, f, key in fields:
+        cfg = LctrainConfig()
+        section = cfg
+        for part in key.split(".")[:-1]:
+            section = getattr(section, part)
+        bad = ["nonsense"] if isinstance(getattr(section, f.name), list) else "nonsense"
+        setattr(section, f.name, bad)
+        problems = validate(cfg, 1)
+        assert any(p.startswith(key) and "nonsense" in p for p in problems), (key, problems)
