@@ -30,7 +30,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lctrain.attention import ContextParallelAttention, CPGroups  # noqa: E402
-from lctrain.attention.kernels import Block, kernel_calls  # noqa: E402
+from lctrain.attention.calls import Block, kernel_calls  # noqa: E402
 from lctrain.attention.local import local_attention  # noqa: E402
 from lctrain.layout import sequence  # noqa: E402
 from lctrain.layout.comm import record_traffic  # noqa: E402
@@ -98,11 +98,10 @@ def section_balance() -> None:
             work = []
             for qb in blocks:
                 pairs = 0
-                for _, qs, ks, kind, mask in kernel_calls(qb, Block(torch.cat([b.pos for b in blocks])),
-                                                 True):
+                for _, qs, ks, kind in kernel_calls(qb, Block(torch.cat([b.pos for b in blocks])),
+                                                    True):
                     n, m = qs.stop - qs.start, ks.stop - ks.start
-                    pairs += {"full": n * m, "causal": n * (n + 1) // 2}.get(
-                        kind, int(mask.sum()) if mask is not None else 0)
+                    pairs += n * m if kind == "full" else n * (n + 1) // 2
                 work.append(pairs)
             row.append(max(work) / statistics.mean(work))
         print(f"{p:>3} {row[0]:>11.3f} {row[1]:>8.3f}")

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lctrain.attention.kernels import Block  # noqa: E402
+from lctrain.attention.calls import Block  # noqa: E402
 from lctrain.attention.local import local_attention  # noqa: E402
 
 
@@ -71,7 +71,7 @@ def main() -> None:
                         requires_grad=True)
         k, v = (torch.randn(*shape, args.kv_heads, args.head_dim, device="cuda",
                             dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-        block = Block(torch.arange(seq, device="cuda"))
+        block = Block(torch.arange(seq))
         scale = args.head_dim ** -0.5
         direct = partial(_direct, flash_attn_func, q, k, v, scale)
         ours = partial(_ours, q, k, v, block, scale)

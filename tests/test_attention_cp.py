@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from lctrain.attention import ContextParallelAttention, CPGroups
-from lctrain.attention.kernels import Block, kernel_calls, reference_attention
+from lctrain.attention.calls import Block, kernel_calls
+from lctrain.attention.kernels import KernelOptions, reference_attention
 from lctrain.attention.local import local_attention
 from lctrain.layout import sequence
 from lctrain.layout.comm import record_traffic
@@ -61,7 +62,8 @@ def check_case(case: dict, cache: dict) -> None:
         return sequence.split(x, dim, g.cp_rank, g.cp_size, lb)
 
     ins = [local(x.to(dtype)).requires_grad_() for x in (q, k, v)]
-    attn = ContextParallelAttention(algo, g, S, lb, causal=causal, kv_replication=rep)
+    attn = ContextParallelAttention(algo, g, S, lb, causal=causal, kv_replication=rep,
+                                    options=KernelOptions(backend=case.get("backend")))
     with record_traffic() as fwd:
         out, lse = attn.attention(*ins, docs)
     with record_traffic() as bwd:
@@ -129,6 +131,13 @@ def cases_for(world: int) -> list[dict]:
         out.append(dict(algorithm=algo, ring=ring, ulysses=uly, B=1, S=4 * world, H=2 * world,
                         Hkv=world, hd=16, rep=1, dtype=torch.bfloat16, lb="zigzag",
                         causal=True, docs=[3, 4 * world - 3]))
+        # packed documents through the varlen path flash-attn takes on a GPU (plain-torch
+        # varlen kernel with flash-attn's conventions), zigzag and contiguous
+        for lb in ("zigzag", "none"):
+            out.append(dict(algorithm=algo, ring=ring, ulysses=uly, B=2, S=6 * 2 * world,
+                            H=2 * world, Hkv=world, hd=8, rep=1, dtype=torch.float32, lb=lb,
+                            causal=True, docs=[5, 4 * world + 3, 8 * world - 8],
+                            backend="reference"))
     return out
 
 
@@ -140,16 +149,18 @@ def test_algorithms_match_unsharded_reference(world):
 
 
 def test_packed_documents_attend_block_diagonally_without_masks():
-    """Packed documents split each run pair into same-document calls: no S x S mask, work
+    """Packed documents split each run pair into same-document calls: no mask at all, work
     sum(l^2 / 2), and the same numbers as the masked float64 reference (also when document ids
-    are not contiguous, which falls back to one masked call)."""
+    are not contiguous: an id that comes back pairs each of its stretches). On the CPU kernels
+    and through the varlen path (the plain-torch varlen kernel flash-attn's path is tested
+    with)."""
     lengths = [[10, 50, 36], [40, 1, 55]]
     docs = torch.stack([torch.repeat_interleave(torch.arange(3), torch.tensor(n)) for n in lengths])
     block = Block(torch.arange(96), docs)
     calls = list(kernel_calls(block, block, causal=True))
-    assert all(mask is None and kind == "causal" for _, _, _, kind, mask in calls)
+    assert all(kind == "causal" for _, _, _, kind in calls)
     for b, row in enumerate(lengths):
-        spans = sorted((qs.start, qs.stop) for bs, qs, _, _, _ in calls if bs.start == b)
+        spans = sorted((qs.start, qs.stop) for bs, qs, _, _ in calls if bs.start == b)
         assert [y - x for x, y in spans] == row
     gen = torch.Generator().manual_seed(0)
     for doc_ids in (docs, torch.stack([docs[0], docs[1].roll(5)])):  # second: not contiguous
@@ -158,8 +169,10 @@ def test_packed_documents_attend_block_diagonally_without_masks():
         b = Block(torch.arange(96), doc_ids)
         ref_out, ref_lse = reference_attention(*qkv, b, b, True, 8 ** -0.5)
         ref_grads = torch.autograd.grad(ref_out.sum(), qkv)
-        out, lse = local_attention(*qkv, b, b, causal=True, scale=8 ** -0.5)
-        torch.testing.assert_close(out, ref_out)
-        torch.testing.assert_close(lse, ref_lse)
-        for g, r in zip(torch.autograd.grad(out.sum(), qkv), ref_grads):
-            torch.testing.assert_close(g, r)
+        for backend in ("cpu", "reference"):
+            out, lse = local_attention(*qkv, b, b, causal=True, scale=8 ** -0.5,
+                                       options=KernelOptions(backend=backend))
+            torch.testing.assert_close(out, ref_out)
+            torch.testing.assert_close(lse, ref_lse)
+            for g, r in zip(torch.autograd.grad(out.sum(), qkv), ref_grads):
+                torch.testing.assert_close(g, r)

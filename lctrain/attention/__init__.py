@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lctrain.attention.allgather import allgather_attention
-from lctrain.attention.kernels import Block
+from lctrain.attention.calls import Block
+from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions
 from lctrain.attention.local import local_attention
 from lctrain.attention.ring import ring_attention
 from lctrain.attention.ulysses import check_heads, ulysses_attention
@@ -48,26 +49,55 @@ class CPGroups:
 
 
 class ContextParallelAttention:
-    """AttentionFn for a cp layout: __call__(q, k, v, doc_ids=None) -> out [B, S/cp, H, d]."""
+    """The attention core for a cp layout: __call__(q, k, v, doc_ids=None) -> out [B, S/cp, H, d].
+
+    The blocks (positions, and document ids when given) are described on the host and their
+    kernel calls planned once: at construction without documents, once per micro-batch with
+    them (the same doc_ids tensor reaches every layer, the backward and any recompute).
+    """
 
     def __init__(self, algorithm: str, groups: CPGroups, seq_len: int, load_balance: str, *,
-                 causal: bool = True, kv_replication: int = 1):
+                 causal: bool = True, kv_replication: int = 1,
+                 options: KernelOptions = DEFAULT_KERNEL):
         algorithms = choices_of(ParallelConfig, "attention")
         if algorithm not in algorithms:
             raise ValueError(f"unknown attention algorithm {algorithm!r}; use one of {algorithms}")
         sequence.check_divisible(seq_len, groups.cp_size, load_balance)
         self.algorithm, self.groups, self.seq_len = algorithm, groups, seq_len
         self.load_balance, self.causal, self.kv_replication = load_balance, causal, kv_replication
+        self.options = options
         cp = groups.cp_size
         self._pos = [sequence.positions(seq_len, r, cp, load_balance) for r in range(cp)]
         u = groups.ulysses_size
         self.ulysses_degree = {"ulysses": cp, "usp": u}.get(algorithm, 1)
         """Ranks the heads are split over (1 for ring and all-gather)."""
         self._group_pos = [torch.cat(self._pos[i * u:(i + 1) * u]) for i in range(groups.ring_size)]
+        self._planned_for: Tensor | None = None
+        self._blocks = self._make_blocks(None)
 
-    def _blocks(self, pos_list: list[Tensor], doc_ids: Tensor | None, device) -> list[Block]:
-        return [Block(p.to(device), None if doc_ids is None else doc_ids[:, p.to(device)])
-                for p in pos_list]
+    def _make_blocks(self, doc_ids: Tensor | None) -> tuple[Block, list[Block]]:
+        """(this rank's query block, the key blocks its algorithm attends to)."""
+        doc = None if doc_ids is None else doc_ids.cpu()
+
+        def block(pos: Tensor) -> Block:
+            return Block(pos, None if doc is None else doc[:, pos])
+
+        g = self.groups
+        if g.cp_size == 1:
+            only = block(self._pos[0])
+            return only, [only]
+        if self.algorithm == "allgather":
+            return block(self._pos[g.cp_rank]), [block(torch.cat(self._pos))]
+        groups = [block(p) for p in self._group_pos]
+        return groups[g.ring_rank], groups
+
+    def blocks(self, doc_ids: Tensor | None) -> tuple[Block, list[Block]]:
+        """The blocks for these document ids, planned once per doc_ids tensor."""
+        if doc_ids is None:
+            return self._blocks
+        if doc_ids is not self._planned_for:
+            self._planned_for, self._doc_blocks = doc_ids, self._make_blocks(doc_ids)
+        return self._doc_blocks
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor,
                   doc_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -83,24 +113,21 @@ class ContextParallelAttention:
         if doc_ids is not None and doc_ids.shape[-1] != self.seq_len:
             raise ValueError(f"doc_ids must cover the global sequence ({self.seq_len} tokens); "
                              f"got {tuple(doc_ids.shape)}")
-        scale, causal, dev = 1.0 / math.sqrt(q.shape[-1]), self.causal, q.device
+        qb, kbs = self.blocks(doc_ids)
+        kw = {"causal": self.causal, "scale": 1.0 / math.sqrt(q.shape[-1]),
+              "options": self.options}
         with traffic_tag(self.algorithm):
             if g.cp_size == 1:
-                (b,) = self._blocks(self._pos, doc_ids, dev)
-                return local_attention(q, k, v, b, b, causal=causal, scale=scale)
+                return local_attention(q, k, v, qb, qb, **kw)
             if self.algorithm == "allgather":
-                (qb,) = self._blocks([self._pos[g.cp_rank]], doc_ids, dev)
-                (kb,) = self._blocks([torch.cat(self._pos)], doc_ids, dev)
-                return allgather_attention(q, k, v, qb, kb, g.cp, causal=causal, scale=scale)
-            blocks = self._blocks(self._group_pos, doc_ids, dev)
+                return allgather_attention(q, k, v, qb, kbs[0], g.cp, **kw)
             if self.algorithm == "ulysses":
-                return ulysses_attention(q, k, v, blocks[0], g.ulysses, causal=causal,
-                                         scale=scale, kv_replication=self.kv_replication)
+                return ulysses_attention(q, k, v, qb, g.ulysses,
+                                         kv_replication=self.kv_replication, **kw)
             if self.algorithm == "ring":
-                return ring_attention(q, k, v, blocks[g.ring_rank], blocks, g.ring,
-                                      causal=causal, scale=scale)
-            return usp_attention(q, k, v, blocks, g.ulysses, g.ring, causal=causal, scale=scale,
-                                 kv_replication=self.kv_replication)
+                return ring_attention(q, k, v, qb, kbs, g.ring, **kw)
+            return usp_attention(q, k, v, kbs, g.ulysses, g.ring,
+                                 kv_replication=self.kv_replication, **kw)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         return self.attention(q, k, v, doc_ids)[0]

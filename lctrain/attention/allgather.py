@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lctrain.attention.kernels import Block
+from lctrain.attention.calls import Block
+from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions
 from lctrain.attention.local import local_attention
 from lctrain.layout.comm import all_gather, current_tag, reduce_scatter, traffic_tag
 
@@ -33,9 +34,9 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def allgather_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block,
-                        group: dist.ProcessGroup, *, causal: bool,
-                        scale: float) -> tuple[Tensor, Tensor]:
+                        group: dist.ProcessGroup, *, causal: bool, scale: float,
+                        options: KernelOptions = DEFAULT_KERNEL) -> tuple[Tensor, Tensor]:
     """q/k/v local [B, S/P, *, d]; qb: local positions; kb: positions of all ranks' tokens in
     group-rank order. Returns (out [B, S/P, H, d], lse [B, H, S/P])."""
     k, v = _GatherSequence.apply(k, group), _GatherSequence.apply(v, group)
-    return local_attention(q, k, v, qb, kb, causal=causal, scale=scale)
+    return local_attention(q, k, v, qb, kb, causal=causal, scale=scale, options=options)

@@ -1,238 +1,60 @@
-"""Local attention on blocks of tokens with known global positions, returning (out, lse).
+"""The attention kernels and the (out, lse) merge: planned calls (calls.py) executed on a device.
 
-Every context-parallel algorithm reduces to: queries at global positions q_pos attend to keys at
-k_pos (causal: k_pos <= q_pos; packed documents: same document id). Positions come from
-`lctrain.layout.sequence`, so a block is a set of runs of consecutive positions. Each (query
-run, key run) pair is classified as empty (skipped), full (no mask), causal diagonal
-(is_causal), or general (explicit mask, e.g. document borders), computed by the device kernel,
-and merged into float32 accumulators with one numerically stable (out, lse) merge
-(docs/parallelism.md §4). `kernel_calls` lists the calls a block pair decomposes into.
+Backends: `cpu` (PyTorch's CPU flash-attention op, one call per KernelCall); `flash` (CUDA:
+flash-attn >= 2.7, dense calls without documents, and with packed documents one variable-length
+call per kind and block pair instead of one call per document); `reference` (the varlen path
+with a plain-torch varlen kernel that follows flash-attn's conventions: what tests run on the CPU
+to check the varlen packing, index maps and lse handling that `flash` uses on a GPU). Results
+merge into float32 accumulators with one numerically stable (out, lse) merge
+(docs/parallelism.md §4).
 
 Tensors are [B, S, H, d] (H_kv heads for k and v: GQA is native in the kernels); lse is
-[B, H, S] float32. A query row with no visible key has lse = -inf and output 0.
+[B, H, S] float32. A query row with no visible key has lse = -inf and output 0 (flash-attn
+reports such rows with lse = +inf: mapped).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from lctrain.layout.sequence import Run, runs
+from lctrain.attention.calls import ALL_ROWS, Block, VarlenGroup
+from lctrain.attention.varlen_reference import varlen_backward, varlen_forward
 
 _NEG_INF = float("-inf")
+BACKENDS = ("cpu", "flash", "reference")
 
 
 @dataclass(frozen=True)
-class Block:
-    """Tokens of one attention operand: global positions [S] and optional document ids [B, S]."""
+class KernelOptions:
+    """How the kernels run: backend None picks by device (cuda: flash, else cpu); deterministic
+    asks flash-attn for its deterministic backward (train.deterministic)."""
 
-    pos: Tensor
-    doc: Tensor | None = None
+    backend: str | None = None
+    deterministic: bool = False
 
-    def runs(self) -> list[Run]:
-        return runs(self.pos)
-
-
-class KernelCall(NamedTuple):
-    """One kernel launch of a (query block, key block) pair."""
-
-    rows: slice
-    """Batch rows it covers."""
-    q: slice
-    """Local query indices."""
-    k: slice
-    """Local key indices."""
-    kind: str
-    """full (no mask) | causal (is_causal diagonal) | mask (explicit boolean mask)."""
-    mask: Tensor | None
-    """[B or 1, 1, q, k] boolean, True where the key is visible (kind == 'mask' only)."""
+    def backend_for(self, device: torch.device) -> str:
+        if self.backend is not None:
+            assert self.backend in BACKENDS, self.backend
+            return self.backend
+        return "flash" if device.type == "cuda" else "cpu"
 
 
-def merge_into(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
-    """In place: (out_acc, lse_acc) <- softmax-merge of itself with (out, lse).
+DEFAULT_KERNEL = KernelOptions()
 
-    out [B, S, H, d], lse [B, H, S]; rows where both lse are -inf stay (0, -inf).
-    """
-    new = torch.logaddexp(lse_acc, lse)
-    finite = torch.isfinite(new)
-    w_old = torch.where(finite, torch.exp(lse_acc - new), 0.0).transpose(1, 2)[..., None]
-    w_new = torch.where(finite, torch.exp(lse - new), 0.0).transpose(1, 2)[..., None]
-    out_acc.mul_(w_old).add_(out.to(out_acc.dtype) * w_new)
-    lse_acc.copy_(new)
+FLASH_INSTALL = ("pip install flash-attn --no-build-isolation (after torch; or the prebuilt wheel "
+                 "matching your torch, CUDA and Python from the flash-attention releases)")
 
 
-def _segments(q: Block, k: Block, qr: Run, kr: Run, causal: bool, row: slice):
-    """Split one key run against one query run into kernel calls.
-
-    Causal: keys before the query run are fully visible, keys inside its position range form the
-    causal diagonal, keys after it are invisible. Yields (key slice, kind, bool mask or None) with
-    kind 'full' | 'causal' | 'mask'; document ids (of the batch rows `row`) add a mask where the
-    documents differ.
-    """
-    qs = qr.rows
-    cuts = [kr.start, kr.end]
-    if causal:
-        cuts = sorted({kr.start, kr.clamp(qr.start), kr.clamp(qr.end), kr.end})
-    for lo, hi in zip(cuts, cuts[1:]):
-        if causal and lo >= qr.end:  # after the last query: causal masks it out entirely
-            continue
-        ks = kr.local_slice(lo, hi)
-        if not causal or hi <= qr.start:
-            kind = "full"
-        else:
-            kind = "causal" if (lo, hi) == (qr.start, qr.end) else "mask"
-        mask = None
-        if kind == "mask":
-            mask = (k.pos[ks][None, :] <= q.pos[qs][:, None])[None, None]  # [1, 1, qn, kn]
-        if q.doc is not None:
-            qd, kd = q.doc[row, qs], k.doc[row, ks]
-            if not bool((qd.amin() == kd.amax()) & (qd.amax() == kd.amin())):
-                if mask is None:
-                    mask = torch.ones(qr.length, hi - lo, dtype=torch.bool, device=q.pos.device)
-                    mask = (mask.tril() if kind == "causal" else mask)[None, None]
-                mask = mask & (qd[:, None, :, None] == kd[:, None, None, :])
-                kind = "mask"
-        if mask is not None and not bool(mask.any()):
-            continue
-        yield ks, kind, mask
-
-
-def _stretches(doc: Tensor) -> dict[int, tuple[int, int]] | None:
-    """{document id: (offset, length)} of a run's tokens [n], or None when an id comes back
-    after another one (then documents are not contiguous and need an explicit mask)."""
-    ids, counts = torch.unique_consecutive(doc, return_counts=True)
-    if len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all()):
-        return None
-    starts = torch.cumsum(counts, 0) - counts
-    return {d: (s, n) for d, s, n in zip(ids.tolist(), starts.tolist(), counts.tolist())}
-
-
-def _document_calls(qb: Block, kb: Block, q_run: Run, k_run: Run, causal: bool):
-    """Calls of one run pair with packed documents: each row's documents attend only to
-    themselves, so the pair splits into same-document stretches that need no document mask
-    (memory and work O(document length^2), not O(run length^2))."""
-    for b in range(qb.doc.shape[0]):
-        row = slice(b, b + 1)
-        q_docs, k_docs = _stretches(qb.doc[b, q_run.rows]), _stretches(kb.doc[b, k_run.rows])
-        if q_docs is None or k_docs is None:  # not packed: one masked pass over the pair
-            for ks, kind, mask in _segments(qb, kb, q_run, k_run, causal, row):
-                yield KernelCall(row, q_run.rows, ks, kind, mask)
-            continue
-        plain_q, plain_k = Block(qb.pos), Block(kb.pos)
-        for d, (qo, ql) in q_docs.items():
-            if d not in k_docs:
-                continue
-            q_doc, k_doc = q_run.part(qo, ql), k_run.part(*k_docs[d])
-            for ks, kind, mask in _segments(plain_q, plain_k, q_doc, k_doc, causal, row):
-                yield KernelCall(row, q_doc.rows, ks, kind, mask)
-
-
-def kernel_calls(qb: Block, kb: Block, causal: bool) -> Iterator[KernelCall]:
-    """Every kernel call of q block x kv block, in order: the decomposition the kernels run
-    (public for tests and benchmarks that count work)."""
-    k_runs = kb.runs()
-    every = slice(None)
-    for q_run in qb.runs():
-        for k_run in k_runs:
-            if qb.doc is not None:
-                yield from _document_calls(qb, kb, q_run, k_run, causal)
-                continue
-            for ks, kind, mask in _segments(qb, kb, q_run, k_run, causal, every):
-                yield KernelCall(every, q_run.rows, ks, kind, mask)
-
-
-def _cpu_fwd(q, k, v, kind, mask, scale):
-    additive = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype,
-                                                     device=q.device).masked_fill(~mask, _NEG_INF)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, kind == "causal", attn_mask=additive, scale=scale)
-    if mask is not None:  # the CPU kernel reports lse = 0 for rows with no visible key
-        empty = ~mask.any(-1).expand(lse.shape)
-        lse = lse.masked_fill(empty, _NEG_INF)
-        out = out.masked_fill(empty[..., None], 0.0)
-    return out, lse
-
-
-def _cpu_bwd(dout, q, k, v, out, lse, kind, mask, scale):
-    additive = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype,
-                                                     device=q.device).masked_fill(~mask, _NEG_INF)
-    lse = torch.where(torch.isfinite(lse), lse, 0.0)  # rows with no key anywhere: P = 0
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, kind == "causal", attn_mask=additive, scale=scale)
-
-
-def _flash_attn():
+def flash_attn_interface():
+    """flash-attn's kernel module (the optional `gpu` extra), or a clear error."""
     try:
-        import flash_attn  # noqa: F401  (optional `gpu` extra)
-        from flash_attn.flash_attn_interface import _flash_attn_backward, _flash_attn_forward
+        from flash_attn import flash_attn_interface  # lazy: optional extra, CUDA only
     except ImportError as e:
-        raise RuntimeError("context-parallel attention on CUDA needs flash-attn: "
-                           "pip install 'lctrain[gpu]'") from e
-    return _flash_attn_forward, _flash_attn_backward
-
-
-def _cuda_fwd(q, k, v, kind, mask, scale):
-    if mask is not None:
-        raise NotImplementedError("document masks inside a block need flash-attn varlen, which "
-                                  "lctrain does not call yet; train without document masking on "
-                                  "GPU")
-    fwd, _ = _flash_attn()
-    # flash-attn wants [B, S, H, d]
-    out, lse, *_ = fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, scale,
-                       causal=kind == "causal", window_size_left=-1, window_size_right=-1,
-                       softcap=0.0, alibi_slopes=None, return_softmax=False)
-    return out.transpose(1, 2), lse.to(acc_dtype(q))
-
-
-def _cuda_bwd(dout, q, k, v, out, lse, kind, mask, scale):
-    _, bwd = _flash_attn()
-    t = [x.transpose(1, 2).contiguous() for x in (dout, q, k, v, out)]
-    dq, dk, dv = (torch.empty_like(x) for x in t[1:4])
-    bwd(*t, lse.contiguous(), dq, dk, dv, 0.0, scale, kind == "causal", -1, -1, 0.0, None, False)
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
-
-
-def _kernels(device: torch.device):
-    return (_cuda_fwd, _cuda_bwd) if device.type == "cuda" else (_cpu_fwd, _cpu_bwd)
-
-
-def attend_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal: bool,
-                   scale: float, out_acc: Tensor, lse_acc: Tensor) -> int:
-    """Attend q (positions qb) to k, v (positions kb); merge into the accumulators.
-
-    q [B, Sq, H, d], k/v [B, Sk, Hkv, d], out_acc [B, Sq, H, d] f32, lse_acc [B, H, Sq] f32.
-    Returns the number of kernel calls (0 when every pair was masked out).
-    """
-    fwd, _ = _kernels(q.device)
-    calls = 0
-    for bs, qs, ks, kind, mask in kernel_calls(qb, kb, causal):
-        out, lse = fwd(q[bs, qs].transpose(1, 2), k[bs, ks].transpose(1, 2),
-                       v[bs, ks].transpose(1, 2), kind, mask, scale)
-        merge_into(out_acc[bs, qs], lse_acc[bs, :, qs], out.transpose(1, 2), lse)
-        calls += 1
-    return calls
-
-
-def attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                    qb: Block, kb: Block, causal: bool, scale: float, dq_acc: Tensor,
-                    dk_acc: Tensor, dv_acc: Tensor) -> None:
-    """Gradient contributions of this (q, kv) block, given the FINAL out and lse of q's rows.
-
-    With the merged lse, each block's softmax probabilities are exact, so per-block backward
-    results simply add up (flash-attention backward decomposition). Accumulators are float32.
-    """
-    _, bwd = _kernels(q.device)
-    for bs, qs, ks, kind, mask in kernel_calls(qb, kb, causal):
-        dq, dk, dv = bwd(*(x[bs, qs].transpose(1, 2) for x in (dout, q)),
-                         k[bs, ks].transpose(1, 2), v[bs, ks].transpose(1, 2),
-                         out[bs, qs].transpose(1, 2), lse[bs, :, qs], kind, mask, scale)
-        dq_acc[bs, qs] += dq.transpose(1, 2)
-        dk_acc[bs, ks] += dk.transpose(1, 2)
-        dv_acc[bs, ks] += dv.transpose(1, 2)
+        raise RuntimeError(f"attention on CUDA needs flash-attn >= 2.7: {FLASH_INSTALL}") from e
+    return flash_attn_interface
 
 
 def acc_dtype(x: Tensor) -> torch.dtype:
@@ -245,6 +67,198 @@ def new_accumulators(q: Tensor) -> tuple[Tensor, Tensor]:
     b, s, h, d = q.shape
     return (torch.zeros(b, s, h, d, dtype=acc_dtype(q), device=q.device),
             torch.full((b, h, s), _NEG_INF, dtype=acc_dtype(q), device=q.device))
+
+
+def _merged(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """Softmax-merge of two partial results; lse [..., H] laid out like out [..., H, d]. Rows
+    where both lse are -inf stay (0, -inf)."""
+    new = torch.logaddexp(lse_acc, lse)
+    finite = torch.isfinite(new)
+    w_old = torch.where(finite, torch.exp(lse_acc - new), 0.0)[..., None]
+    w_new = torch.where(finite, torch.exp(lse - new), 0.0)[..., None]
+    return out_acc * w_old + out.to(out_acc.dtype) * w_new, new
+
+
+def merge_into(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
+    """In place: (out_acc, lse_acc) <- softmax-merge of itself with (out, lse).
+
+    out [B, S, H, d], lse [B, H, S]; rows where both lse are -inf stay (0, -inf).
+    """
+    merged, new = _merged(out_acc, lse_acc.transpose(1, 2), out, lse.transpose(1, 2))
+    out_acc.copy_(merged)
+    lse_acc.copy_(new.transpose(1, 2))
+
+
+# ---- dense kernels: one call covers all rows of a (query slice, key slice) --------------------
+
+def _cpu_fwd(q, k, v, causal, scale, options):
+    # [B, S, H, d] -> the CPU op's [B, H, S, d]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale)
+    return out.transpose(1, 2), lse
+
+
+def _cpu_bwd(dout, q, k, v, out, lse, causal, scale, options):
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        *(x.transpose(1, 2) for x in (dout, q, k, v, out)), lse, 0.0, causal, scale=scale)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _flash_fwd(q, k, v, causal, scale, options):
+    out, lse, *_ = flash_attn_interface()._flash_attn_forward(
+        q, k, v, 0.0, scale, causal=causal, window_size_left=-1, window_size_right=-1,
+        softcap=0.0, alibi_slopes=None, return_softmax=False)
+    return out, _no_key_lse(lse)
+
+
+def _flash_bwd(dout, q, k, v, out, lse, causal, scale, options):
+    dout, q, k, v, out = (x.contiguous() for x in (dout, q, k, v, out))
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    flash_attn_interface()._flash_attn_backward(
+        dout, q, k, v, out, lse.contiguous(), dq, dk, dv, 0.0, scale, causal, -1, -1, 0.0, None,
+        options.deterministic)
+    return dq, dk, dv
+
+
+def _no_key_lse(lse: Tensor) -> Tensor:
+    """flash-attn's lse for rows that saw no key is +inf; lctrain's merge expects -inf."""
+    return torch.where(lse == float("inf"), _NEG_INF, lse)
+
+
+# ---- varlen kernels: one call per kind covers every document of a block pair -----------------
+
+def _flash_varlen_fwd(q, k, v, group: VarlenGroup, cu_q, cu_k, scale, options):
+    out, lse, *_ = flash_attn_interface()._flash_attn_varlen_forward(
+        q, k, v, cu_q, cu_k, group.max_q, group.max_k, 0.0, scale, causal=group.causal,
+        window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+        return_softmax=False)
+    return out, _no_key_lse(lse)
+
+
+def _flash_varlen_bwd(dout, q, k, v, out, lse, group: VarlenGroup, cu_q, cu_k, scale, options):
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    flash_attn_interface()._flash_attn_varlen_backward(
+        dout, q, k, v, out, lse.contiguous(), dq, dk, dv, cu_q, cu_k, group.max_q, group.max_k,
+        0.0, scale, group.causal, -1, -1, 0.0, None, options.deterministic)
+    return dq, dk, dv
+
+
+def _reference_varlen_fwd(q, k, v, group: VarlenGroup, cu_q, cu_k, scale, options):
+    out, lse = varlen_forward(q, k, v, cu_q, cu_k, scale, group.causal)
+    return out, _no_key_lse(lse)
+
+
+def _reference_varlen_bwd(dout, q, k, v, out, lse, group, cu_q, cu_k, scale, options):
+    return varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, scale, group.causal)
+
+
+_DENSE = {"cpu": (_cpu_fwd, _cpu_bwd), "flash": (_flash_fwd, _flash_bwd),
+          "reference": (_cpu_fwd, _cpu_bwd)}
+_VARLEN = {"flash": (_flash_varlen_fwd, _flash_varlen_bwd),
+           "reference": (_reference_varlen_fwd, _reference_varlen_bwd)}
+
+
+def _packed(qb: Block, kb: Block, causal: bool, backend: str) -> list[VarlenGroup] | None:
+    """The varlen groups to run instead of per-document calls (None: run the calls)."""
+    calls = qb.calls(kb, causal)
+    if backend not in _VARLEN or not calls or calls[0].rows == ALL_ROWS:
+        return None
+    return qb.varlen_groups(kb, causal)
+
+
+def _rows(x: Tensor, index: Tensor) -> Tensor:
+    """x [B, S, ...] rows at flat indices b * S + s -> [n, ...]."""
+    return x.reshape(-1, *x.shape[2:]).index_select(0, index)
+
+
+def _lse_rows(lse: Tensor, index: Tensor) -> Tensor:
+    """lse [B, H, S] at flat (b, s) indices -> [n, H]."""
+    return lse.transpose(1, 2).reshape(-1, lse.shape[1]).index_select(0, index)
+
+
+def attend_whole(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal: bool,
+                 scale: float, options: KernelOptions = DEFAULT_KERNEL) -> tuple | None:
+    """(out, lse) straight from the kernel when one dense call covers every query and key (no
+    accumulator, no merge: local attention costs what the kernel costs); else None."""
+    calls = qb.calls(kb, causal)
+    if len(calls) != 1 or calls[0].rows != ALL_ROWS:
+        return None
+    _, qs, ks, kind = calls[0]
+    if (qs.start, qs.stop, ks.start, ks.stop) != (0, q.shape[1], 0, k.shape[1]):
+        return None
+    out, lse = _DENSE[options.backend_for(q.device)][0](q, k, v, kind == "causal", scale,
+                                                         options)
+    return out, lse.to(acc_dtype(q))
+
+
+def attend_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal: bool,
+                   scale: float, out_acc: Tensor, lse_acc: Tensor,
+                   options: KernelOptions = DEFAULT_KERNEL) -> int:
+    """Attend q (positions qb) to k, v (positions kb); merge into the accumulators.
+
+    q [B, Sq, H, d], k/v [B, Sk, Hkv, d], out_acc [B, Sq, H, d] f32, lse_acc [B, H, Sq] f32.
+    Returns the number of kernel launches (0 when every pair was masked out).
+    """
+    backend = options.backend_for(q.device)
+    groups = _packed(qb, kb, causal, backend)
+    if groups is not None:
+        fwd = _VARLEN[backend][0]
+        flat_out = out_acc.view(-1, *out_acc.shape[2:])
+        for g in groups:
+            q_index, k_index, cu_q, cu_k = g.on(q.device)
+            out, lse = fwd(_rows(q, q_index), _rows(k, k_index), _rows(v, k_index), g, cu_q,
+                           cu_k, scale, options)
+            merged, new = _merged(flat_out.index_select(0, q_index),
+                                  _lse_rows(lse_acc, q_index), out, lse.t())
+            flat_out.index_copy_(0, q_index, merged)
+            _lse_scatter(lse_acc, q_index, new)
+        return len(groups)
+    fwd = _DENSE[backend][0]
+    calls = qb.calls(kb, causal)
+    for bs, qs, ks, kind in calls:
+        out, lse = fwd(q[bs, qs], k[bs, ks], v[bs, ks], kind == "causal", scale, options)
+        merge_into(out_acc[bs, qs], lse_acc[bs, :, qs], out, lse)
+    return len(calls)
+
+
+def _lse_scatter(lse: Tensor, index: Tensor, rows: Tensor) -> None:
+    """lse [B, H, S] at flat (b, s) indices <- rows [n, H]."""
+    b, h, s = lse.shape
+    lse.view(b * h * s).index_copy_(
+        0, ((index // s) * h * s + index % s)[:, None].add(torch.arange(h, device=lse.device) * s)
+        .flatten(), rows.flatten())
+
+
+def attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    qb: Block, kb: Block, causal: bool, scale: float, dq_acc: Tensor,
+                    dk_acc: Tensor, dv_acc: Tensor,
+                    options: KernelOptions = DEFAULT_KERNEL) -> None:
+    """Gradient contributions of this (q, kv) block, given the FINAL out and lse of q's rows.
+
+    With the merged lse, each block's softmax probabilities are exact, so per-block backward
+    results simply add up (flash-attention backward decomposition). Accumulators are float32.
+    """
+    backend = options.backend_for(q.device)
+    groups = _packed(qb, kb, causal, backend)
+    if groups is not None:
+        bwd = _VARLEN[backend][1]
+        for g in groups:
+            q_index, k_index, cu_q, cu_k = g.on(q.device)
+            dq, dk, dv = bwd(_rows(dout, q_index), _rows(q, q_index), _rows(k, k_index),
+                             _rows(v, k_index), _rows(out, q_index),
+                             _lse_rows(lse, q_index).t().contiguous(), g, cu_q, cu_k, scale,
+                             options)
+            for acc, grad, index in ((dq_acc, dq, q_index), (dk_acc, dk, k_index),
+                                     (dv_acc, dv, k_index)):
+                acc.view(-1, *acc.shape[2:]).index_add_(0, index, grad.to(acc.dtype))
+        return
+    bwd = _DENSE[backend][1]
+    for bs, qs, ks, kind in qb.calls(kb, causal):
+        dq, dk, dv = bwd(dout[bs, qs], q[bs, qs], k[bs, ks], v[bs, ks], out[bs, qs],
+                         lse[bs, :, qs], kind == "causal", scale, options)
+        dq_acc[bs, qs] += dq
+        dk_acc[bs, ks] += dk
+        dv_acc[bs, ks] += dv
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal: bool,
@@ -261,6 +275,7 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, c
         mask = torch.ones_like(mask)
     if qb.doc is not None:
         mask = mask & (qb.doc[:, None, :, None] == kb.doc[:, None, None, :])
+    mask = mask.to(q.device)
     visible = mask.any(-1, keepdim=True)  # rows with at least one key
     scores = scores.masked_fill(~mask, _NEG_INF).masked_fill(~visible, 0.0)  # finite lse, no NaN
     lse = torch.logsumexp(scores, dim=-1)

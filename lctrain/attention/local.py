@@ -1,7 +1,7 @@
 """Attention of local queries to one local set of keys (no communication), with autograd.
 
 Used directly when cp = 1 with packed documents, after the Ulysses all-to-all, and after the
-all-gather of K/V. Positions decide the mask (see kernels.py).
+all-gather of K/V. Positions and documents decide which kernel calls run (calls.py).
 """
 
 from __future__ import annotations
@@ -9,38 +9,44 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lctrain.attention.calls import Block
 from lctrain.attention.kernels import (
-    Block,
+    DEFAULT_KERNEL,
+    KernelOptions,
     acc_dtype,
     attend_backward,
     attend_forward,
+    attend_whole,
     new_accumulators,
 )
 
 
 def block_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal: bool,
-                  scale: float) -> tuple[Tensor, Tensor]:
-    """(out f32 [B, Sq, H, d], lse f32 [B, H, Sq]) of q attending to one kv block."""
+                  scale: float, options: KernelOptions) -> tuple[Tensor, Tensor]:
+    """(out [B, Sq, H, d], lse f32 [B, H, Sq]) of q attending to one kv block; out in float32,
+    or in q's dtype when one kernel call produced it whole."""
+    whole = attend_whole(q, k, v, qb, kb, causal, scale, options)
+    if whole is not None:
+        return whole
     out, lse = new_accumulators(q)
-    attend_forward(q, k, v, qb, kb, causal, scale, out, lse)
+    attend_forward(q, k, v, qb, kb, causal, scale, out, lse, options)
     return out, lse
 
 
-def block_backward(dout, q, k, v, out, lse, qb: Block, kb: Block, causal: bool, scale: float):
-    dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
-    dk = torch.zeros(k.shape, dtype=acc_dtype(k), device=k.device)
-    dv = torch.zeros(v.shape, dtype=acc_dtype(v), device=v.device)
-    attend_backward(dout, q, k, v, out, lse, qb, kb, causal, scale, dq, dk, dv)
+def block_backward(dout, q, k, v, out, lse, qb: Block, kb: Block, causal: bool, scale: float,
+                   options: KernelOptions):
+    dq, dk, dv = (torch.zeros(x.shape, dtype=acc_dtype(x), device=x.device) for x in (q, k, v))
+    attend_backward(dout, q, k, v, out, lse, qb, kb, causal, scale, dq, dk, dv, options)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _LocalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, qb, kb, causal, scale):
-        out, lse = block_forward(q, k, v, qb, kb, causal, scale)
+    def forward(ctx, q, k, v, qb, kb, causal, scale, options):
+        out, lse = block_forward(q, k, v, qb, kb, causal, scale, options)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (qb, kb, causal, scale)
+        ctx.args = (qb, kb, causal, scale, options)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -48,10 +54,10 @@ class _LocalAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, *, causal: bool,
-                    scale: float) -> tuple[Tensor, Tensor]:
+                    scale: float, options: KernelOptions = DEFAULT_KERNEL) -> tuple[Tensor, Tensor]:
     """q [B, Sq, H, d] at positions qb, k/v [B, Sk, H_kv, d] at kb -> (out [B, Sq, H, d], lse)."""
-    return _LocalAttention.apply(q, k, v, qb, kb, causal, scale)
+    return _LocalAttention.apply(q, k, v, qb, kb, causal, scale, options)

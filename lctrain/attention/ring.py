@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lctrain.attention.calls import Block
 from lctrain.attention.kernels import (
-    Block,
+    DEFAULT_KERNEL,
+    KernelOptions,
     acc_dtype,
     attend_backward,
     attend_forward,
@@ -30,7 +32,8 @@ KV_TAG, GRAD_TAG = 11, 12
 
 
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, blocks: list[Block],
-                 group: dist.ProcessGroup, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+                 group: dist.ProcessGroup, causal: bool, scale: float,
+                 options: KernelOptions) -> tuple[Tensor, Tensor]:
     """blocks[j]: positions of ring rank j's keys. Returns (out f32, lse f32) for local q."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     out, lse = new_accumulators(q)
@@ -38,7 +41,8 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, blocks: list[Block]
     for step in range(size):
         if step < size - 1:
             exchange.start([k, v])
-        attend_forward(q, k, v, qb, blocks[(rank - step) % size], causal, scale, out, lse)
+        attend_forward(q, k, v, qb, blocks[(rank - step) % size], causal, scale, out, lse,
+                       options)
         if step < size - 1:
             k, v = exchange.wait()
     return out, lse
@@ -46,7 +50,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, blocks: list[Block]
 
 def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                   qb: Block, blocks: list[Block], group: dist.ProcessGroup, causal: bool,
-                  scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                  scale: float, options: KernelOptions) -> tuple[Tensor, Tensor, Tensor]:
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
     kv_exchange = RingExchange(group, tag=KV_TAG)
@@ -58,7 +62,7 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         dk = torch.zeros(k.shape, dtype=acc_dtype(k), device=k.device)
         dv = torch.zeros(v.shape, dtype=acc_dtype(v), device=v.device)
         attend_backward(dout, q, k, v, out, lse, qb, blocks[(rank - step) % size], causal, scale,
-                        dq, dk, dv)
+                        dq, dk, dv, options)
         if step == 0:
             own_dk, own_dv = dk, dv  # our block: its travelling accumulator comes back at the end
         else:
@@ -78,11 +82,11 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, qb, blocks, group, causal, scale):
-        out, lse = ring_forward(q, k, v, qb, blocks, group, causal, scale)
+    def forward(ctx, q, k, v, qb, blocks, group, causal, scale, options):
+        out, lse = ring_forward(q, k, v, qb, blocks, group, causal, scale, options)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args, ctx.tag = (qb, blocks, group, causal, scale), current_tag()
+        ctx.args, ctx.tag = (qb, blocks, group, causal, scale, options), current_tag()
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -91,11 +95,11 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         with traffic_tag(ctx.tag):
             dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, blocks: list[Block],
-                   group: dist.ProcessGroup, *, causal: bool,
-                   scale: float) -> tuple[Tensor, Tensor]:
+                   group: dist.ProcessGroup, *, causal: bool, scale: float,
+                   options: KernelOptions = DEFAULT_KERNEL) -> tuple[Tensor, Tensor]:
     """q [B, Sq, H, d], k/v [B, Sk, H_kv, d] local -> (out [B, Sq, H, d], lse [B, H, Sq])."""
-    return _RingAttention.apply(q, k, v, qb, blocks, group, causal, scale)
+    return _RingAttention.apply(q, k, v, qb, blocks, group, causal, scale, options)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
-from lctrain.attention.kernels import Block
+from lctrain.attention.calls import Block
+from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions
 from lctrain.attention.local import local_attention
 from lctrain.layout.comm import all_to_all_autograd
 
@@ -47,11 +48,12 @@ def check_heads(q: Tensor, k: Tensor, degree: int, kv_replication: int = 1) -> N
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, group: dist.ProcessGroup, *,
-                      causal: bool, scale: float, kv_replication: int = 1) -> tuple[Tensor, Tensor]:
+                      causal: bool, scale: float, kv_replication: int = 1,
+                      options: KernelOptions = DEFAULT_KERNEL) -> tuple[Tensor, Tensor]:
     """q [B, S/P, H, d], k/v [B, S/P, H_kv, d] local; qb: positions of the whole Ulysses group's
     tokens in group-rank order. Returns (out [B, S/P, H, d], lse [B, H/P, S] of the core).
     The caller checks the heads first (`check_heads`, before any collective)."""
     k, v = replicate_kv(k, v, kv_replication)
     q, k, v = (scatter_heads(x, group) for x in (q, k, v))
-    out, lse = local_attention(q, k, v, qb, qb, causal=causal, scale=scale)
+    out, lse = local_attention(q, k, v, qb, qb, causal=causal, scale=scale, options=options)
     return gather_heads(out, group), lse

@@ -11,19 +11,22 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
-from lctrain.attention.kernels import Block
+from lctrain.attention.calls import Block
+from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions
 from lctrain.attention.ring import ring_attention
 from lctrain.attention.ulysses import gather_heads, replicate_kv, scatter_heads
 
 
 def usp_attention(q: Tensor, k: Tensor, v: Tensor, blocks: list[Block],
                   ulysses_group: dist.ProcessGroup, ring_group: dist.ProcessGroup, *,
-                  causal: bool, scale: float, kv_replication: int = 1) -> tuple[Tensor, Tensor]:
+                  causal: bool, scale: float, kv_replication: int = 1,
+                  options: KernelOptions = DEFAULT_KERNEL) -> tuple[Tensor, Tensor]:
     """q [B, S/cp, H, d], k/v [B, S/cp, H_kv, d]; blocks[i]: token positions of ring group i
     (its Ulysses members' tokens in member order). Returns (out [B, S/cp, H, d],
     lse [B, H/u, S/ring] of the core). The caller checks the heads first (`check_heads`)."""
     k, v = replicate_kv(k, v, kv_replication)
     q, k, v = (scatter_heads(x, ulysses_group) for x in (q, k, v))
     qb = blocks[dist.get_rank(ring_group)]
-    out, lse = ring_attention(q, k, v, qb, blocks, ring_group, causal=causal, scale=scale)
+    out, lse = ring_attention(q, k, v, qb, blocks, ring_group, causal=causal, scale=scale,
+                              options=options)
     return gather_heads(out, ulysses_group), lse

@@ -7,16 +7,23 @@ as soon as any of them fails.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
 
-import torch
+import torch.distributed as dist
 
+from lctrain.attention.kernels import FLASH_INSTALL
 from lctrain.commands.checks import preflight
 from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.compose import Composed
-from lctrain.config.validation import check_supported, warnings_for
+from lctrain.config.validation import (
+    check_supported,
+    cuda_problems,
+    uses_flash_attn,
+    warnings_for,
+)
 from lctrain.parallel import launch
 from lctrain.planning.memory import param_count
 from lctrain.training import loop
@@ -30,18 +37,32 @@ def local_world_size(cfg: LctrainConfig) -> int:
     return p.tp * p.cp * p.pp * max(p.dp, 1)
 
 
-def host_problems(cfg: LctrainConfig, nproc: int) -> list[str]:
-    """Can this machine host `nproc` local ranks? (devices, rough memory)"""
-    use_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto"
-                                              and torch.cuda.is_available())
-    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+def uses_cuda(cfg: LctrainConfig) -> bool:
+    """Whether this run trains on CUDA (train.device=auto: when a GPU is visible)."""
+    return cfg.train.device == "cuda" or (cfg.train.device == "auto"
+                                          and launch.cuda_devices() > 0)
+
+
+def cuda_host_problems(cfg: LctrainConfig, nproc: int | None) -> list[str]:
+    """What this machine needs for a CUDA run: GPUs for the local ranks, and flash-attn."""
+    gpus = launch.cuda_devices()
+    if gpus == 0:
         return ["train.device=cuda but torch sees no CUDA device; use train.device=cpu"]
-    if use_cuda and nproc > torch.cuda.device_count():
-        return [f"launch.nproc={nproc} local ranks need {nproc} GPUs, this machine has "
-                f"{torch.cuda.device_count()}; lower the parallel sizes or launch with "
-                "torchrun/srun across nodes"]
-    if use_cuda:
-        return []
+    problems = [] if cfg.train.device == "cuda" else cuda_problems(cfg)  # auto resolved here
+    if nproc is not None and nproc > gpus:
+        problems.append(f"launch.nproc={nproc} local ranks need {nproc} GPUs, this machine has "
+                        f"{gpus}; lower the parallel sizes or launch with torchrun/srun across "
+                        "nodes")
+    if uses_flash_attn(cfg) and importlib.util.find_spec("flash_attn") is None:
+        problems.append(f"flash-attn is not installed, and this layout runs it on CUDA: "
+                        f"{FLASH_INSTALL}")
+    return problems
+
+
+def host_problems(cfg: LctrainConfig, nproc: int) -> list[str]:
+    """Can this machine host `nproc` local ranks? (devices, flash-attn, rough memory)"""
+    if uses_cuda(cfg):
+        return cuda_host_problems(cfg, nproc)
     # Every rank builds the full fp32 model; FSDP then keeps a 1/nproc shard of weights,
     # gradients and two AdamW moments (4 + 12 / nproc bytes per parameter), DDP all 16 bytes.
     per_param = 16 if cfg.parallel.dp_engine == "ddp" else 4 + 12 / nproc
@@ -66,7 +87,12 @@ def _available_memory() -> int | None:
 
 
 def _rank_main(cfg: LctrainConfig, run_dir: str) -> None:
-    loop.train(cfg, run_dir)
+    """One rank: train, then leave the process group (torchrun and local ranks alike)."""
+    try:
+        loop.train(cfg, run_dir)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def run(composed: Composed, flags: set[str]) -> int:
@@ -79,6 +105,8 @@ def run(composed: Composed, flags: set[str]) -> int:
     problems = preflight(cfg, world) + check_supported(cfg)
     if not problems and env is None:
         problems += host_problems(cfg, world)
+    elif not problems and uses_cuda(cfg):  # under torchrun or srun: this rank's machine
+        problems += cuda_host_problems(cfg, None)
     if problems:
         raise ConfigError(problems)
     rank = env.rank if env else 0
@@ -90,9 +118,12 @@ def run(composed: Composed, flags: set[str]) -> int:
         _rank_main(cfg, str(run_dir))
         return 0
     threads = max(1, (os.cpu_count() or 1) // world)
+    start_method = cfg.launch.start_method
+    if start_method == "auto":
+        start_method = "spawn" if uses_cuda(cfg) else "fork"
     try:
-        launch.run_ranks(_rank_main, world, (cfg, str(run_dir)),
-                         start_method=cfg.launch.start_method, threads=threads, backend=None,
+        launch.run_ranks(_rank_main, world, (cfg, str(run_dir)), start_method=start_method,
+                         threads=threads, backend=None,
                          master_port=cfg.launch.master_port,
                          collective_timeout_s=cfg.launch.timeout_s)
     except launch.RankFailure as e:

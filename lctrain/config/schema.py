@@ -117,6 +117,9 @@ class TrainConfig:
     on_nan: str = one_of("stop", "skip")
     """A non-finite loss or gradient norm: stop (fail the run, naming the step) | skip (drop the
     step's update, log it, and go on)."""
+    deterministic: bool = False
+    """Deterministic attention backward on CUDA (flash-attn's deterministic kernels; slower).
+    CPU kernels are deterministic anyway."""
     activation_checkpointing: str = one_of("none", "selective", "full")
     """none | selective (save matmul and attention outputs, recompute the rest) | full (whole
     blocks recomputed in backward)."""
@@ -309,8 +312,9 @@ class LaunchConfig:
     """Local processes when started plainly; default tp*cp*pp*dp (dp=-1 counts as 1)."""
     backend: str = one_of("auto", "gloo", "nccl")
     """auto (nccl on CUDA, else gloo) | gloo | nccl."""
-    start_method: str = one_of("fork", "spawn")
-    """How local ranks start: fork (fast, CPU) | spawn (needed once CUDA is initialised)."""
+    start_method: str = one_of("auto", "fork", "spawn")
+    """How local ranks start: auto (spawn when CUDA is in play, else fork) | fork (fast; CPU
+    only: a forked process cannot use CUDA) | spawn."""
     master_port: int = 0
     """Rendezvous port for local launches; 0 picks a free one."""
     timeout_s: int = at_least(1, 600)

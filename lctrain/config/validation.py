@@ -229,8 +229,41 @@ def validate(cfg: LctrainConfig, world_size: int) -> list[str]:
         return problems + later if world_size >= 1 else problems
     world = _world(cfg, world_size)
     problems += (world + _heads(cfg) + _context(cfg) + _layers(cfg) + later + _evals(cfg))
+    if cfg.train.device == "cuda":  # train.device=auto is resolved where the run starts
+        problems += cuda_problems(cfg)
     if not world:
         problems += _batch(cfg, world_size)
+    return problems
+
+
+FLASH_HEAD_DIM_MAX = 256
+
+
+def uses_flash_attn(cfg: LctrainConfig) -> bool:
+    """Whether attention runs lctrain's kernels (flash-attn on CUDA) rather than PyTorch's
+    SDPA: context parallelism, packed documents, or deterministic attention."""
+    return cfg.parallel.cp > 1 or cfg.data.document_masking or cfg.train.deterministic
+
+
+def cuda_problems(cfg: LctrainConfig) -> list[str]:
+    """Rules for a run on CUDA: flash-attn's dtypes and head sizes, and ranks that can use CUDA."""
+    m, problems = cfg.model, []
+    if cfg.launch.start_method == "fork":
+        problems.append("launch.start_method=fork with CUDA: a forked rank cannot initialise "
+                        "CUDA; set launch.start_method=auto (spawn on CUDA)")
+    if not uses_flash_attn(cfg):
+        return problems
+    why = ("context parallelism, packed documents and deterministic attention run flash-attn "
+           "on CUDA")
+    if cfg.train.dtype == "fp32":
+        problems.append(f"train.dtype=fp32 on CUDA: {why}, which takes bf16/fp16 only; set "
+                        "train.dtype=bf16 (weights and optimizer state stay fp32)")
+    if m.dim % m.n_heads == 0:
+        head_dim = m.dim // m.n_heads
+        if head_dim % 8 or head_dim > FLASH_HEAD_DIM_MAX:
+            problems.append(f"head dim model.dim / model.n_heads = {head_dim} on CUDA: {why}, "
+                            f"which needs a multiple of 8 up to {FLASH_HEAD_DIM_MAX}; try "
+                            f"model.dim={nearest_multiple(m.dim, 8 * m.n_heads)}")
     return problems
 
 

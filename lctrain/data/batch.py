@@ -67,12 +67,19 @@ class MicroBatch:
     """RoPE position ids: [1, S/cp] global positions, or [B, S/cp] positions inside each
     document (data.document_masking)."""
     doc_ids: Tensor | None
-    """Document id of every token of the global sequences [B, S] (None: no document masking)."""
+    """Document id of every token of the global sequences [B, S] (None: no document masking),
+    always on the host."""
 
-    def to(self, device) -> MicroBatch:
-        return MicroBatch(self.inputs.to(device), self.labels.to(device),
-                          self.positions.to(device),
-                          None if self.doc_ids is None else self.doc_ids.to(device))
+    def to(self, device: torch.device) -> MicroBatch:
+        """On `device` (a CUDA copy from pinned memory, asynchronous); the document ids stay on
+        the host, where the attention kernels plan their calls from them."""
+        def move(t: Tensor) -> Tensor:
+            if device.type != "cuda":
+                return t.to(device)
+            return t.pin_memory().to(device, non_blocking=True)
+
+        return MicroBatch(move(self.inputs), move(self.labels), move(self.positions),
+                          self.doc_ids)
 
 
 def document_ids(lengths: np.ndarray, size: int) -> np.ndarray:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 _recorder: ContextVar[TrafficRecorder | None] = ContextVar("lctrain_traffic", default=None)
 _tag: ContextVar[str] = ContextVar("lctrain_traffic_tag", default="other")
@@ -113,7 +114,9 @@ def all_gather(x: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:
     if p == 1:
         return x
     out = torch.empty((p * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(out, x.contiguous(), group=group)
+    # the name torch 2.13 prefers, else the one every torch since 1.13 has
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, x.contiguous(),
+                                                                    group=group)
     _count("all_gather", x.numel() * (p - 1), x)
     return torch.cat(out.chunk(p, dim=0), dim=dim)
 
@@ -125,7 +128,7 @@ def reduce_scatter(x: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:
         return x
     pieces = torch.cat(x.chunk(p, dim=dim), dim=0).contiguous()  # [P * B, ...] piece j for rank j
     out = torch.empty((pieces.shape[0] // p, *pieces.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(out, pieces, group=group)
+    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, pieces, group=group)
     _count("reduce_scatter", x.numel() * (p - 1) // p, x)
     return out
 
@@ -181,3 +184,44 @@ def record_dtensor_traffic():
     """Like `record_traffic`, for the collectives DTensor issues (TP/SP); slower: tests, benches."""
     with record_traffic() as rec, _FunctionalCollectives():
         yield rec
+
+
+def _process_groups(args) -> list:
+    """The process groups a dispatched collective op names (boxed, or by name)."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.ScriptObject) and a._type().qualified_name().endswith(
+                "c10d.ProcessGroup"):
+            out.append(dist.ProcessGroup.unbox(a))
+        elif isinstance(a, str):
+            try:
+                out.append(_resolve_process_group(a))
+            except (ValueError, RuntimeError, KeyError):  # a string that names no group
+                continue
+    return out
+
+
+class _DeviceCheck(TorchDispatchMode):
+    """Raises when a collective gets a tensor on a device its process group has no backend for
+    (a CPU tensor on an NCCL group fails, or hangs, only at run time on a GPU cluster)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "namespace", None) in ("c10d", "_c10d_functional"):
+            groups = _process_groups(tree_flatten((args, kwargs))[0])
+            for t in tree_flatten((args, kwargs))[0]:
+                t = getattr(t, "_local_tensor", t)
+                for pg in groups if isinstance(t, Tensor) else ():
+                    if t.device.type not in {d.type for d in pg._device_types}:
+                        raise RuntimeError(
+                            f"{func} got a tensor on {t.device}, but its process group runs on "
+                            f"{', '.join(sorted({d.type for d in pg._device_types}))}; create "
+                            "the tensor on the runtime's device (rt.device)")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def check_collective_devices():
+    """Inside the block, every collective checks that its tensors are on a device its process
+    group serves (tests, and the GPU check script around a training step and the evals)."""
+    with _DeviceCheck():
+        yield

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lctrain.attention.kernels import Block
+from lctrain.attention.calls import Block
 from lctrain.attention.local import local_attention
 from lctrain.config import ModelConfig
 from lctrain.models.rope import rope_frequencies
@@ -39,7 +39,7 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = Non
     lctrain.attention (they skip what the document mask hides).
     """
     if doc_ids is not None:
-        block = Block(torch.arange(q.shape[1], device=q.device), doc_ids)
+        block = Block(torch.arange(q.shape[1]), doc_ids)
         return local_attention(q, k, v, block, block, causal=True, scale=q.shape[-1] ** -0.5)[0]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,

@@ -20,8 +20,13 @@ from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
-LOCAL_ATTENTION = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
-"""The fused attention op local SDPA runs on the CPU, whose output and lse selective keeps."""
+LOCAL_ATTENTION = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,  # CPU
+    torch.ops.aten._scaled_dot_product_flash_attention.default,  # CUDA, the kernels SDPA picks
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+"""The fused attention ops local SDPA runs, whose output and lse selective keeps."""
 
 
 def _policy(save: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:

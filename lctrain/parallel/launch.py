@@ -57,6 +57,23 @@ def env_from_environment() -> DistEnv | None:
     return None
 
 
+def cuda_devices() -> int:
+    """GPUs this process can see, counted through NVML: the launcher starts ranks afterwards,
+    and a process that initialised CUDA (as torch.cuda.is_available() does by default) can no
+    longer fork ranks that use it."""
+    if not torch.backends.cuda.is_built():
+        return 0
+    previous = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    finally:
+        if previous is None:
+            del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = previous
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -166,6 +183,10 @@ def run_ranks(fn: Callable, nproc: int, args: tuple = (), *, start_method: str =
     backend: process-group backend to initialise in each rank (None: fn does it itself).
     Raises RankFailure for the first rank that fails or, after timeout_s, for a rank still running.
     """
+    if start_method == "fork" and torch.cuda.is_initialized():
+        raise RuntimeError("CUDA is initialised in this process, so ranks forked from it cannot "
+                           "use CUDA; start them with start_method='spawn' "
+                           "(launch.start_method=auto does on CUDA)")
     ctx = mp.get_context(start_method)
     port = master_port or free_port()
     procs, conns = [], []

@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from lctrain.attention import ContextParallelAttention
+from lctrain.attention.kernels import KernelOptions
 from lctrain.config import LctrainConfig
 from lctrain.models.hf import load_hf_weights
 from lctrain.models.llama import AttentionCore, Llama, sdpa_attention
@@ -19,12 +20,16 @@ from lctrain.parallel.tensor import apply_tensor_parallel
 
 
 def build_attention_core(cfg: LctrainConfig, rt: Runtime) -> AttentionCore:
-    """The attention core the model calls: local SDPA, or the configured cp algorithm."""
-    if cfg.parallel.cp == 1:
+    """The attention core the model calls: PyTorch's SDPA for plain local attention, else
+    lctrain's kernels (the configured cp algorithm; at cp = 1 the local path that plans packed
+    documents once per micro-batch, or that honours train.deterministic on CUDA)."""
+    options = KernelOptions(deterministic=cfg.train.deterministic)
+    if cfg.parallel.cp == 1 and not (cfg.data.document_masking or (
+            cfg.train.deterministic and rt.device.type == "cuda")):
         return sdpa_attention
     return ContextParallelAttention(cfg.parallel.attention, rt.cp_groups, cfg.train.seq_len,
                                     cfg.parallel.load_balance,
-                                    kv_replication=rt.derived.kv_replication)
+                                    kv_replication=rt.derived.kv_replication, options=options)
 
 
 def parallelize_model(model: Llama, cfg: LctrainConfig, rt: Runtime) -> nn.Module:

@@ -117,8 +117,9 @@ def setup_distributed(cfg: LctrainConfig) -> Runtime:
     if world == 1:
         return Runtime(0, 1, device, topology, derived, None, cfg.train.dtype)
     if not dist.is_initialized():
+        # auto on CUDA: NCCL for CUDA tensors, gloo for the CPU tensors of object collectives
         backend = cfg.launch.backend if cfg.launch.backend != "auto" else (
-            "nccl" if use_cuda else "gloo")
+            "cuda:nccl,cpu:gloo" if use_cuda else "gloo")
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.launch.timeout_s))
     return Runtime(dist.get_rank(), world, device, topology, derived,
                    build_mesh(topology, device.type), cfg.train.dtype)

@@ -50,8 +50,7 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int) -> float
                  norms (rsqrt, normalised x on the sequence shard; the (gathered) norm output
                  kept by the column-parallel matmuls), residual stream and block output, then
                  q, k, v, attention output, lse and the four SwiGLU tensors on the TP shard.
-                 All-gather KV keeps the gathered K/V: 2 D_kv (cp - 1)/t more, and in every
-                 mode its int64 key positions (8 S bytes).
+                 All-gather KV keeps the gathered K/V: 2 D_kv (cp - 1)/t more.
       selective: (D + 2 D_kv + 2 F)/t + 2 D + D/s  (matmul outputs, before any KV
                  replication; the two row-parallel partial sums at full width; the block output),
                  plus (D + H)/t for the attention output and lse when cp = 1 (context-parallel
@@ -67,16 +66,14 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int) -> float
     dkv = m.n_kv_heads * hd
     ulysses = p.cp > 1 and p.attention in ("ulysses", "usp")
     mode = cfg.train.activation_checkpointing
-    allgather = p.cp > 1 and p.attention == "allgather"
-    extra = 8.0 * cfg.train.seq_len if allgather else 0.0  # int64 key positions
     if mode == "full":
-        return 4.0 * n * D / s + extra
+        return 4.0 * n * D / s
     if mode == "selective":  # local attention: its output and lse are kept too
         attention = n * H * (hd + 1) / t if p.cp == 1 else 0.0
-        return 4.0 * (n * ((D + 2 * dkv + 2 * F) / t + 2 * D + D / s) + attention) + extra
+        return 4.0 * (n * ((D + 2 * dkv + 2 * F) / t + 2 * D + D / s) + attention)
     per_token = 2 * (D + 1) / s + 2 * D + 2 * D / s + (2 * D + 2 * r * dkv + H + 4 * F) / t
     if ulysses:
         per_token += D / t
-    if allgather:
+    if p.cp > 1 and p.attention == "allgather":
         per_token += 2 * dkv * (p.cp - 1) / t
-    return 4.0 * n * per_token + extra
+    return 4.0 * n * per_token

@@ -88,7 +88,8 @@ class Evaluator:
         cfg, rt = self.cfg, self.rt
         mine = list(range(self.dp_rank, len(self.examples), self.dp))
         n_batches = -(-len(self.examples) // (self.dp * cfg.train.micro_batch))
-        misses = torch.zeros(len(self.examples), 2, dtype=torch.float64)
+        # on the device: NCCL reduces device tensors only
+        misses = torch.zeros(len(self.examples), 2, dtype=torch.float64, device=rt.device)
         mb_size = cfg.train.micro_batch
         for k in range(n_batches):  # the same count on every rank (FSDP gathers per forward)
             batch = mine[k * mb_size:(k + 1) * mb_size]
@@ -99,10 +100,10 @@ class Evaluator:
             with rt.autocast():
                 logits = model(mb.inputs, mb.positions, mb.doc_ids)
             if batch:
-                misses += self._misses(logits, batch)
+                misses += self._misses(logits, batch).to(rt.device)
         if rt.dp_cp_group is not None:
             dist.all_reduce(misses, group=rt.dp_cp_group)
-        return summarize(self.examples, misses)
+        return summarize(self.examples, misses.cpu())
 
 
 def summarize(examples: list[EvalExample], misses: torch.Tensor) -> dict[str, float]:

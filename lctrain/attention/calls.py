@@ -1,0 +1,188 @@
+"""The kernel calls a (query block, key block) pair decomposes into, planned once on the host.
+
+Every context-parallel algorithm reduces to: queries at global positions q_pos attend to keys at
+k_pos (causal: k_pos <= q_pos; packed documents: same document id). A `Block` describes one
+operand on the host: positions and document ids as CPU tensors, so planning never waits for the
+device. Positions form runs of consecutive values (`lctrain.layout.sequence.Run`); documents cut
+each run into same-document stretches. A (query stretch, key stretch) pair then splits, by
+positions alone, into at most three rectangles (docs/parallelism.md §4):
+
+    keys before the overlap of the two position ranges -> full (no mask) for the overlap queries
+    the overlap itself                                  -> causal diagonal
+    queries after the whole key range                   -> full
+
+so no call ever needs an explicit mask, and rows that see no key get no call (their lse stays
+-inf). A block caches its plan per partner: the ring's steps, the backward and activation
+recompute reuse it, and a new plan is made once per micro-batch of documents.
+`varlen_groups` packs the calls of a documents plan into a few variable-length batches (per
+kind, in waves where no query row repeats) for flash-attn's varlen kernels: (b, position)
+indices and int32 cu_seqlens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from lctrain.layout.sequence import Run, runs
+
+ALL_ROWS = slice(None)
+
+
+class KernelCall(NamedTuple):
+    """One kernel launch of a (query block, key block) pair."""
+
+    rows: slice
+    """Batch rows it covers (all of them without documents, one row with them)."""
+    q: slice
+    """Local query indices."""
+    k: slice
+    """Local key indices."""
+    kind: str
+    """full (every key visible) | causal (the diagonal: same positions, is_causal)."""
+
+
+@dataclass(frozen=True, eq=False)
+class VarlenGroup:
+    """Calls of one kind packed for a variable-length kernel: query and key rows as flat
+    indices b * S + s into [B * S] views, and cumulative sequence lengths."""
+
+    causal: bool
+    q_index: Tensor
+    k_index: Tensor
+    cu_q: Tensor
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+    _on: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def on(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(q_index, k_index, cu_q, cu_k) on `device`, copied once."""
+        if device not in self._on:
+            self._on[device] = tuple(t.to(device, non_blocking=True) for t in (
+                self.q_index, self.k_index, self.cu_q, self.cu_k))
+        return self._on[device]
+
+
+@dataclass(frozen=True, eq=False)
+class Block:
+    """Tokens of one attention operand, on the host: global positions [S] and optional document
+    ids [B, S] (CPU tensors; others are copied once, here)."""
+
+    pos: Tensor
+    doc: Tensor | None = None
+    _plans: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "pos", self.pos.cpu())
+        if self.doc is not None:
+            object.__setattr__(self, "doc", self.doc.cpu())
+
+    @cached_property
+    def runs(self) -> list[Run]:
+        return runs(self.pos)
+
+    def calls(self, kb: Block, causal: bool) -> list[KernelCall]:
+        """The kernel calls of this block's queries against `kb`'s keys (planned once)."""
+        return self._plan(kb, causal)[0]
+
+    def varlen_groups(self, kb: Block, causal: bool) -> list[VarlenGroup]:
+        """`calls(kb, causal)` packed by kind for a variable-length kernel (planned once)."""
+        plan = self._plan(kb, causal)
+        if plan[1] is None:
+            plan[1] = _pack(plan[0], len(self.pos), len(kb.pos))
+        return plan[1]
+
+    def _plan(self, kb: Block, causal: bool) -> list:
+        key = (id(kb), causal)
+        if key not in self._plans or self._plans[key][0] is not kb:
+            self._plans[key] = (kb, [list(kernel_calls(self, kb, causal)), None])
+        return self._plans[key][1]
+
+
+def _rectangles(qr: Run, kr: Run, causal: bool):
+    """(query run, key run, kind) rectangles of a query run against a key run, mask-free."""
+    if not causal or kr.end <= qr.start:
+        yield qr, kr, "full"
+        return
+    lo, hi = max(qr.start, kr.start), min(qr.end, kr.end)
+    if lo >= hi:  # every key after every query
+        return
+    overlap_q = qr.part(lo - qr.start, hi - lo)
+    if kr.start < lo:  # keys before the overlap: all visible to the overlap's queries
+        yield overlap_q, kr.part(0, lo - kr.start), "full"
+    yield overlap_q, kr.part(lo - kr.start, hi - lo), "causal"
+    if qr.end > kr.end:  # queries after the last key see every key
+        yield qr.part(hi - qr.start, qr.end - hi), kr, "full"
+
+
+def _stretches(doc: Tensor) -> dict[int, list[tuple[int, int]]]:
+    """{document id: [(offset, length), ...]} of the maximal same-id stretches of a run [n]."""
+    ids, counts = torch.unique_consecutive(doc, return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    out: dict[int, list[tuple[int, int]]] = {}
+    for d, s, n in zip(ids.tolist(), starts.tolist(), counts.tolist()):
+        out.setdefault(d, []).append((s, n))
+    return out
+
+
+def kernel_calls(qb: Block, kb: Block, causal: bool):
+    """Every kernel call of q block x kv block, in order: the decomposition the kernels run
+    (public for tests and benchmarks that count work)."""
+    for q_run in qb.runs:
+        for k_run in kb.runs:
+            if qb.doc is None:
+                for qr, kr, kind in _rectangles(q_run, k_run, causal):
+                    yield KernelCall(ALL_ROWS, qr.rows, kr.rows, kind)
+                continue
+            for b in range(qb.doc.shape[0]):  # each row's documents attend only to themselves
+                row = slice(b, b + 1)
+                q_docs, k_docs = _stretches(qb.doc[b, q_run.rows]), _stretches(kb.doc[b, k_run.rows])
+                for d, q_pieces in q_docs.items():
+                    for qo, ql in q_pieces:
+                        for ko, kl in k_docs.get(d, ()):
+                            for qr, kr, kind in _rectangles(q_run.part(qo, ql),
+                                                            k_run.part(ko, kl), causal):
+                                yield KernelCall(row, qr.rows, kr.rows, kind)
+
+
+def _waves(calls: list[KernelCall]) -> list[list[KernelCall]]:
+    """The calls in waves where no query row repeats: a varlen call merges each query row's
+    result once, so a row that sees several key stretches of its document needs several."""
+    waves: list[list[KernelCall]] = []
+    taken: list[dict[int, list[slice]]] = []  # per wave: batch row -> query slices used
+
+    def free(used: dict[int, list[slice]], c: KernelCall) -> bool:
+        return all(c.q.stop <= s.start or s.stop <= c.q.start for s in used.get(c.rows.start, ()))
+
+    for c in calls:
+        w = next((i for i, used in enumerate(taken) if free(used, c)), None)
+        if w is None:
+            waves.append([])
+            taken.append({})
+            w = len(waves) - 1
+        waves[w].append(c)
+        taken[w].setdefault(c.rows.start, []).append(c.q)
+    return waves
+
+
+def _pack(calls: list[KernelCall], sq: int, sk: int) -> list[VarlenGroup]:
+    """The calls of a documents plan (one row each) as varlen groups: per kind, as many as it
+    takes for no query row to repeat inside one."""
+    groups = []
+    for kind in ("full", "causal"):
+        for wave in _waves([c for c in calls if c.kind == kind]):
+            q_idx = [torch.arange(c.q.start, c.q.stop) + c.rows.start * sq for c in wave]
+            k_idx = [torch.arange(c.k.start, c.k.stop) + c.rows.start * sk for c in wave]
+            q_len = torch.tensor([len(i) for i in q_idx])
+            k_len = torch.tensor([len(i) for i in k_idx])
+            groups.append(VarlenGroup(
+                causal=kind == "causal", q_index=torch.cat(q_idx), k_index=torch.cat(k_idx),
+                cu_q=torch.cat([torch.zeros(1, dtype=torch.int32), q_len.cumsum(0).int()]),
+                cu_k=torch.cat([torch.zeros(1, dtype=torch.int32), k_len.cumsum(0).int()]),
+                max_q=int(q_len.max()), max_k=int(k_len.max())))
+    return groups

@@ -1,0 +1,132 @@
+"""The CUDA path's defects, each checked on the CPU where it shows there: validation of what
+flash-attn and forked ranks cannot do, ranks spawned (not forked) once CUDA is in play, a clear
+error without flash-attn, collectives that get tensors on their group's device, the long-standing
+collective names, selective checkpointing of the CUDA attention ops, deterministic kernels, host
+document ids, and a process group that is always destroyed."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lctrain import cli
+from lctrain.attention import ContextParallelAttention
+from lctrain.commands import train as train_command
+from lctrain.config.validation import validate
+from lctrain.data.batch import micro_batch_from_tokens
+from lctrain.layout.comm import all_gather, check_collective_devices
+from lctrain.parallel import launch
+from lctrain.parallel.checkpointing import saved_ops
+from lctrain.parallel.parallelize import build_attention_core
+from lctrain.parallel.runtime import setup_distributed
+from lctrain.training import loop
+from tests.helpers import on_ranks, tiny_config
+
+CLI = ["+recipe=tiny", "model.vocab_size=128", "model.dim=64", "model.n_layers=2",
+       "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96", "train.seq_len=32",
+       "train.global_batch=4", "train.micro_batch=1", "train.steps=1", "optim.warmup_steps=1",
+       "data.doc_len_min=8", "data.doc_len_max=24", "eval.every=0"]
+
+
+@pytest.mark.parametrize("sections,expected", [
+    ({"data": {"document_masking": True}}, ["train.dtype=fp32 on CUDA", "train.dtype=bf16"]),
+    ({"parallel": {"cp": 2}, "train": {"dtype": "bf16"}, "model": {"dim": 48}},
+     ["head dim model.dim / model.n_heads = 12 on CUDA", "try model.dim=64"]),
+    ({"launch": {"start_method": "fork"}}, ["launch.start_method=fork with CUDA"]),
+])
+def test_validation_names_what_cuda_cannot_run(sections, expected):
+    cfg = tiny_config(**sections)
+    cfg.train.device = "cuda"
+    (problem,) = validate(cfg, cfg.parallel.cp)
+    assert all(text in problem for text in expected), problem
+    cfg.train.device = "cpu"  # the CPU kernels take all of it
+    assert validate(cfg, cfg.parallel.cp) == []
+
+
+def test_ranks_are_spawned_once_cuda_is_in_play(monkeypatch, tmp_path):
+    started = {}
+
+    def record(fn, nproc, args, **kwargs):
+        started.update(kwargs, nproc=nproc)
+
+    monkeypatch.setattr(launch, "cuda_devices", lambda: 4)
+    monkeypatch.setattr(launch, "run_ranks", record)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", *CLI, "parallel.cp=1", "parallel.dp=2", "data.document_masking=false",
+                  "train.dtype=bf16", f"hydra.run.dir={tmp_path}"])
+    assert exc.value.code == 0 and started["start_method"] == "spawn" and started["nproc"] == 2
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # a parent that used CUDA
+    with pytest.raises(RuntimeError, match="ranks forked from it cannot use CUDA"):
+        on_ranks(_nothing, 2)
+
+
+def _nothing():
+    return None
+
+
+def test_missing_flash_attn_is_a_config_error_with_the_install(monkeypatch, capsys):
+    monkeypatch.setattr(launch, "cuda_devices", lambda: 2)
+    monkeypatch.setattr(launch, "run_ranks", None)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", *CLI, "parallel.cp=2", "parallel.dp=1", "train.dtype=bf16"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "flash-attn is not installed" in err
+    assert "--no-build-isolation" in err
+
+
+def _train_and_evaluate_under_the_device_check(cfg, run_dir):
+    with check_collective_devices():
+        history = loop.train(cfg, run_dir)
+    with check_collective_devices(), pytest.raises(RuntimeError, match="got a tensor on meta"):
+        dist.all_reduce(torch.ones(2, device="meta"))
+    return history[-1]["loss"]
+
+
+def test_collectives_get_tensors_on_their_groups_device(tmp_path):
+    cfg = tiny_config(parallel={"cp": 2, "dp": 1, "tp": 2, "sp": True},
+                      train={"steps": 1, "global_batch": 2, "micro_batch": 2},
+                      eval={"every": 1, "lengths": [32], "depths": [0.5], "samples": 1},
+                      checkpoint={"every": 1})
+    losses = on_ranks(_train_and_evaluate_under_the_device_check, 4, cfg, str(tmp_path))
+    assert len(set(losses)) == 1
+
+
+def _allgather_without_newer_names():
+    # torch < 2.7 has no all_gather_single / reduce_scatter_single: lctrain must not need them
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        if hasattr(dist, name):
+            delattr(dist, name)
+    x = torch.full((1, 2), float(dist.get_rank()))
+    y = all_gather(x, dist.group.WORLD, dim=1)
+    return y.tolist()
+
+
+def test_collectives_use_long_standing_names():
+    assert on_ranks(_allgather_without_newer_names, 2)[0] == [[0.0, 0.0, 1.0, 1.0]]
+
+
+def test_selective_checkpointing_keeps_the_cuda_attention_ops():
+    kept = saved_ops("selective", cp=1)
+    for op in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+               "_scaled_dot_product_cudnn_attention",
+               "_scaled_dot_product_flash_attention_for_cpu"):
+        assert getattr(torch.ops.aten, op).default in kept, op
+
+
+def test_deterministic_reaches_the_kernels_and_documents_stay_on_the_host():
+    cfg = tiny_config(train={"deterministic": True}, data={"document_masking": True})
+    core = build_attention_core(cfg, setup_distributed(cfg))
+    assert isinstance(core, ContextParallelAttention) and core.options.deterministic
+    tokens = torch.randint(1, 128, (1, 33))
+    mb = micro_batch_from_tokens(tokens, 32, lengths=[torch.tensor([20, 13]).numpy()],
+                                 document_masking=True)
+    assert mb.to(torch.device("cpu")).doc_ids is mb.doc_ids
+
+
+def test_each_rank_destroys_its_process_group(monkeypatch, tmp_path):
+    def fake_train(cfg, run_dir):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                                world_size=1)
+
+    monkeypatch.setattr(loop, "train", fake_train)
+    train_command._rank_main(tiny_config(), str(tmp_path))
+    assert not dist.is_initialized()
