@@ -19,6 +19,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # never touch the network; everything is bui
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import statistics
 import time
@@ -45,7 +46,8 @@ def build_models(cfg: ModelConfig, seq_len: int, seed: int) -> dict[str, tuple[n
     """lctrain Llama and HF LlamaForCausalLM (SDPA, no KV cache) holding the same weights."""
     ours = Llama(cfg)
     ours.init_weights(seed)
-    hf = transformers.LlamaForCausalLM(hf_config(cfg, max_position_embeddings=seq_len))
+    hf = transformers.LlamaForCausalLM(hf_config(
+        dataclasses.replace(cfg, max_position_embeddings=max(seq_len, cfg.max_position_embeddings))))
     hf.set_attn_implementation("sdpa")
     hf.config.use_cache = False  # training: a DynamicCache would be pure overhead
     result = hf.load_state_dict(to_hf_state_dict(ours.state_dict(), cfg.tie_embeddings), strict=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+from lctrain.commands.init_from import resolve_model
 from lctrain.config import ConfigError
 from lctrain.config.compose import compose
 from lctrain.config.paths import recipe_names
@@ -39,7 +40,7 @@ def usage() -> str:
 
 
 def _run_command(command: str, overrides: list[str], flags: set[str]) -> int:
-    composed = compose(overrides)
+    composed = resolve_model(compose(overrides))
     # Each command is imported when it runs: train and plan load torch (seconds), and
     # preprocess must start without it.
     if command == "train":

@@ -35,6 +35,7 @@ def _load_forward_export(cfg, tokens, out_dir):
 @pytest.mark.parametrize("tied,parallel", [
     (False, {"tp": 2, "sp": True, "cp": 2, "attention": "ring"}),
     (True, {"cp": 2, "dp": 2, "attention": "ulysses"}),
+    (True, {"tp": 2, "sp": True, "cp": 2, "attention": "ring"}),  # one vocab-sharded weight
 ])
 def test_hf_round_trip(tmp_path, tied, parallel):
     cfg = tiny_config(model={**MODEL, "tie_embeddings": tied}, parallel=parallel)

@@ -127,3 +127,30 @@ def test_every_gradient_matches_one_process():
         for name, p in ref.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6,
                                        msg=f"{par} {name}")
+
+
+TIED = {**MODEL, "tie_embeddings": True}
+
+
+def test_tied_embeddings_under_tp_match_one_process(tmp_path):
+    """The vocab-parallel embedding and output layer share one [V/tp, D] shard: every gradient
+    after one backward, and the losses and grad norms of 3 steps, equal one process."""
+    import torch.nn.functional as F
+
+    seqs = torch.randint(1, 128, (2, 33), generator=torch.Generator().manual_seed(3))
+    ref = reference_model(tiny_config(model=TIED))
+    F.cross_entropy(ref(seqs[:, :-1]).flatten(0, 1), seqs[:, 1:].flatten()).backward()
+    steps = {"steps": 3, "global_batch": 2, "micro_batch": 2, "seq_len": 32}
+    ref_history = on_ranks(_train, 1, tiny_config(model=TIED, train=steps), str(tmp_path / "r"))[0]
+    for world, par in [(2, {"tp": 2}), (4, {"tp": 2, "sp": True, "cp": 2, "attention": "ring"})]:
+        cfg = tiny_config(model=TIED, parallel=par, train={"global_batch": 2, "micro_batch": 2})
+        grads = on_ranks(_grads_after_one_backward, world, cfg, seqs, timeout_s=300)[0]
+        assert "output.weight" not in grads  # one parameter, shared
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6,
+                                       msg=f"{par} {name}")
+        cfg = tiny_config(model=TIED, parallel=par, train=steps)
+        for h in on_ranks(_train, world, cfg, str(tmp_path / str(world)), timeout_s=300):
+            for g, r in zip(h, ref_history):
+                for key in ("loss", "grad_norm"):
+                    assert g[key] == pytest.approx(r[key], rel=2e-5), (par, g["step"], key)

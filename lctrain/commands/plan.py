@@ -27,6 +27,9 @@ def render_text(plan: dict, max_rows: int) -> str:
         *(f"  {k}: {v:,.3f}" for k, v in plan["memory_gib"].items()),
         "", "traffic per rank (elements sent):",
         *(f"  {k}: {v:,.0f}" for k, v in plan["traffic_elements_per_rank"].items()),
+        *(["", "model (value, where it came from):"] +
+          [f"  {n:<28} {m['value']!r:<24} {m['origin']}" for n, m in plan["model"].items()]
+          if plan.get("model") else []),
         "", "groups:",
         *(f"  {n:<11} size {g['size']:<4} axes {'x'.join(g['axes']):<25} {g['carries']}"
           for n, g in plan["groups"].items()),
@@ -54,6 +57,10 @@ def run(composed: Composed, flags: set[str]) -> int:
     if problems:
         raise ConfigError(problems)
     plan = build_plan(cfg, world)
+    plan["model"] = {name: {"value": getattr(cfg.model, name),
+                            "origin": composed.origins.get(name, "default")}
+                     for name in composed.origins}
+    plan["notes"] = composed.notes + plan["notes"]
     if "--json" in flags or cfg.plan.format == "json":
         json.dump(plan, sys.stdout, indent=1)
         print()

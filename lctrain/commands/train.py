@@ -111,6 +111,8 @@ def run(composed: Composed, flags: set[str]) -> int:
         raise ConfigError(problems)
     rank = env.rank if env else 0
     if rank == 0:
+        for note in composed.notes:
+            print(f"lctrain: {note}", file=sys.stderr)
         for w in warnings_for(cfg):
             print(f"lctrain: warning: {w}", file=sys.stderr)
     run_dir = composed.run_dir

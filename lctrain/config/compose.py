@@ -12,7 +12,7 @@ import dataclasses
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra import compose as hydra_compose
@@ -36,6 +36,10 @@ class Composed:
     cfg: LctrainConfig
     run_dir: Path
     overrides: list[str]
+    origins: dict[str, str] = field(default_factory=dict)
+    """Where each model.* value came from (lctrain.commands.init_from)."""
+    notes: list[str] = field(default_factory=list)
+    """What resolving the config changed, for the command to report at start."""
 
 
 def _register() -> None:

@@ -72,8 +72,16 @@ class ModelConfig:
     """Share the input embedding with the output layer."""
     init_std: float = 0.02
     """Std of the normal init of linear and embedding weights (output projections scaled by depth)."""
+    max_position_embeddings: int = at_least(1, 8192)
+    """Context length the model declares (config.json's max_position_embeddings on export)."""
     init_from: str | None = None
-    """Hugging Face Llama directory (config.json + *.safetensors) to start from, in any layout."""
+    """Hugging Face Llama directory (config.json + *.safetensors) to start from, in any layout.
+    Its config.json decides every model field it defines; see model.hf_overrides."""
+    hf_overrides: list[str] = field(default_factory=list)
+    """With model.init_from: the model fields whose value from this config (recipe, preset or
+    command line) replaces config.json's on purpose, e.g. [rope_theta, rope_type, rope_factor]
+    to extend the context; printed at start, kept in config.yaml and in an exported
+    config.json. Shape fields cannot be listed: the weights fix them."""
 
 
 @dataclass
@@ -172,6 +180,9 @@ class DataConfig:
     long_docs: str = one_of("split", "drop")
     """Documents longer than train.seq_len: split (they continue over the next sequences, like
     every document that crosses a sequence border) | drop (skipped, and the count is logged)."""
+    val_fraction: float = at_least(0, 0.0)
+    """source=tokens: the share of data.path's documents held out for the validation loss
+    (eval.every), by a split seeded with train.seed; they are never trained on."""
     document_masking: bool = False
     """Packed documents do not attend to each other, and RoPE positions restart per document."""
     doc_len_min: int = 32
@@ -204,6 +215,11 @@ class EvalConfig:
     """Needle depths as fractions of the context (0 = first token, 1 = just before the query)."""
     samples: int = 8
     """Examples per (task, length, depth) cell."""
+    val_data: str | None = None
+    """A directory from `lctrain preprocess` whose validation loss (val_loss, val_ppl) is
+    computed every eval.every steps (or hold documents out with data.val_fraction)."""
+    val_sequences: int = at_least(1, 16)
+    """Sequences of train.seq_len in the validation loss (a multiple of micro_batch x dp)."""
 
 
 @dataclass

@@ -154,6 +154,10 @@ def _batch(cfg: LctrainConfig, world_size: int) -> list[str]:
                 f"{t.micro_batch} x dp={dp} = {per_step}; try train.global_batch="
                 f"{nearest_multiple(t.global_batch, per_step)}"]
     accum = t.global_batch // per_step
+    if cfg.eval.every and has_validation(cfg) and cfg.eval.val_sequences % per_step:
+        return [f"eval.val_sequences={cfg.eval.val_sequences} is not divisible by "
+                f"train.micro_batch={t.micro_batch} x dp={dp} = {per_step}; try "
+                f"eval.val_sequences={nearest_multiple(cfg.eval.val_sequences, per_step)}"]
     if p.pp > 1 and accum < p.pp:
         return [f"parallel.pp={p.pp} needs at least {p.pp} micro-batches per step to fill the "
                 f"pipeline; train.global_batch / (micro_batch x dp) = {accum}; try "
@@ -201,13 +205,36 @@ def _scalars(cfg: LctrainConfig) -> list[str]:
     return problems
 
 
+def has_validation(cfg: LctrainConfig) -> bool:
+    """Whether a validation loss is configured (eval.val_data or data.val_fraction)."""
+    return cfg.eval.val_data is not None or cfg.data.val_fraction > 0
+
+
+def _validation(cfg: LctrainConfig) -> list[str]:
+    d, ev, problems = cfg.data, cfg.eval, []
+    if not d.val_fraction < 1:
+        problems.append(f"data.val_fraction={d.val_fraction} must lie in [0, 1); try "
+                        "data.val_fraction=0.01")
+    if d.val_fraction > 0 and d.source != "tokens":
+        problems.append(f"data.val_fraction={d.val_fraction} holds out documents of data.path, "
+                        f"which needs data.source=tokens (got {d.source}); use eval.val_data="
+                        "<preprocessed dir> for other sources")
+    if d.val_fraction > 0 and ev.val_data is not None:
+        problems.append(f"data.val_fraction={d.val_fraction} and eval.val_data={ev.val_data} both "
+                        "choose the validation data; set one of them")
+    return problems
+
+
 def _evals(cfg: LctrainConfig) -> list[str]:
     """The eval grid (the tasks' own minimum lengths are checked by lctrain.data.sources)."""
-    ev, problems = cfg.eval, []
+    ev, problems = cfg.eval, _validation(cfg)
     if not ev.every:
         return problems
     if not ev.tasks:
-        problems.append("eval.tasks is empty; try eval.tasks=[passkey]")
+        if not has_validation(cfg):
+            problems.append("eval.tasks is empty and no validation data is set; try "
+                            "eval.tasks=[passkey] or data.val_fraction=0.01")
+        return problems  # the grid below is the tasks'
     if ev.samples < 1:
         problems.append(f"eval.samples={ev.samples} must be >= 1; try eval.samples=8")
     problems += [f"eval.depths contains {x}; depths are fractions in [0, 1]"
@@ -273,9 +300,6 @@ def check_supported(cfg: LctrainConfig) -> list[str]:
     if p.pp != 1:
         problems.append(f"parallel.pp={p.pp}: pipeline parallelism is not implemented in this "
                         "version; set parallel.pp=1 (lctrain plan accepts the layout)")
-    if p.tp > 1 and cfg.model.tie_embeddings:
-        problems.append(f"parallel.tp={p.tp} with model.tie_embeddings=true is not supported yet; "
-                        "set model.tie_embeddings=false or parallel.tp=1")
     return problems
 
 
@@ -288,4 +312,7 @@ def warnings_for(cfg: LctrainConfig) -> list[str]:
                    "inside the TP group)")
     if p.cp == 1 and (p.attention != "ring" or p.ulysses_degree != 1):
         out.append(f"parallel.attention={p.attention} is ignored with parallel.cp=1")
+    if has_validation(cfg) and not cfg.eval.every:
+        out.append("validation data is set but eval.every=0: no validation loss is computed "
+                   "(data.val_fraction still keeps its documents out of training)")
     return out

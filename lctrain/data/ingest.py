@@ -319,6 +319,8 @@ class TokenizerInfo:
     json: str = field(repr=False)
     """The tokenizer.json text."""
     sha256: str
+    vocab_sha256: str
+    """sha256 of the (token, id) pairs: the same vocabulary whatever the file's formatting."""
     vocab_size: int
     bos_token: str | None
     bos_id: int | None
@@ -418,6 +420,8 @@ def load_tokenizer(data: DataConfig) -> TokenizerInfo:
            if data.add_bos else (None, None))
     eos = (_special(tok, "eos", data.eos_token, config, EOS_NAMES, data.tokenizer)
            if data.add_eos else (None, None))
+    vocab = json.dumps(sorted(tok.get_vocab(with_added_tokens=True).items())).encode()
     return TokenizerInfo(spec=data.tokenizer, json=text, sha256=hashlib.sha256(raw).hexdigest(),
+                         vocab_sha256=hashlib.sha256(vocab).hexdigest(),
                          vocab_size=tok.get_vocab_size(with_added_tokens=True),
                          bos_token=bos[0], bos_id=bos[1], eos_token=eos[0], eos_id=eos[1])

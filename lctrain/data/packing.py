@@ -29,18 +29,20 @@ from lctrain.data.shards import TokenStore
 class PackedTokens:
     """Windows of S + 1 tokens over a TokenStore, reshuffled every epoch."""
 
-    def __init__(self, store: TokenStore, seq_len: int, seed: int, long_docs: str = "split"):
+    def __init__(self, store: TokenStore, seq_len: int, seed: int, long_docs: str = "split",
+                 documents: np.ndarray | None = None, part: str = "all"):
         self.store, self.seq_len, self.seed, self.long_docs = store, seq_len, seed, long_docs
-        self.name = str(store.path)
+        self.name, self.part = str(store.path), part
         lengths = store.doc_lengths
-        self.docs = (np.arange(len(lengths)) if long_docs == "split"
-                     else np.flatnonzero(lengths <= seq_len))
-        self.dropped = len(lengths) - len(self.docs)
+        chosen = np.arange(len(lengths)) if documents is None else np.asarray(documents)
+        self.docs = chosen if long_docs == "split" else chosen[lengths[chosen] <= seq_len]
+        self.dropped = len(chosen) - len(self.docs)
         """Documents skipped by data.long_docs=drop."""
         self.tokens = int(lengths[self.docs].sum())
         """Tokens of one epoch."""
         if self.tokens < seq_len + 1:
-            raise ValueError(f"{store.path} holds {self.tokens} tokens"
+            raise ValueError(f"{store.path}{'' if part == 'all' else f' ({part} part)'} holds "
+                             f"{self.tokens} tokens"
                              f"{' after dropping long documents' if self.dropped else ''}, fewer "
                              f"than one sequence of train.seq_len + 1 = {seq_len + 1}; use a "
                              f"larger corpus or train.seq_len <= {max(1, self.tokens - 1)}")
@@ -84,8 +86,11 @@ class PackedTokens:
         return Window(lengths, read)
 
     def fingerprint(self) -> dict:
-        return {"source": self.name, "documents": self.store.num_documents,
-                "tokens": self.store.num_tokens, "long_docs": self.long_docs}
+        out = {"source": self.name, "documents": self.store.num_documents,
+               "tokens": self.store.num_tokens, "long_docs": self.long_docs}
+        if self.part != "all":  # a held-out split: which documents it keeps
+            out.update(part=self.part, part_documents=len(self.docs), part_tokens=self.tokens)
+        return out
 
 
 class Mixture:

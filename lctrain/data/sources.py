@@ -1,5 +1,6 @@
 """Data sources: which one a config names (synthetic, a task, preprocessed token shards or a
-mixture), building it, and checking it against the model before launch.
+mixture), the validation source (eval.val_data, or documents held out by data.val_fraction),
+building them, and checking them against the model before launch, its tokenizer included.
 
 A source has window(i) for every global sample i, fingerprint() (what resuming must match) and
 dropped (documents it skips).
@@ -7,11 +8,15 @@ dropped (documents it skips).
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from pathlib import Path
 
 from lctrain.config import LctrainConfig
+from lctrain.data.ingest import TokenizerMismatch, load_tokenizer
 from lctrain.data.packing import Mixture, PackedTokens
-from lctrain.data.shards import TokenStore
+from lctrain.data.shards import TokenStore, read_meta
+from lctrain.data.splits import held_out
 from lctrain.data.synthetic import SyntheticLM
 from lctrain.data.tasks import MIN_VOCAB, TASKS
 
@@ -34,7 +39,29 @@ def _one_source(cfg: LctrainConfig, name: str):
         return SyntheticLM(*args)
     if name in TASKS:
         return TASKS[name](*args)
-    return PackedTokens(TokenStore(name), cfg.train.seq_len, cfg.train.seed, cfg.data.long_docs)
+    return _packed(cfg, name, "train")
+
+
+def _packed(cfg: LctrainConfig, path: str, part: str) -> PackedTokens:
+    """A token dataset, or its training or validation part when data.val_fraction holds out
+    documents of data.path (the split is seeded by train.seed)."""
+    store = TokenStore(path)
+    t, d = cfg.train, cfg.data
+    if d.val_fraction > 0 and d.source == "tokens" and path == d.path:
+        train_docs, val_docs = held_out(store, d.val_fraction, t.seed)
+        docs = val_docs if part == "validation" else train_docs
+        return PackedTokens(store, t.seq_len, t.seed, d.long_docs, documents=docs, part=part)
+    return PackedTokens(store, t.seq_len, t.seed, d.long_docs)
+
+
+def build_val_source(cfg: LctrainConfig) -> PackedTokens | None:
+    """The validation source: eval.val_data, the documents data.val_fraction holds out of
+    data.path, or None."""
+    if cfg.eval.val_data is not None:
+        return _packed(cfg, cfg.eval.val_data, "all")
+    if cfg.data.val_fraction > 0:
+        return _packed(cfg, cfg.data.path, "validation")
+    return None
 
 
 def _source_problems(cfg: LctrainConfig) -> list[str]:
@@ -57,6 +84,8 @@ def _source_problems(cfg: LctrainConfig) -> list[str]:
         names = [("data.path", d.path)]
     else:
         names = [("data.source", d.source)]
+    if cfg.eval.val_data is not None:
+        names.append(("eval.val_data", cfg.eval.val_data))
     for key, name in names:
         if name in BUILTIN:
             continue
@@ -65,15 +94,46 @@ def _source_problems(cfg: LctrainConfig) -> list[str]:
                             f"({', '.join(BUILTIN)}) nor a directory")
             continue
         try:
-            store = PackedTokens(TokenStore(name), cfg.train.seq_len, cfg.train.seed, d.long_docs)
+            parts = [_packed(cfg, name, "train")]
+            if key == "data.path" and d.val_fraction > 0:
+                parts.append(_packed(cfg, name, "validation"))
         except ValueError as e:
             problems.append(f"{key}: {e}")
             continue
-        if store.store.vocab_size > cfg.model.vocab_size:
-            problems.append(f"{key}={name} was tokenized with {store.store.vocab_size} tokens, "
+        if parts[0].store.vocab_size > cfg.model.vocab_size:
+            problems.append(f"{key}={name} was tokenized with {parts[0].store.vocab_size} tokens, "
                             f"more than model.vocab_size={cfg.model.vocab_size}; set "
-                            f"model.vocab_size={store.store.vocab_size} or more")
+                            f"model.vocab_size={parts[0].store.vocab_size} or more")
+        problems += _tokenizer_problems(cfg, key, name)
     return problems
+
+
+def _tokenizer_problems(cfg: LctrainConfig, key: str, path: str) -> list[str]:
+    """Shards made with another tokenizer than model.init_from's: refused, naming both."""
+    init = cfg.model.init_from
+    if init is None or not (Path(init) / "tokenizer.json").is_file():
+        return []
+    meta = read_meta(path)
+    shards = meta.get("tokenizer", {})
+    try:
+        model = load_tokenizer(dataclasses.replace(cfg.data, tokenizer=init,
+                                                   add_bos=meta.get("add_bos", True),
+                                                   add_eos=meta.get("add_eos", True)))
+    except TokenizerMismatch as e:  # e.g. the shards have a BOS token the model's lacks
+        return [f"{key}={path} does not fit model.init_from={init}'s tokenizer: {e}"]
+    except ValueError as e:
+        return [f"model.init_from={init}: its tokenizer cannot be read to check {key} ({e})"]
+    same_vocab = (shards.get("vocab_sha256") == model.vocab_sha256 if "vocab_sha256" in shards
+                  else shards.get("sha256") == model.sha256)
+    specials = [(name, meta.get(f"{name}_id"), getattr(model, f"{name}_id"))
+                for name in ("bos", "eos")]
+    differ = [f"{n.upper()} {a} vs {b}" for n, a, b in specials if None not in (a, b) and a != b]
+    if same_vocab and not differ:
+        return []
+    what = "another vocabulary" if not same_vocab else ", ".join(differ)
+    return [f"{key}={path} was tokenized with {shards.get('spec')!r} ({meta.get('vocab_size')} "
+            f"tokens), which is not model.init_from={init}'s tokenizer ({model.vocab_size} "
+            f"tokens): {what}. Preprocess the corpus again with data.tokenizer={init}"]
 
 
 def data_problems(cfg: LctrainConfig) -> list[str]:

@@ -72,7 +72,7 @@ def rope_parameters(cfg: ModelConfig) -> dict:
     return params
 
 
-def hf_config(cfg: ModelConfig, max_position_embeddings: int = 8192):
+def hf_config(cfg: ModelConfig):
     """A transformers LlamaConfig with the same architecture as `cfg`."""
     from transformers import LlamaConfig  # lazy: transformers takes seconds to import
 
@@ -82,7 +82,7 @@ def hf_config(cfg: ModelConfig, max_position_embeddings: int = 8192):
         num_key_value_heads=cfg.n_kv_heads, rms_norm_eps=cfg.norm_eps,
         rope_parameters=rope_parameters(cfg),
         tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
-        max_position_embeddings=max_position_embeddings,
+        max_position_embeddings=cfg.max_position_embeddings,
     )
 
 

@@ -57,8 +57,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> nn
     """Shard a Llama in place over `tp_mesh`; returns it. Logits come out as a vocab-sharded
     DTensor [B, S/cp, V] (Shard(-1)) for the vocab-parallel loss."""
     top, block = tp_plan(sp)
+    tied = (model.tok_embeddings is not None and model.output is not None
+            and model.output.weight is model.tok_embeddings.weight)
     for layer in model.layers.values():
         parallelize_module(layer, tp_mesh, block)
     parallelize_module(model, tp_mesh, {k: v for k, v in top.items()
                                         if getattr(model, k.split(".")[0], None) is not None})
+    if tied:  # both shard the [V, D] weight's rows (Shard(0)): one vocab-sharded weight again
+        model.output.weight = model.tok_embeddings.weight
     return model

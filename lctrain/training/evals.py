@@ -21,10 +21,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lctrain.config import LctrainConfig
+from lctrain.config.validation import has_validation
 from lctrain.data.batch import build_micro_batch
 from lctrain.data.tasks import TASKS, EvalExample, eval_examples
 from lctrain.layout import sequence
 from lctrain.parallel.runtime import Runtime
+from lctrain.training.validation import ValidationLoss
 
 
 def cell_key(ex: EvalExample) -> str:
@@ -48,10 +50,13 @@ def vocab_argmax(logits: torch.Tensor, tp_group, tp_rank: int) -> torch.Tensor:
 
 
 class Evaluator:
-    """Decides when to evaluate (`should_run`) and scores the model (`run`) on every rank."""
+    """Decides when to evaluate (`should_run`) and scores the model (`run`) on every rank: the
+    retrieval tasks, and the validation loss when validation data is set."""
 
     def __init__(self, cfg: LctrainConfig, rt: Runtime):
         self.cfg, self.rt = cfg, rt
+        self.validation = (ValidationLoss(cfg, rt) if cfg.eval.every and has_validation(cfg)
+                           else None)
         e, t = cfg.eval, cfg.train
         self.examples: list[EvalExample] = []
         for name in e.tasks if e.every else []:
@@ -103,7 +108,10 @@ class Evaluator:
                 misses += self._misses(logits, batch).to(rt.device)
         if rt.dp_cp_group is not None:
             dist.all_reduce(misses, group=rt.dp_cp_group)
-        return summarize(self.examples, misses.cpu())
+        results = summarize(self.examples, misses.cpu())
+        if self.validation is not None:
+            results.update(self.validation.run(model))
+        return results
 
 
 def summarize(examples: list[EvalExample], misses: torch.Tensor) -> dict[str, float]:
@@ -117,13 +125,16 @@ def summarize(examples: list[EvalExample], misses: torch.Tensor) -> dict[str, fl
 
 
 def format_table(results: dict[str, float], tasks: list[str]) -> list[str]:
-    """Console lines: one per task and context length, accuracy by depth."""
+    """Console lines: one per task and context length, accuracy by depth; the validation loss."""
     lines = []
+    if "val_loss" in results:
+        lines.append(f"eval validation: loss {results['val_loss']:.4f}  "
+                     f"ppl {results['val_ppl']:.2f}")
     for task in tasks:
         cells: dict[str, list[str]] = defaultdict(list)
         for key, acc in results.items():
             parts = key.split("/")
-            if parts[1] == task and len(parts) == 4 and parts[3].startswith("depth"):
+            if (len(parts) == 4 and parts[1] == task and parts[3].startswith("depth")):
                 cells[parts[2]].append(f"{parts[3][5:]}:{acc:.2f}")
         for length, row in sorted(cells.items(), key=lambda kv: int(kv[0][3:])):
             lines.append(f"eval {task} {length}: acc {results[f'eval/{task}/{length}/acc']:.3f}  "

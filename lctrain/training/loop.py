@@ -17,10 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from lctrain.config import LctrainConfig
 from lctrain.config.compose import as_dict, to_yaml
@@ -34,6 +31,7 @@ from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import Runtime, setup_distributed
 from lctrain.training.checkpoint import Checkpointer, TrainState
 from lctrain.training.evals import Evaluator, format_table
+from lctrain.training.loss import token_loss_sum, value, vocab_parallel
 from lctrain.training.metrics import MetricsLogger
 from lctrain.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from lctrain.training.preemption import PreemptionWatcher
@@ -43,26 +41,16 @@ class NonFiniteError(RuntimeError):
     """A non-finite loss or gradient norm with train.on_nan=stop."""
 
 
-def _token_loss_sum(logits: Tensor, labels: Tensor) -> Tensor:
-    """Sum of the cross-entropies of the valid targets, in float32."""
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
-
-
 def forward_backward(model: nn.Module, mb: MicroBatch, loss_scale: float,
                      rt: Runtime) -> Tensor:
     """Backward of (sum of this rank's token losses) * loss_scale; returns the detached sum."""
     mb = mb.to(rt.device)
     with rt.autocast():
         logits = model(mb.inputs, mb.positions, mb.doc_ids)
-    if not isinstance(logits, DTensor):
-        loss_sum = _token_loss_sum(logits, mb.labels)
+    with vocab_parallel(logits):
+        loss_sum = token_loss_sum(logits, mb.labels)
         (loss_sum * loss_scale).backward()
-        return loss_sum.detach()
-    with loss_parallel():  # vocab-sharded logits [B, S/cp, V/tp]: no rank holds all of V
-        loss_sum = _token_loss_sum(logits, mb.labels)
-        (loss_sum * loss_scale).backward()
-    return loss_sum.detach().full_tensor()
+    return value(loss_sum.detach())
 
 
 def _all_reduce(x: Tensor, rt: Runtime) -> Tensor:

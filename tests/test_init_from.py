@@ -1,0 +1,305 @@
+"""Continued pretraining from a Hugging Face Llama: config.json decides the model (no model.*
+override needed), contradictions and unsupported features are refused by name, hf_overrides
+are applied and reported, training starts at transformers' loss on every layout, token shards
+must come from the model's tokenizer, and validation documents are never trained on."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from lctrain import cli
+from lctrain.commands.checks import preflight
+from lctrain.commands.init_from import resolve_model
+from lctrain.config import ConfigError, ModelConfig
+from lctrain.config.compose import compose
+from lctrain.data.shards import ShardWriter, TokenStore
+from lctrain.data.sources import build_source, build_val_source
+from lctrain.data.splits import held_out
+from lctrain.models.hf import hf_config
+from lctrain.training import loop
+from tests.helpers import on_ranks, reference_model
+
+FAMILIES = {  # a random HF Llama of each shape family
+    "gqa_untied": ModelConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                              ffn_dim=96, rope_theta=50000.0),
+    "tied": ModelConfig(vocab_size=128, dim=64, n_layers=3, n_heads=4, n_kv_heads=4, ffn_dim=64,
+                        tie_embeddings=True, norm_eps=1e-6, rope_theta=100000.0),
+    "mqa": ModelConfig(vocab_size=96, dim=64, n_layers=2, n_heads=4, n_kv_heads=1, ffn_dim=80),
+    "llama3_rope": ModelConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                               ffn_dim=96, rope_theta=500000.0, rope_type="llama3",
+                               rope_factor=4.0, rope_original_max_position=16),
+}
+RUN = ["+recipe=tiny", "data.source=synthetic", "data.document_masking=false",
+       "train.seq_len=32", "train.global_batch=4", "train.steps=1", "eval.every=0",
+       "logging.progress=false", "optim.warmup_steps=1", "data.doc_len_min=8",
+       "data.doc_len_max=24"]
+
+
+def save_hf(path, family: str | ModelConfig, old_style_rope: bool = False):
+    """A random transformers Llama of `family` saved with save_pretrained (safetensors)."""
+    torch.manual_seed(0)
+    shape = FAMILIES[family] if isinstance(family, str) else family
+    model = transformers.LlamaForCausalLM(hf_config(shape)).eval()
+    model.save_pretrained(path)
+    if old_style_rope:  # top-level rope_theta + rope_scaling, as released checkpoints have
+        cfg = json.loads((path / "config.json").read_text())
+        rope = cfg.pop("rope_parameters")
+        cfg["rope_theta"] = rope.pop("rope_theta")
+        cfg["rope_scaling"] = rope
+        (path / "config.json").write_text(json.dumps(cfg))
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for family in FAMILIES:
+        out[family] = root / family
+        out[family].mkdir()
+        save_hf(out[family], family, old_style_rope=family == "llama3_rope")
+    return out
+
+
+def resolved(*overrides):
+    return resolve_model(compose(list(overrides)))
+
+
+def test_config_json_decides_and_plan_shows_the_origins(hf_dirs, capsys):
+    for family, want in FAMILIES.items():
+        composed = resolved("+recipe=tiny", f"model.init_from={hf_dirs[family]}")
+        for field in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
+                      "tie_embeddings", "norm_eps", "rope_theta", "rope_type"):
+            assert getattr(composed.cfg.model, field) == getattr(want, field), (family, field)
+            assert composed.origins[field] == "config.json"
+        if want.rope_type == "llama3":
+            assert composed.cfg.model.rope_factor == 4.0
+            assert composed.cfg.model.rope_original_max_position == 16
+    gqa = resolved("+recipe=tiny", f"model.init_from={hf_dirs['gqa_untied']}")
+    assert "model.rope_theta: 500000.0 (recipe or preset) -> 50000.0 (config.json)" in gqa.notes
+    assert "model.n_layers: 4 (default) -> 2 (config.json)" in gqa.notes
+    with pytest.raises(SystemExit):
+        cli.main(["plan", *RUN, f"model.init_from={hf_dirs['gqa_untied']}", "launch.nproc=4",
+                  "--json"])
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["model"]["rope_theta"] == {"value": 50000.0, "origin": "config.json"}
+    assert plan["model"]["init_std"]["origin"] == "default"
+
+
+@pytest.mark.parametrize("override,ours,theirs", [
+    ("model.n_layers=3", "3", "2"), ("model.rope_theta=12345", "12345.0", "50000.0"),
+    ("model.tie_embeddings=true", "True", "False"), ("model.norm_eps=0.001", "0.001", "1e-05"),
+])
+def test_a_contradicting_override_is_exit_2_naming_both(hf_dirs, capsys, override, ours, theirs):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["plan", *RUN, f"model.init_from={hf_dirs['gqa_untied']}", override])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "contradicts" in err, err
+    assert f"={ours} on the command line" in err and f"which has {theirs}" in err
+    assert f"model.hf_overrides=[{override.split('=')[0].split('.')[1]}]" in err
+
+
+def _train(cfg, run_dir):
+    return loop.train(cfg, run_dir)
+
+
+def test_hf_overrides_are_applied_reported_and_exported(hf_dirs, tmp_path):
+    composed = resolved(*RUN, f"model.init_from={hf_dirs['gqa_untied']}",
+                        "model.hf_overrides=[rope_theta]", "model.rope_theta=1000000.0",
+                        f"checkpoint.export_hf={tmp_path / 'out'}", "parallel.cp=1",
+                        "parallel.dp=1")
+    cfg = composed.cfg
+    assert cfg.model.rope_theta == 1e6 and composed.origins["rope_theta"] == "hf_overrides"
+    assert "model.rope_theta=1000000.0 replaces config.json's 50000.0 (model.hf_overrides)" in (
+        composed.notes)
+    on_ranks(_train, 1, cfg, str(tmp_path / "run"))
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["rope_parameters"]["rope_theta"] == 1e6
+    config_yaml = (tmp_path / "run" / "config.yaml").read_text()
+    assert "rope_theta: 1000000.0" in config_yaml and "- rope_theta" in config_yaml
+    with pytest.raises(ConfigError, match="model.hf_overrides lists n_layers"):
+        resolved(*RUN, f"model.init_from={hf_dirs['gqa_untied']}", "model.hf_overrides=[n_layers]")
+    with pytest.raises(ConfigError, match="model.hf_overrides is set but model.init_from is not"):
+        resolved(*RUN, "model.hf_overrides=[rope_theta]")
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"attention_bias": True}, "attention_bias=true"), ({"mlp_bias": True}, "mlp_bias=true"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"), ({"sliding_window": 4096}, "sliding_window"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+     "rope_type='dynamic'"),
+    ({"model_type": "mistral"}, "model_type='mistral'"),
+])
+def test_what_lctrain_cannot_compute_is_refused_by_name(tmp_path, change, message):
+    save_hf(tmp_path, "gqa_untied")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **change}))
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        resolved(*RUN, f"model.init_from={tmp_path}")
+
+
+def _first_global_batch(cfg) -> torch.Tensor:
+    source = build_source(cfg)
+    return torch.stack([torch.from_numpy(source.window(i).read(0, cfg.train.seq_len + 1))
+                        for i in range(cfg.train.global_batch)])
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_init_from_trains_from_transformers_loss_on_every_layout(hf_dirs, tmp_path, family):
+    hf = save_hf(tmp_path / "again", family)  # the same weights (same seed) as hf_dirs[family]
+    layouts = {"cp2_dp2": ["parallel.cp=2", "parallel.dp=2", "train.micro_batch=1"],
+               "tp2_sp_cp2": ["parallel.cp=2", "parallel.dp=1", "parallel.tp=2",
+                              "parallel.sp=true", "train.micro_batch=4"]}
+    for name, layout in layouts.items():
+        composed = resolved(*RUN, f"model.init_from={hf_dirs[family]}", *layout)
+        cfg = composed.cfg
+        if family == "mqa" and name.startswith("tp2"):  # one KV head cannot split over tp=2
+            assert any("model.n_kv_heads=1 is not divisible by parallel.tp=2" in p
+                       for p in preflight(cfg, 4))
+            continue
+        assert preflight(cfg, 4) == []
+        tokens = _first_global_batch(cfg)
+        with torch.no_grad():
+            logits = hf(input_ids=tokens[:, :-1]).logits
+        want = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
+        for history in on_ranks(_train, 4, cfg, str(tmp_path / name), timeout_s=300):
+            assert history[0]["loss"] == pytest.approx(want, rel=1e-4), (family, name)
+
+
+def test_shards_of_another_tokenizer_are_refused_naming_both(hf_dirs, tmp_path):
+    from lctrain.data.preprocess import preprocess
+    from tests.test_preprocess import SENTENCES, train_tokenizer, write_jsonl
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    save_hf(model_dir, dataclasses.replace(FAMILIES["gqa_untied"], vocab_size=192))
+    train_tokenizer(["<s>", "</s>"]).save(str(model_dir / "tokenizer.json"))
+    other = tmp_path / "other.json"
+    train_tokenizer(["</s>", "<s>"]).save(str(other))  # the specials swap ids
+    write_jsonl(tmp_path / "corpus.jsonl", SENTENCES * 3)
+    for name, tokenizer in (("same", None), ("other", str(other))):
+        composed = resolved(f"model.init_from={model_dir}", f"data.path={tmp_path / 'corpus.jsonl'}",
+                            f"preprocess.output={tmp_path / name}", "preprocess.workers=1",
+                            *([f"data.tokenizer={tokenizer}"] if tokenizer else []))
+        if tokenizer is None:  # preprocess defaults to the model's tokenizer
+            assert composed.cfg.data.tokenizer == str(model_dir)
+        preprocess(composed.cfg, progress=False)
+    for name in ("same", "other"):
+        cfg = resolved(*RUN, f"model.init_from={model_dir}", "data.source=tokens",
+                       f"data.path={tmp_path / name}", "train.seq_len=8").cfg
+        problems = preflight(cfg, 4)
+        if name == "same":
+            assert problems == []
+        else:
+            (problem,) = problems
+            assert f"data.path={tmp_path / name} was tokenized with '{other}'" in problem
+            assert f"model.init_from={model_dir}'s tokenizer" in problem
+            assert f"data.tokenizer={model_dir}" in problem
+
+
+def _token_dataset(path, n_docs=60, vocab=128, seed=0):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(8, 40, n_docs)
+    writer = ShardWriter(path, "uint16", 500)
+    writer.add(rng.integers(1, vocab, int(lengths.sum())).astype(np.uint16), lengths)
+    writer.commit({"vocab_size": vocab})
+    return TokenStore(path)
+
+
+def test_validation_documents_never_appear_in_a_training_batch(tmp_path):
+    store = _token_dataset(tmp_path / "data")
+    cfg = compose(["+recipe=tiny", "data.source=tokens", f"data.path={tmp_path / 'data'}",
+                   "data.val_fraction=0.2", "train.seq_len=32", "model.vocab_size=128"]).cfg
+    train_docs, val_docs = held_out(store, 0.2, cfg.train.seed)
+    assert len(val_docs) and set(train_docs) | set(val_docs) == set(range(store.num_documents))
+    train, val = build_source(cfg), build_val_source(cfg)
+    seen = set()
+    for i in range(train.samples_per_epoch):  # a whole epoch of training samples
+        seen |= set(train.pieces(i)[0].tolist())
+    assert seen == set(train_docs.tolist())  # every training document, no validation one
+    held = set()
+    for i in range(val.samples_per_epoch):
+        held |= set(val.pieces(i)[0].tolist())
+    assert held == set(val_docs.tolist())
+    again = compose(["+recipe=tiny", "data.source=tokens", f"data.path={tmp_path / 'data'}",
+                     "data.val_fraction=0.2", "train.seq_len=32", "train.seed=1"]).cfg
+    assert set(held_out(store, 0.2, again.train.seed)[1]) != set(val_docs)  # seeded
+
+
+def test_validation_loss_at_any_layout_equals_the_reference(tmp_path):
+    _token_dataset(tmp_path / "data")
+    base = ["+recipe=tiny", "data.source=tokens", f"data.path={tmp_path / 'data'}",
+            "data.val_fraction=0.25", "train.seq_len=32", "model.vocab_size=128",
+            "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96",
+            "model.n_layers=2", "train.steps=1", "train.global_batch=4", "eval.every=1",
+            "eval.tasks=[]", "eval.val_sequences=4", "optim.lr=1e-20", "optim.min_lr=0",
+            "logging.progress=false", "data.document_masking=false"]
+    cfg = compose(base + ["parallel.cp=1", "parallel.dp=1", "train.micro_batch=4"]).cfg
+    val = build_val_source(cfg)  # the reference: the untrained model on the same sequences
+    tokens = torch.stack([torch.from_numpy(val.window(i).read(0, 33)) for i in range(4)])
+    with torch.no_grad():
+        logits = reference_model(cfg)(tokens[:, :-1])
+    want = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
+    for world, layout in [(1, ["parallel.cp=1", "parallel.dp=1", "train.micro_batch=4"]),
+                          (4, ["parallel.cp=2", "parallel.dp=2", "train.micro_batch=2"]),
+                          (4, ["parallel.cp=2", "parallel.dp=1", "parallel.tp=2",
+                               "parallel.sp=true", "train.micro_batch=4"])]:
+        cfg = compose(base + layout).cfg
+        assert preflight(cfg, world) == []
+        for history in on_ranks(_train, world, cfg, str(tmp_path / str(layout)), timeout_s=300):
+            assert history[-1]["val_loss"] == pytest.approx(want, rel=1e-5), layout
+            assert history[-1]["val_ppl"] == pytest.approx(np.exp(want), rel=1e-5)
+
+
+def test_presets_have_the_released_shapes():
+    from lctrain.planning.memory import param_count
+
+    for preset, billions in (("llama3.2-1b", 1.24), ("llama3.2-3b", 3.21),
+                             ("smollm2-135m", 0.13)):
+        cfg = compose([f"model={preset}"]).cfg
+        assert round(param_count(cfg.model) / 1e9, 2) == billions, preset
+    assert dataclasses.asdict(compose(["model=smollm2-135m"]).cfg.model)["n_kv_heads"] == 3
+
+
+def test_continue_pretraining_as_the_readme_says(tmp_path):
+    """The README's commands, in subprocesses: preprocess with the model's tokenizer (the
+    default), then `lctrain train +recipe=tiny model.init_from=DIR data.source=tokens
+    data.path=SHARDS` with no model.* override, holding out validation documents."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.test_preprocess import SENTENCES, train_tokenizer, write_jsonl
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    save_hf(model_dir, dataclasses.replace(FAMILIES["gqa_untied"], vocab_size=192))
+    train_tokenizer(["<s>", "</s>"]).save(str(model_dir / "tokenizer.json"))
+    rng = np.random.default_rng(0)
+    docs = [" ".join(rng.choice(SENTENCES, 8)) for _ in range(300)]
+    write_jsonl(tmp_path / "corpus.jsonl", docs)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    lctrain = [sys.executable, "-m", "lctrain.cli"]
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run(lctrain + ["preprocess", f"model.init_from={model_dir}",
+                                     f"data.path={tmp_path / 'corpus.jsonl'}",
+                                     f"preprocess.output={tmp_path / 'shards'}"],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    done = subprocess.run(lctrain + ["train", "+recipe=tiny", f"model.init_from={model_dir}",
+                                     "data.source=tokens", f"data.path={tmp_path / 'shards'}",
+                                     "data.val_fraction=0.05", "eval.tasks=[]", "eval.every=2",
+                                     "eval.val_sequences=8", "train.steps=2",
+                                     f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "model.n_layers: 4 (default) -> 2 (config.json)" in done.stderr
+    assert "eval validation: loss" in done.stdout
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert records[-1]["val_loss"] > 0 and records[-1]["step"] == 2
