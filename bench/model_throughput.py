@@ -1,11 +1,14 @@
-"""Training-step throughput of lctrain's Llama vs Hugging Face LlamaForCausalLM on CPU.
+"""Training-step throughput of lctrain's Llama, eager and compiled, vs Hugging Face
+LlamaForCausalLM on CPU.
 
-Both models get the identical architecture (`lctrain.hf.hf_config`), the same weights
-(`to_hf_state_dict`), SDPA attention, the same thread count and the same token batch. Before timing,
-each sequence length asserts that the two produce the same fp32 logits, so the benchmark provably
-times the same computation. One step = forward, cross-entropy (sum over tokens / count), backward,
-AdamW step, zero_grad. Timed steps alternate between the models (the one going first alternates
-too) so that machine noise hits both equally; the table reports tokens / median step time.
+All models get the identical architecture (`lctrain.hf.hf_config`), the same weights
+(`to_hf_state_dict`), SDPA attention, the same thread count and the same token batch. Compiled is
+lctrain's model as `train.compile=true` builds it (each block and the loss through
+torch.compile: `lctrain.parallel.parallelize.apply_compile`). Before timing, each sequence length
+asserts that all produce the same fp32 loss, so the benchmark provably times the same
+computation. One step = forward, cross-entropy (sum over tokens / count), backward, AdamW step,
+zero_grad. Timed steps rotate the order of the models so that machine noise hits all equally;
+the table reports tokens / median step time (compilation happens in the untimed warmup steps).
 
     python bench/model_throughput.py                                  # tiny, fp32, 1 thread
     python bench/model_throughput.py --preset small --seq-lens 256 1024 --steps 5 --dtype bf16
@@ -33,19 +36,24 @@ from torch import Tensor, nn
 from lctrain.config import ModelConfig
 from lctrain.models.hf import hf_config, to_hf_state_dict
 from lctrain.models.llama import Llama
+from lctrain.parallel.parallelize import apply_compile
 
 PRESETS = {
     "tiny": ModelConfig(),
     "small": ModelConfig(name="small", vocab_size=8192, dim=512, n_layers=8, n_heads=8,
                          n_kv_heads=2, ffn_dim=1536),
 }
-Forward = Callable[[Tensor], Tensor]  # tokens [B, S] -> logits [B, S, V]
+Forward = Callable[[Tensor, Tensor], Tensor]  # tokens, labels [B, S] -> summed token loss
 
 
 def build_models(cfg: ModelConfig, seq_len: int, seed: int) -> dict[str, tuple[nn.Module, Forward]]:
-    """lctrain Llama and HF LlamaForCausalLM (SDPA, no KV cache) holding the same weights."""
+    """lctrain Llama (eager and compiled) and HF LlamaForCausalLM (SDPA, no KV cache) holding
+    the same weights."""
     ours = Llama(cfg)
     ours.init_weights(seed)
+    compiled = Llama(cfg)
+    compiled.load_state_dict(ours.state_dict())
+    apply_compile(compiled, tp=1)
     hf = transformers.LlamaForCausalLM(hf_config(
         dataclasses.replace(cfg, max_position_embeddings=max(seq_len, cfg.max_position_embeddings))))
     hf.set_attn_implementation("sdpa")
@@ -53,14 +61,22 @@ def build_models(cfg: ModelConfig, seq_len: int, seed: int) -> dict[str, tuple[n
     result = hf.load_state_dict(to_hf_state_dict(ours.state_dict(), cfg.tie_embeddings), strict=False)
     tied = {"lm_head.weight"} if cfg.tie_embeddings else set()
     assert not result.unexpected_keys and set(result.missing_keys) <= tied, result
-    return {"lctrain": (ours.train(), ours),
-            "HF": (hf.train(), lambda tokens: hf(input_ids=tokens).logits)}
+
+    def hf_loss(tokens: Tensor, labels: Tensor) -> Tensor:
+        logits = hf(input_ids=tokens).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+
+    return {"lctrain": (ours.train(), lambda tokens, labels: ours(tokens, labels=labels)),
+            "lctrain compiled": (compiled.train(),
+                                 lambda tokens, labels: compiled(tokens, labels=labels)),
+            "HF": (hf.train(), hf_loss)}
 
 
-@torch.no_grad()
-def check_same_logits(models: dict[str, tuple[nn.Module, Forward]], tokens: Tensor) -> None:
-    ours, theirs = (forward(tokens) for _, forward in models.values())
-    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+def check_same_loss(models: dict[str, tuple[nn.Module, Forward]], inputs: Tensor,
+                    labels: Tensor) -> None:
+    losses = {name: forward(inputs, labels).detach() for name, (_, forward) in models.items()}
+    for name, loss in losses.items():
+        torch.testing.assert_close(loss, losses["HF"], atol=1e-4, rtol=1e-5, msg=name)
 
 
 def train_step(forward: Forward, optimizer: torch.optim.Optimizer, inputs: Tensor, labels: Tensor,
@@ -70,8 +86,7 @@ def train_step(forward: Forward, optimizer: torch.optim.Optimizer, inputs: Tenso
     autocast = (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype
                 else contextlib.nullcontext())
     with autocast:
-        logits = forward(inputs)  # [B, S, V]
-    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+        loss = forward(inputs, labels)
     (loss / labels.numel()).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -84,13 +99,14 @@ def bench_seq_len(cfg: ModelConfig, seq_len: int, args: argparse.Namespace) -> d
     gen = torch.Generator().manual_seed(args.seed)
     batch = torch.randint(0, cfg.vocab_size, (args.batch, seq_len + 1), generator=gen)
     inputs, labels = batch[:, :-1], batch[:, 1:]  # [B, S] each
-    check_same_logits(models, inputs)
+    check_same_loss(models, inputs, labels)
     optimizers = {name: torch.optim.AdamW(module.parameters(), lr=1e-4, foreach=True)
                   for name, (module, _) in models.items()}
     autocast_dtype = torch.bfloat16 if args.dtype == "bf16" else None
     times: dict[str, list[float]] = {name: [] for name in models}
+    names = list(models)
     for step in range(args.warmup + args.steps):
-        order = list(models) if step % 2 == 0 else list(models)[::-1]
+        order = names[step % len(names):] + names[:step % len(names)]
         for name in order:
             elapsed = train_step(models[name][1], optimizers[name], inputs, labels, autocast_dtype)
             if step >= args.warmup:
@@ -129,16 +145,20 @@ def main() -> None:
           f"q/kv heads, ffn {cfg.ffn_dim}, vocab {cfg.vocab_size}) dtype={args.dtype} "
           f"threads={torch.get_num_threads()} batch={args.batch} steps={args.steps} "
           f"warmup={args.warmup} | torch {torch.__version__}, transformers {transformers.__version__}")
-    print(f"{'seq_len':>8} | {'lctrain tok/s':>13} | {'HF tok/s':>10} | {'ratio (lctrain/HF)':>18}")
-    ratios = []
+    print(f"{'seq_len':>8} | {'lctrain tok/s':>13} | {'compiled tok/s':>14} | {'HF tok/s':>10} | "
+          f"{'lctrain/HF':>10} | {'compiled/HF':>11}")
+    ratios: dict[str, list[float]] = {"lctrain": [], "lctrain compiled": []}
     for seq_len in args.seq_lens:
         tps = bench_seq_len(cfg, seq_len, args)
-        ratios.append(tps["lctrain"] / tps["HF"])
-        print(f"{seq_len:>8} | {tps['lctrain']:>13.0f} | {tps['HF']:>10.0f} | {ratios[-1]:>18.3f}",
-              flush=True)
-    geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
-    print(f"geometric-mean ratio lctrain/HF over seq lens {args.seq_lens}: {geomean:.3f} "
-          f"(>1: lctrain faster)")
+        for name, values in ratios.items():
+            values.append(tps[name] / tps["HF"])
+        print(f"{seq_len:>8} | {tps['lctrain']:>13.0f} | {tps['lctrain compiled']:>14.0f} | "
+              f"{tps['HF']:>10.0f} | {ratios['lctrain'][-1]:>10.3f} | "
+              f"{ratios['lctrain compiled'][-1]:>11.3f}", flush=True)
+    for name, values in ratios.items():
+        geomean = math.exp(sum(map(math.log, values)) / len(values))
+        print(f"geometric-mean ratio {name}/HF over seq lens {args.seq_lens}: {geomean:.3f} "
+              f"(>1: faster than HF)")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from lctrain.parallel.data_parallel import gradient_sync
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.planning.memory import local_params
-from lctrain.planning.traffic import dp_step_traffic
+from lctrain.planning.traffic import dp_step_bytes, dp_step_traffic
 from lctrain.training.loop import forward_backward, train, train_step
 from lctrain.training.optim import build_optimizer, build_scheduler
 from tests.helpers import on_ranks, reference_model, tiny_config
@@ -124,21 +124,25 @@ def _dp_traffic(cfg, accum):
     in a comm hook)."""
     rt = setup_distributed(cfg)
     model = build_model(cfg, rt)
-    sent = [0.0]
+    sent = [0.0, 0.0]  # elements, bytes
     gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
 
+    def count(elements: float, t: torch.Tensor) -> None:
+        sent[0] += elements
+        sent[1] += elements * t.element_size()
+
     def counted_gather(out, inp, group=None, **kw):
-        sent[0] += inp.numel() * (dist.get_world_size(group) - 1)
+        count(inp.numel() * (dist.get_world_size(group) - 1), inp)
         return gather(out, inp, group=group, **kw)
 
     def counted_scatter(output, input, group=None, **kw):
         p = dist.get_world_size(group)
-        sent[0] += input.numel() * (p - 1) / p
+        count(input.numel() * (p - 1) / p, input)
         return scatter(output, input, group=group, **kw)
 
     def counted_all_reduce(group, bucket):
         p = dist.get_world_size(group)
-        sent[0] += 2 * bucket.buffer().numel() * (p - 1) / p
+        count(2 * bucket.buffer().numel() * (p - 1) / p, bucket.buffer())
         return allreduce_hook(group, bucket)
 
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -147,7 +151,7 @@ def _dp_traffic(cfg, accum):
     gen = torch.Generator().manual_seed(0)
     try:
         for _ in range(2):  # the first step initialises lazily; count the second
-            sent[0] = 0.0
+            sent[:] = [0.0, 0.0]
             for i in range(accum):
                 x = torch.randint(1, cfg.model.vocab_size, (1, cfg.train.seq_len + 1),
                                   generator=gen)
@@ -158,18 +162,22 @@ def _dp_traffic(cfg, accum):
             model.zero_grad(set_to_none=True)
     finally:
         dist.all_gather_single, dist.reduce_scatter_single = gather, scatter
-    return sent[0]
+    return sent
 
 
 def test_data_parallel_traffic_equals_the_plan():
-    for world, par, accum in [(2, {"dp": 2}, 1), (2, {"dp": 2}, 2),
-                              (2, {"dp": 2, "dp_engine": "ddp"}, 2),
-                              (4, {"dp": 2, "tp": 2, "sp": True}, 2), (2, {"cp": 2}, 1)]:
-        cfg = tiny_config(parallel=par, train={"micro_batch": 1,
+    for world, par, accum, dtype in [(2, {"dp": 2}, 1, "fp32"), (2, {"dp": 2}, 2, "fp32"),
+                                     (2, {"dp": 2}, 2, "bf16"),
+                                     (2, {"dp": 2, "dp_engine": "ddp"}, 2, "fp32"),
+                                     (2, {"dp": 2, "dp_engine": "ddp"}, 1, "bf16"),
+                                     (4, {"dp": 2, "tp": 2, "sp": True}, 2, "fp32"),
+                                     (2, {"cp": 2}, 1, "bf16")]:
+        cfg = tiny_config(parallel=par, train={"micro_batch": 1, "dtype": dtype,
                                                "global_batch": accum * par.get("dp", 1)})
         d = derive(cfg, world)
-        want = dp_step_traffic(cfg.parallel.dp_engine, *local_params(cfg), d.dp * cfg.parallel.cp,
-                               d.grad_accum)
+        args = (cfg.parallel.dp_engine, *local_params(cfg), d.dp * cfg.parallel.cp, d.grad_accum)
+        elements = dp_step_traffic(*args)
+        nbytes = dp_step_bytes(*args, 2 if dtype == "bf16" else 4)
         assert d.grad_accum == accum
         for got in on_ranks(_dp_traffic, world, cfg, accum):
-            assert got == want, (par, accum, got, want)
+            assert got == [elements, nbytes], (par, accum, dtype, got, elements, nbytes)

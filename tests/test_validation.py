@@ -96,6 +96,12 @@ BAD = {
     "warmup": ({"optim": {"warmup_steps": -1}}, 1, ["optim.warmup_steps=-1 must be >= 0"]),
     "synthetic_docs": ({"data": {"doc_len_min": 30, "doc_len_max": 10}}, 1,
                        ["data.doc_len_min=30, data.doc_len_max=10"]),
+    "offload_without_full": ({"train": {"offload_activations": True,
+                                        "activation_checkpointing": "selective"}}, 1,
+                             ["train.offload_activations=true offloads the block inputs",
+                              "set train.activation_checkpointing=full"]),
+    "loss_chunk": ({"train": {"loss_chunk": -1}}, 1, ["train.loss_chunk=-1 must be >= 0"]),
+    "mlp_chunk": ({"train": {"mlp_chunk": -2}}, 1, ["train.mlp_chunk=-2 must be >= 0"]),
 }
 
 

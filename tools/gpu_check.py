@@ -9,9 +9,10 @@ Checks: the environment; flash-attn through lctrain's kernel layer against a flo
 context-parallel algorithm on ranks sharing the GPU (gloo with CUDA tensors; any op gloo cannot
 run on CUDA is reported as SKIP), with every collective's tensors checked against its group's
 device; the tiny model trained 20 steps on CUDA in bf16 against the CPU in fp32; selective
-checkpointing's activation bytes on CUDA against the formula; lctrain's attention against a bare
-flash-attn call (goal: at most 5% slower); one training step of a Llama-3-8B-shaped model with 2
-layers at 64K tokens (tokens/s, MFU); and the host-to-device batch copy.
+checkpointing's activation bytes on CUDA against the formula; activation offload and the tiled
+loss and MLP (gradients as the plain path's, less device memory); lctrain's attention against a
+bare flash-attn call (goal: at most 5% slower); one training step of a Llama-3-8B-shaped model
+with 2 layers at 64K tokens (tokens/s, MFU); and the host-to-device batch copy.
 
 --dry-run runs the same code on the CPU with tiny sizes and the plain-torch varlen kernel in
 place of flash-attn, so that a change that breaks the script shows before a GPU is lent.
@@ -41,7 +42,10 @@ from lctrain.data.batch import micro_batch_from_tokens  # noqa: E402
 from lctrain.layout import sequence  # noqa: E402
 from lctrain.layout.comm import check_collective_devices  # noqa: E402
 from lctrain.parallel.launch import run_ranks  # noqa: E402
-from lctrain.parallel.memory import measure_block_activations  # noqa: E402
+from lctrain.parallel.memory import (  # noqa: E402
+    build_measured_model,
+    measure_block_activations,
+)
 from lctrain.parallel.runtime import setup_distributed  # noqa: E402
 from lctrain.planning.memory import activation_formula  # noqa: E402
 from lctrain.training import loop  # noqa: E402
@@ -228,9 +232,57 @@ def check_selective_memory(ctx: Context) -> dict:
                       " (measured / formula, fp32, within 5%)"}
 
 
+def _forward_backward_memory(cfg: LctrainConfig, device: torch.device) -> dict:
+    """One training forward + backward: the bytes on the device after the forward and at the
+    peak (CUDA allocator counters; None on the CPU), the loss and every gradient."""
+    model, run_forward = build_measured_model(cfg, batch=cfg.train.micro_batch)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    loss = run_forward()
+    kept = torch.cuda.memory_allocated() - base if cuda else None
+    loss.backward()
+    peak = torch.cuda.max_memory_allocated() - base if cuda else None
+    grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
+    return {"kept": kept, "peak": peak, "loss": loss.item(), "grads": grads}
+
+
 def check_offload_and_tiling(ctx: Context) -> dict:
-    return {"status": "SKIP", "detail": "activation offload and the tiled loss / MLP are not "
-            "implemented yet (the scale-per-device issue adds them and this check)"}
+    """Offload, the tiled loss and the tiled MLP on the device: the same gradients as the plain
+    path (offload bit for bit), and less device memory: offload keeps almost nothing on the
+    device between forward and backward, the tilings lower the peak."""
+    seq = 256 if ctx.dry_run else 8192
+    variants = {"plain": {}, "offload": {"offload_activations": True},
+                "loss_chunk": {"loss_chunk": seq // 8}, "mlp_chunk": {"mlp_chunk": seq // 8}}
+    runs = {}
+    for name, keys in variants.items():
+        cfg = _tiny_cfg(1, ctx.device.type, "fp32" if ctx.dry_run else "bf16")
+        cfg.train.seq_len, cfg.train.activation_checkpointing = seq, "full"
+        for key, value in keys.items():
+            setattr(cfg.train, key, value)
+        runs[name] = _forward_backward_memory(cfg, ctx.device)
+    plain = runs["plain"]
+    rows, ok = [], True
+    for name, got in runs.items():
+        worst = max(float((got["grads"][n] - g).norm() / g.norm().clamp_min(1e-12))
+                    for n, g in plain["grads"].items())
+        tolerance = 0.0 if name == "offload" else (1e-5 if ctx.dry_run else 2e-2)
+        row = {"variant": name, "loss": round(got["loss"], 5), "worst_grad_rel_diff": worst,
+               "kept_mib": got["kept"] and round(got["kept"] / 2**20, 2),
+               "peak_mib": got["peak"] and round(got["peak"] / 2**20, 2)}
+        ok &= worst <= tolerance
+        if ctx.device.type == "cuda" and name == "offload":
+            ok &= got["kept"] <= 0.25 * plain["kept"]
+        elif ctx.device.type == "cuda" and name != "plain":
+            ok &= got["peak"] < plain["peak"]
+        rows.append(row)
+    memory = ("device MiB kept / peak: " + ", ".join(
+        f"{r['variant']} {r['kept_mib']} / {r['peak_mib']}" for r in rows)
+        if ctx.device.type == "cuda" else "memory not compared on the CPU")
+    return {"status": "PASS" if ok else "FAIL", "cases": rows,
+            "detail": f"gradients vs plain within tolerance: {ok}; {memory}"}
 
 
 def _timed(fn, device: torch.device, reps: int) -> float:

@@ -69,6 +69,24 @@ class VarlenGroup:
 
 
 @dataclass(frozen=True, eq=False)
+class Ordered:
+    """A block's tokens in position order: the permutation (and its inverse) that sorts them,
+    and the sorted block. `index` is None when they are sorted already."""
+
+    index: Tensor | None
+    inverse: Tensor | None
+    block: Block
+    _on: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def on(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(index, inverse) on `device`, copied once."""
+        if device not in self._on:
+            self._on[device] = (self.index.to(device, non_blocking=True),
+                                self.inverse.to(device, non_blocking=True))
+        return self._on[device]
+
+
+@dataclass(frozen=True, eq=False)
 class Block:
     """Tokens of one attention operand, on the host: global positions [S] and optional document
     ids [B, S] (CPU tensors; others are copied once, here)."""
@@ -85,6 +103,16 @@ class Block:
     @cached_property
     def runs(self) -> list[Run]:
         return runs(self.pos)
+
+    @cached_property
+    def ordered(self) -> Ordered:
+        """This block in position order (a zigzag group's tokens become one run per stretch of
+        consecutive chunks, so attention over it needs the fewest calls)."""
+        index = torch.argsort(self.pos)
+        if torch.equal(index, torch.arange(len(index))):
+            return Ordered(None, None, self)
+        sorted_block = Block(self.pos[index], None if self.doc is None else self.doc[:, index])
+        return Ordered(index, torch.argsort(index), sorted_block)
 
     def calls(self, kb: Block, causal: bool) -> list[KernelCall]:
         """The kernel calls of this block's queries against `kb`'s keys (planned once)."""

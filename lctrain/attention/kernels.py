@@ -84,9 +84,12 @@ def merge_into(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> No
 
     out [B, S, H, d], lse [B, H, S]; rows where both lse are -inf stay (0, -inf).
     """
-    merged, new = _merged(out_acc, lse_acc.transpose(1, 2), out, lse.transpose(1, 2))
-    out_acc.copy_(merged)
-    lse_acc.copy_(new.transpose(1, 2))
+    new = torch.logaddexp(lse_acc, lse)
+    finite = torch.isfinite(new)
+    w_old = torch.where(finite, torch.exp(lse_acc - new), 0.0).transpose(1, 2)[..., None]
+    w_new = torch.where(finite, torch.exp(lse - new), 0.0).transpose(1, 2)[..., None]
+    out_acc.mul_(w_old).add_(out.to(out_acc.dtype) * w_new)
+    lse_acc.copy_(new)
 
 
 # ---- dense kernels: one call covers all rows of a (query slice, key slice) --------------------
@@ -176,19 +179,37 @@ def _lse_rows(lse: Tensor, index: Tensor) -> Tensor:
     return lse.transpose(1, 2).reshape(-1, lse.shape[1]).index_select(0, index)
 
 
-def attend_whole(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal: bool,
-                 scale: float, options: KernelOptions = DEFAULT_KERNEL) -> tuple | None:
-    """(out, lse) straight from the kernel when one dense call covers every query and key (no
-    accumulator, no merge: local attention costs what the kernel costs); else None."""
+def _whole_call(q: Tensor, k: Tensor, qb: Block, kb: Block, causal: bool) -> str | None:
+    """The kind of the one dense call that covers every query and key, else None."""
     calls = qb.calls(kb, causal)
     if len(calls) != 1 or calls[0].rows != ALL_ROWS:
         return None
     _, qs, ks, kind = calls[0]
-    if (qs.start, qs.stop, ks.start, ks.stop) != (0, q.shape[1], 0, k.shape[1]):
+    whole = (qs.start, qs.stop, ks.start, ks.stop) == (0, q.shape[1], 0, k.shape[1])
+    return kind if whole else None
+
+
+def attend_whole(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal: bool,
+                 scale: float, options: KernelOptions = DEFAULT_KERNEL) -> tuple | None:
+    """(out, lse) straight from the kernel when one dense call covers every query and key (no
+    accumulator, no merge: local attention costs what the kernel costs); else None."""
+    kind = _whole_call(q, k, qb, kb, causal)
+    if kind is None:
         return None
     out, lse = _DENSE[options.backend_for(q.device)][0](q, k, v, kind == "causal", scale,
                                                          options)
     return out, lse.to(acc_dtype(q))
+
+
+def attend_whole_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                          lse: Tensor, qb: Block, kb: Block, causal: bool, scale: float,
+                          options: KernelOptions = DEFAULT_KERNEL) -> tuple | None:
+    """(dq, dk, dv) straight from the kernel for a pair `attend_whole` ran whole; else None."""
+    kind = _whole_call(q, k, qb, kb, causal)
+    if kind is None:
+        return None
+    return _DENSE[options.backend_for(q.device)][1](dout, q, k, v, out, lse, kind == "causal",
+                                                    scale, options)
 
 
 def attend_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal: bool,

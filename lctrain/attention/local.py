@@ -17,6 +17,7 @@ from lctrain.attention.kernels import (
     attend_backward,
     attend_forward,
     attend_whole,
+    attend_whole_backward,
     new_accumulators,
 )
 
@@ -35,6 +36,9 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal:
 
 def block_backward(dout, q, k, v, out, lse, qb: Block, kb: Block, causal: bool, scale: float,
                    options: KernelOptions):
+    whole = attend_whole_backward(dout, q, k, v, out, lse, qb, kb, causal, scale, options)
+    if whole is not None:
+        return whole
     dq, dk, dv = (torch.zeros(x.shape, dtype=acc_dtype(x), device=x.device) for x in (q, k, v))
     attend_backward(dout, q, k, v, out, lse, qb, kb, causal, scale, dq, dk, dv, options)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -12,10 +12,11 @@ aligned; `lctrain.config.derived.kv_replication`); autograd sums the copies' gra
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lctrain.attention.calls import Block
+from lctrain.attention.calls import Block, Ordered
 from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions
 from lctrain.attention.local import local_attention
 from lctrain.layout.comm import all_to_all_autograd
@@ -29,6 +30,35 @@ def scatter_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
 def gather_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """[B, S, H/P, d] -> [B, S/P, H, d]: the inverse of scatter_heads."""
     return all_to_all_autograd(x, group, scatter_dim=1, gather_dim=2)
+
+
+class _Permute(torch.autograd.Function):
+    """x's tokens (dim 1) in another order; the backward applies the inverse order."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.inverse = inverse
+        return x.index_select(1, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.index_select(1, ctx.inverse), None, None
+
+
+def in_position_order(ordered: Ordered, *xs: Tensor) -> list[Tensor]:
+    """xs [B, S, ...] with their tokens sorted by position (as `ordered.block` lists them)."""
+    if ordered.index is None:
+        return list(xs)
+    index, inverse = ordered.on(xs[0].device)
+    return [_Permute.apply(x, index, inverse) for x in xs]
+
+
+def in_block_order(ordered: Ordered, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """The inverse of `in_position_order` for the attention output and its lse [B, H, S]."""
+    if ordered.index is None:
+        return out, lse
+    index, inverse = ordered.on(out.device)
+    return _Permute.apply(out, inverse, index), lse.index_select(2, inverse)
 
 
 def replicate_kv(k: Tensor, v: Tensor, times: int) -> tuple[Tensor, Tensor]:
@@ -54,6 +84,11 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, group: dist.Pr
     tokens in group-rank order. Returns (out [B, S/P, H, d], lse [B, H/P, S] of the core).
     The caller checks the heads first (`check_heads`, before any collective)."""
     k, v = replicate_kv(k, v, kv_replication)
-    q, k, v = (scatter_heads(x, group) for x in (q, k, v))
-    out, lse = local_attention(q, k, v, qb, qb, causal=causal, scale=scale, options=options)
+    # the group's tokens arrive in rank order; in position order a zigzag split is one run, so
+    # attention is a single kernel call with no float32 accumulators to merge into
+    ordered = qb.ordered
+    q, k, v = in_position_order(ordered, *(scatter_heads(x, group) for x in (q, k, v)))
+    out, lse = local_attention(q, k, v, ordered.block, ordered.block, causal=causal,
+                               scale=scale, options=options)
+    out, lse = in_block_order(ordered, out, lse)
     return gather_heads(out, group), lse

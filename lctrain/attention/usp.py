@@ -14,7 +14,13 @@ from torch import Tensor
 from lctrain.attention.calls import Block
 from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions
 from lctrain.attention.ring import ring_attention
-from lctrain.attention.ulysses import gather_heads, replicate_kv, scatter_heads
+from lctrain.attention.ulysses import (
+    gather_heads,
+    in_block_order,
+    in_position_order,
+    replicate_kv,
+    scatter_heads,
+)
 
 
 def usp_attention(q: Tensor, k: Tensor, v: Tensor, blocks: list[Block],
@@ -25,8 +31,11 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, blocks: list[Block],
     (its Ulysses members' tokens in member order). Returns (out [B, S/cp, H, d],
     lse [B, H/u, S/ring] of the core). The caller checks the heads first (`check_heads`)."""
     k, v = replicate_kv(k, v, kv_replication)
-    q, k, v = (scatter_heads(x, ulysses_group) for x in (q, k, v))
-    qb = blocks[dist.get_rank(ring_group)]
-    out, lse = ring_attention(q, k, v, qb, blocks, ring_group, causal=causal, scale=scale,
-                              options=options)
+    # every group sorts its tokens by position (fewer runs, fewer calls); the K/V blocks that
+    # travel the ring are then in their owners' position order
+    ordered = blocks[dist.get_rank(ring_group)].ordered
+    q, k, v = in_position_order(ordered, *(scatter_heads(x, ulysses_group) for x in (q, k, v)))
+    out, lse = ring_attention(q, k, v, ordered.block, [b.ordered.block for b in blocks],
+                              ring_group, causal=causal, scale=scale, options=options)
+    out, lse = in_block_order(ordered, out, lse)
     return gather_heads(out, ulysses_group), lse

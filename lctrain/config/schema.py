@@ -119,12 +119,27 @@ class TrainConfig:
     global_batch: int = at_least(1, 8)
     """Sequences per optimizer step over all dp ranks; accumulation = global / (micro * dp)."""
     dtype: str = one_of("fp32", "bf16")
-    """Compute dtype under autocast: fp32 | bf16 (parameters and optimizer stay fp32)."""
+    """Compute dtype: fp32 | bf16 (autocast; FSDP gathers bf16 weights and reduces gradients in
+    fp32; master weights and the optimizer stay fp32)."""
     device: str = one_of("auto", "cpu", "cuda")
     """auto (cuda if available, else cpu) | cpu | cuda."""
     on_nan: str = one_of("stop", "skip")
     """A non-finite loss or gradient norm: stop (fail the run, naming the step) | skip (drop the
     step's update, log it, and go on)."""
+    loss_chunk: int = at_least(0, 0)
+    """Tokens per chunk of the sequence-tiled loss: the output layer and the cross-entropy run
+    chunk by chunk and are recomputed in the backward, so no rank holds [S/cp, V/tp] logits
+    (0 = off)."""
+    mlp_chunk: int = at_least(0, 0)
+    """Tokens per chunk of the tiled MLP: each block's SwiGLU runs chunk by chunk in its own
+    checkpoint, so [S/cp, ffn/tp] intermediates exist one chunk at a time (0 = off)."""
+    offload_activations: bool = False
+    """With activation_checkpointing=full on CUDA: keep what the backward needs (the block
+    inputs) in pinned host memory and bring it back for the backward. On the CPU it changes
+    nothing."""
+    compile: bool = False
+    """torch.compile each transformer block, and the loss head without TP (the vocab-parallel
+    loss stays eager)."""
     deterministic: bool = False
     """Deterministic attention backward on CUDA (flash-attn's deterministic kernels; slower).
     CPU kernels are deterministic anyway."""

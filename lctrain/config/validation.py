@@ -199,6 +199,11 @@ def _scalars(cfg: LctrainConfig) -> list[str]:
     if m.rope_type == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
         problems.append(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed "
                         f"model.rope_low_freq_factor={m.rope_low_freq_factor}; try 4.0 and 1.0")
+    t = cfg.train
+    if t.offload_activations and t.activation_checkpointing != "full":
+        problems.append(f"train.offload_activations=true offloads the block inputs that full "
+                        f"checkpointing keeps (got train.activation_checkpointing="
+                        f"{t.activation_checkpointing}); set train.activation_checkpointing=full")
     if m.init_from is not None and not os.path.isdir(m.init_from):
         problems.append(f"model.init_from={m.init_from} is not a directory; give a Hugging Face "
                         "model directory (config.json + *.safetensors)")

@@ -13,6 +13,7 @@ each step sent as `cp_bytes_sent` in metrics.jsonl.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -81,11 +82,29 @@ def all_to_all(x: Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim
     p = dist.get_world_size(group)
     if p == 1:
         return x
-    pieces = torch.stack(x.chunk(p, dim=scatter_dim)).contiguous()  # [P, ...piece]
+    pieces = _as_pieces(x, p, scatter_dim)  # [P, ...piece]: a view when x allows it
     out = torch.empty_like(pieces)
     dist.all_to_all_single(out, pieces, group=group)
     _count("all_to_all", x.numel() * (p - 1) // p, x)
-    return torch.cat(out.unbind(0), dim=gather_dim)
+    del pieces  # a staging copy is freed before the output is assembled
+    return _from_pieces(out, gather_dim)
+
+
+def _as_pieces(x: Tensor, p: int, dim: int) -> Tensor:
+    """x split into p pieces along dim, stacked [P, ...piece]: a view of x when the dims before
+    `dim` have size 1 (the pieces are then consecutive blocks of memory), else one copy."""
+    if x.is_contiguous() and math.prod(x.shape[:dim]) == 1:
+        return x.view(p, *x.shape[:dim], x.shape[dim] // p, *x.shape[dim + 1:])
+    return torch.stack(x.chunk(p, dim=dim))
+
+
+def _from_pieces(out: Tensor, dim: int) -> Tensor:
+    """The P received pieces [P, ...piece] concatenated along dim: a view when the dims before
+    `dim` have size 1 (source-rank order is memory order), else one copy."""
+    piece = out.shape[1:]
+    if math.prod(piece[:dim]) == 1:
+        return out.view(*piece[:dim], out.shape[0] * piece[dim], *piece[dim + 1:])
+    return torch.cat(out.unbind(0), dim=dim)
 
 
 class _AllToAll(torch.autograd.Function):

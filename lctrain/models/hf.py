@@ -14,9 +14,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lctrain.config import ModelConfig
+from lctrain.models.init import local_slices
 
 # lctrain name pattern -> HF name pattern ({i} = layer id)
 _LAYER_MAP = {
@@ -113,15 +113,6 @@ def check_hf_dir(path: str, cfg: ModelConfig) -> list[str]:
             for key, ours in _HF_SHAPE.items() if key in hf and hf[key] != getattr(cfg, ours)]
 
 
-def _local_slices(param: Tensor) -> tuple[slice, ...]:
-    """Index of this rank's shard in the global tensor (all of it for a plain tensor)."""
-    if not isinstance(param, DTensor):
-        return tuple(slice(None) for _ in param.shape)
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
-                                                          param.placements)
-    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
-
-
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, path: str) -> None:
     """Copy an HF Llama directory's weights into `model` (plain or TP-sharded DTensors, before
@@ -144,24 +135,63 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
             if tuple(piece.get_shape()) != tuple(param.shape):
                 raise ValueError(f"{hf_name} in {path} has shape {piece.get_shape()}, the model "
                                  f"expects {tuple(param.shape)}")
-            local = piece[_local_slices(param)]
+            local = piece[local_slices(param)]
         target = param.to_local() if hasattr(param, "to_local") else param
         target.copy_(local.to(target.dtype))
 
 
+SHARD_BYTES = 2 * 2**30
+"""Largest safetensors file export_hf writes before it starts the next one."""
+
+
 @torch.no_grad()
-def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str, rank: int) -> None:
-    """Write `model` as an HF Llama directory (config.json + model.safetensors) that
-    `transformers.AutoModelForCausalLM.from_pretrained` loads. Collective over the model's
-    meshes: call on every rank; rank 0 writes."""
-    state = {}
-    for name, param in model.named_parameters():
-        full = param.full_tensor() if hasattr(param, "full_tensor") else param
-        state[name] = full.detach().float().cpu().contiguous()
+def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str, rank: int,
+              shard_bytes: int = SHARD_BYTES) -> None:
+    """Write `model` as an HF Llama directory (config.json + safetensors, sharded with an index
+    beyond `shard_bytes`) that `transformers.AutoModelForCausalLM.from_pretrained` loads.
+
+    Collective over the model's meshes: call on every rank. Parameters are gathered one at a
+    time; the other ranks drop each one at once, and rank 0 writes a file whenever it holds
+    `shard_bytes`, so no rank ever holds the whole model."""
+    out = Path(out_dir)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    files: list[dict[str, Tensor]] = []
+    current: dict[str, Tensor] = {}
+    size = 0
+    for name, param in model.named_parameters():  # a tied output layer is listed once
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        if rank != 0:
+            continue
+        current[to_hf_name(name)] = full.detach().float().cpu().contiguous()
+        size += current[to_hf_name(name)].nbytes
+        if size >= shard_bytes:
+            files.append(_write_shard(out, len(files), current))
+            current, size = {}, 0
     if rank != 0:
         return
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    hf_state = to_hf_state_dict(state, cfg.tie_embeddings)
-    save_file(hf_state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if current or not files:
+        files.append(_write_shard(out, len(files), current))
+    _name_shards(out, files)
     hf_config(cfg).save_pretrained(str(out))
+
+
+def _write_shard(out: Path, index: int, tensors: dict[str, Tensor]) -> dict:
+    path = out / f".shard-{index:05d}.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return {"path": path, "names": list(tensors), "bytes": sum(t.nbytes for t in tensors.values())}
+
+
+def _name_shards(out: Path, files: list[dict]) -> None:
+    """Rename the shards as transformers expects: one model.safetensors, or numbered files with
+    model.safetensors.index.json."""
+    if len(files) == 1:
+        files[0]["path"].rename(out / "model.safetensors")
+        return
+    weight_map = {}
+    for i, f in enumerate(files):
+        name = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        f["path"].rename(out / name)
+        weight_map.update({n: name for n in f["names"]})
+    index = {"metadata": {"total_size": sum(f["bytes"] for f in files)}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

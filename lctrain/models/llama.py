@@ -12,7 +12,8 @@ The attention core is a callable stored on each attention module: `core(q, k, v,
 out` with q [B, S, H, d], k, v [B, S, H_kv, d], causal, scale 1/sqrt(d), and doc_ids [B, S_global]
 (or None) marking packed documents that must not attend to each other. Context-parallel
 algorithms plug in there (`lctrain.attention.ContextParallelAttention`); S is then this rank's
-share of the sequence. Every module initialises its own parameters (`init_weights`).
+share of the sequence. Every module says how its parameters start (`init_rules`); the values come
+from lctrain.models.init, the same for every layout.
 """
 
 from __future__ import annotations
@@ -27,9 +28,24 @@ from torch import Tensor, nn
 from lctrain.attention.calls import Block
 from lctrain.attention.local import local_attention
 from lctrain.config import ModelConfig
+from lctrain.data.batch import IGNORE_INDEX
+from lctrain.models.init import init_weights
 from lctrain.models.rope import rope_frequencies
 
 AttentionCore = Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
+LossHead = Callable[[nn.Module, Tensor, Tensor], Tensor]
+"""(output layer, final hidden state [B, S, D], labels [B, S]) -> sum of token losses."""
+
+
+def cross_entropy_sum(logits: Tensor, labels: Tensor) -> Tensor:
+    """Sum of the cross-entropies of the valid targets (labels != IGNORE_INDEX), in float32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def full_logits_loss(output: nn.Module, h: Tensor, labels: Tensor) -> Tensor:
+    """The loss head that computes every logit at once."""
+    return cross_entropy_sum(output(h), labels)
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None) -> Tensor:
@@ -47,10 +63,6 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = Non
     return out.transpose(1, 2)
 
 
-def _normal_(weight: Tensor, std: float, gen: torch.Generator) -> None:
-    weight.copy_(torch.randn(weight.shape, generator=gen, dtype=torch.float32) * std)
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -58,14 +70,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in float32 (as HF Llama does), scale in the input dtype.
+        # Normalise in float32 (as HF Llama does), scale in the input dtype. Under autocast the
+        # output is in the compute dtype: the projections that read it then share one copy
+        # instead of each casting its own.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        out = self.weight * xf.to(x.dtype)
+        if torch.is_autocast_enabled(x.device.type):
+            out = out.to(torch.get_autocast_dtype(x.device.type))
+        return out
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
-        self.weight.fill_(1.0)
+    def init_rules(self) -> dict[str, float | None]:
+        return {"weight": None}  # ones
 
 
 class RotaryEmbedding(nn.Module):
@@ -77,8 +93,13 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.cfg = cfg
         inv_freq, self.attention_scaling = rope_frequencies(cfg)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Compute the frequencies again (a model built on the meta device has none)."""
+        self.inv_freq = rope_frequencies(self.cfg)[0].to(self.inv_freq.device)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         # positions [B or 1, S] -> cos, sin [B or 1, S, 1, d]
@@ -103,6 +124,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.std, self.out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.core = core
         """The attention core (local SDPA or a context-parallel algorithm)."""
 
@@ -117,11 +139,10 @@ class Attention(nn.Module):
         out = self.core(q, k, v, doc_ids)  # [B, S, H, d]
         return self.wo(out.reshape(b, s, -1))
 
-    @torch.no_grad()
-    def init_weights(self, gen: torch.Generator, std: float, out_std: float) -> None:
-        for linear in (self.wq, self.wk, self.wv):
-            _normal_(linear.weight, std, gen)
-        _normal_(self.wo.weight, out_std, gen)  # the output projection feeds the residual
+    def init_rules(self) -> dict[str, float | None]:
+        # the output projection feeds the residual stream: scaled down by depth
+        return {"wq.weight": self.std, "wk.weight": self.std, "wv.weight": self.std,
+                "wo.weight": self.out_std}
 
 
 class FeedForward(nn.Module):
@@ -130,15 +151,14 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
+        self.std, self.out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
-    @torch.no_grad()
-    def init_weights(self, gen: torch.Generator, std: float, out_std: float) -> None:
-        _normal_(self.w1.weight, std, gen)
-        _normal_(self.w3.weight, std, gen)
-        _normal_(self.w2.weight, out_std, gen)  # the down projection feeds the residual
+    def init_rules(self) -> dict[str, float | None]:
+        # the down projection feeds the residual stream: scaled down by depth
+        return {"w1.weight": self.std, "w3.weight": self.std, "w2.weight": self.out_std}
 
 
 class TransformerBlock(nn.Module):
@@ -154,13 +174,6 @@ class TransformerBlock(nn.Module):
         h = x + self.attention(self.attention_norm(x), cos=cos, sin=sin, doc_ids=doc_ids)
         return h + self.feed_forward(self.ffn_norm(h))
 
-    def init_weights(self, gen: torch.Generator, std: float, out_std: float) -> None:
-        # registration order, so that the random stream is consumed as named_parameters lists
-        self.attention_norm.init_weights()
-        self.attention.init_weights(gen, std, out_std)
-        self.ffn_norm.init_weights()
-        self.feed_forward.init_weights(gen, std, out_std)
-
 
 class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig, core: AttentionCore = sdpa_attention):
@@ -174,10 +187,14 @@ class Llama(nn.Module):
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        self.loss_head: LossHead = full_logits_loss
+        """How the loss is computed from the final hidden state (the sequence-tiled head of
+        lctrain.parallel.tiling plugs in here)."""
 
     def forward(self, x: Tensor, positions: Tensor | None = None,
-                doc_ids: Tensor | None = None) -> Tensor:
-        """tokens [B, S] (or hidden [B, S, D] without an embedding) -> logits [B, S, V].
+                doc_ids: Tensor | None = None, labels: Tensor | None = None) -> Tensor:
+        """tokens [B, S] (or hidden [B, S, D] without an embedding) -> logits [B, S, V], or with
+        `labels` [B, S] the sum of the token cross-entropies (IGNORE_INDEX targets left out).
 
         positions: RoPE position ids [B or 1, S] (default 0..S-1); with context parallelism the
         global positions of this rank's tokens. doc_ids: see the module docstring.
@@ -191,24 +208,24 @@ class Llama(nn.Module):
             h = layer(h, cos=cos, sin=sin, doc_ids=doc_ids)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        return self.output(h) if labels is None else self.loss_head(self.output, h, labels)
 
-    @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
-        """Deterministic init from `seed`, identical on every rank and for every layout: normal
-        (init_std) for the embedding and the input projections, init_std / sqrt(2 n_layers) for
-        the projections that feed the residual stream, ones for the norms. Modules draw from one
-        generator in registration order."""
-        gen = torch.Generator().manual_seed(seed)
-        std, out_std = self.cfg.init_std, self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+    def init_rules(self) -> dict[str, float | None]:
+        rules = {}
         if self.tok_embeddings is not None:
-            _normal_(self.tok_embeddings.weight, std, gen)
-        for layer in self.layers.values():
-            layer.init_weights(gen, std, out_std)
-        if self.norm is not None:
-            self.norm.init_weights()
-        if self.output is not None and not self.cfg.tie_embeddings:
-            _normal_(self.output.weight, std, gen)
+            rules["tok_embeddings.weight"] = self.cfg.init_std
+        if self.output is not None:  # tied: the embedding's rule, already drawn
+            rules["output.weight"] = self.cfg.init_std
+        return rules
+
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from `seed`, the same global weights for every layout (each
+        parameter has its own random streams: lctrain.models.init): normal(init_std) for the
+        embedding, the output layer and the input projections, init_std / sqrt(2 n_layers) for
+        the projections that feed the residual stream, ones for the norms."""
+        init_weights(self, seed)
 
 
 def parameter_count(model: nn.Module) -> int:

@@ -7,10 +7,13 @@ functions alike, on any device) and, once the forward returns, adds up the stora
 still alive, at their size then (FSDP frees gathered weights by resizing their storage to 0):
 exactly the memory kept for the backward, attributed to the block that created it.
 `lctrain.planning.memory.activation_formula` is the closed form it is tested against.
+`measure_peak(run_step, model)` follows the same storages through a forward and backward (or a
+model's build) and reports the most alive at once.
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections import defaultdict
 
@@ -24,6 +27,7 @@ from lctrain.data.batch import micro_batch_from_tokens
 from lctrain.parallel.data_parallel import unwrap
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
+from lctrain.parallel.tensor import vocab_parallel
 
 # Ops that hand tensors to a process group: functional collectives (DTensor) and the c10d ops
 # behind torch.distributed's collectives (context-parallel attention).
@@ -56,40 +60,98 @@ def _call_collective(func, args, kwargs):
     return tree_map(lambda t: originals[id(t)] if id(t) in originals else hide(t), out)
 
 
+def _plain(t):
+    """The tensor holding the memory: a DTensor's local shard, an async collective's result."""
+    t = getattr(t, "_local_tensor", t)
+    return getattr(t, "elem", t)
+
+
 class _Tracker(TorchDispatchMode):
     def __init__(self, exclude: set[int]):
         super().__init__()
         self.exclude = exclude  # parameter storages: views of weights are not activations
         self.where = "other"
-        self.created: list[tuple[str, weakref.ref]] = []
+        self.created: list[list] = []  # [where, weakref to the tensor, op]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES:
             out = _call_collective(func, args, kwargs or {})
         else:
             out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            # unwrap DTensor (the shard this rank holds) and async collective results
-            t = getattr(t, "_local_tensor", t)
-            t = getattr(t, "elem", t)
+        for t in map(_plain, tree_flatten(out)[0]):
             if isinstance(t, torch.Tensor) and not t.is_meta:
                 storage = t.untyped_storage()
                 if storage.data_ptr() in self.exclude:
                     continue
-                self.created.append((self.where, weakref.ref(t)))
+                self.created.append([self.where, weakref.ref(t), func])
+        return out
+
+    def claim(self, where: str, tensor) -> None:
+        """Attribute the storage of `tensor` (alive now) to `where`, whoever created it."""
+        tensor = _plain(tensor)
+        if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
+            return
+        ptr = tensor.untyped_storage().data_ptr()
+        for entry in self.created:
+            t = entry[1]()
+            if t is not None and t.untyped_storage().data_ptr() == ptr:
+                entry[0] = where
+
+
+class _PeakTracker(_Tracker):
+    """Also the largest total of live storages after any op (forward and backward alike)."""
+
+    def __init__(self, exclude: set[int]):
+        super().__init__(exclude)
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.created = [e for e in self.created if e[1]() is not None]
+        live = {}
+        for entry in self.created:
+            storage = entry[1]().untyped_storage()
+            live[storage.data_ptr()] = storage.nbytes()  # at its size now (FSDP resizes)
+        self.peak = max(self.peak, sum(live.values()))
         return out
 
 
-def measure_activations(model: nn.Module, run_forward) -> dict[str, int]:
+def measure_peak(run_step, model: nn.Module | None = None) -> int:
+    """The most bytes alive at once during `run_step()` (e.g. a forward and its backward, or
+    building a model) in storages that its ops created, `model`'s parameters left out:
+    activations, gradients, gathered weights, the backward's temporaries. The memory
+    allocator's caching and fragmentation are not included."""
+    tracker = _PeakTracker(_parameter_storages(model) if model is not None else set())
+    with tracker:
+        run_step()
+    return tracker.peak
+
+
+def measure_activations(model: nn.Module, run_forward,
+                        details: list | None = None) -> dict[str, int]:
     """Bytes alive after `run_forward()` (which must keep its output alive, e.g. return the loss)
-    that ops created during it, per layer id ('other' for embedding, head and loss)."""
+    that ops created during it, per layer id ('other' for embedding, head and loss). `details`,
+    when given, receives (where, op, dtype, shape, bytes) for every storage counted.
+
+    A block's input counts as the block's (with full checkpointing it is all a block keeps),
+    whoever created it, and the last block's output as 'other' (the final norm's input): every
+    block then counts the same."""
     tracker = _Tracker(_parameter_storages(model))
     hooks = []
+
+    def enter(name):
+        def hook(module, args):
+            tracker.where = name
+            tracker.claim(name, args[0])
+        return hook
+
+    def leave(module, args, out):
+        tracker.where = "other"
+        tracker.claim("other", out)
+
     for name, layer in unwrap(model).layers.items():
-        hooks.append(layer.register_forward_pre_hook(
-            lambda m, a, name=name: setattr(tracker, "where", name)))
-        hooks.append(layer.register_forward_hook(
-            lambda m, a, o: setattr(tracker, "where", "other")))
+        hooks.append(layer.register_forward_pre_hook(enter(name)))
+        hooks.append(layer.register_forward_hook(leave))
     try:
         with tracker:
             keep = run_forward()
@@ -100,32 +162,35 @@ def measure_activations(model: nn.Module, run_forward) -> dict[str, int]:
     # forward (size 0; their memory may since hold an activation) and keeps the root's gathered
     # weights as the module's parameters until the backward: weights, not activations.
     weights = _parameter_storages(model)
-    alive: dict[int, tuple[str, int]] = {}
-    for where, ref in tracker.created:
+    alive: dict[int, tuple] = {}
+    for where, ref, op in tracker.created:
         t = ref()
         if t is None:
             continue
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if storage.nbytes() and ptr not in alive and ptr not in weights:
-            alive[ptr] = (where, storage.nbytes())
+            alive[ptr] = (where, str(op), t.dtype, tuple(t.shape), storage.nbytes())
     del keep
     per_layer: dict[str, int] = defaultdict(int)
-    for where, nbytes in alive.values():
-        per_layer[where] += nbytes
+    for row in alive.values():
+        per_layer[row[0]] += row[-1]
+    if details is not None:
+        details.extend(alive.values())
     return dict(per_layer)
 
 
 def _parameter_storages(model: nn.Module) -> set[int]:
-    """Data pointers of the storages the model's parameters use now (local shards of DTensors,
-    FSDP's gathered weights while they are registered)."""
-    return {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
-            for p in model.parameters()}
+    """Data pointers of the storages the model's parameters and buffers use now (local shards
+    of DTensors, FSDP's gathered weights while they are registered)."""
+    return {_plain(p).untyped_storage().data_ptr()
+            for p in itertools.chain(model.parameters(), model.buffers())}
 
 
 def build_measured_model(cfg: LctrainConfig, batch: int, seed: int = 0):
     """(model, run_forward) on the layout of `cfg`, the model built as training builds it (call
-    on every rank of an initialised world); run_forward() runs one forward on a fixed batch."""
+    on every rank of an initialised world); run_forward() runs one training forward on a fixed
+    batch and returns the loss."""
     rt = setup_distributed(cfg)
     model = build_model(cfg, rt)
     gen = torch.Generator().manual_seed(seed)
@@ -133,12 +198,17 @@ def build_measured_model(cfg: LctrainConfig, batch: int, seed: int = 0):
     p = cfg.parallel
     mb = micro_batch_from_tokens(x, cfg.train.seq_len, rt.axis_rank("cp"), p.cp,
                                  p.load_balance, document_masking=cfg.data.document_masking)
-    return model, lambda: model(mb.inputs, mb.positions, mb.doc_ids)
+    def run_forward():  # as training runs it: the loss, bf16 autocast, offload
+        with vocab_parallel(rt.topology.tp), rt.autocast(), rt.saved_activations():
+            return model(mb.inputs, mb.positions, mb.doc_ids, labels=mb.labels)
+
+    return model, run_forward
 
 
 def measure_block_activations(cfg: LctrainConfig, batch: int, seed: int = 0) -> float:
     """Bytes one block keeps for the backward on this rank, measured with one forward on the
-    layout of `cfg` (call on every rank of an initialised world)."""
+    layout of `cfg` (call on every rank of an initialised world): the last block's (the first
+    also plans what every block shares, e.g. the Ulysses token order)."""
     model, run_forward = build_measured_model(cfg, batch, seed)
     per_layer = measure_activations(model, run_forward)
-    return sum(v for k, v in per_layer.items() if k != "other") / cfg.model.n_layers
+    return per_layer[list(unwrap(model).layers)[-1]]

@@ -1,22 +1,29 @@
-"""THE build order of a model laid out for training: the attention core for the layout, then
-tensor + sequence parallelism, activation checkpointing and data parallelism, in that order, and
-finally the starting weights. The training loop, the memory measurement, benchmarks and tests
-all build through here, so every caller gets the layout training gets.
+"""THE build order of a model laid out for training: the attention core for the layout; the
+model on the meta device; tensor + sequence parallelism, activation checkpointing and FSDP, in
+that order; each rank's shards materialised and filled (seeded init or Hugging Face weights);
+DDP last. The training loop, the memory measurement, benchmarks and tests all build through
+here, so every caller gets the layout training gets.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
+import torch
 from torch import nn
 
 from lctrain.attention import ContextParallelAttention
 from lctrain.attention.kernels import KernelOptions
 from lctrain.config import LctrainConfig
 from lctrain.models.hf import load_hf_weights
+from lctrain.models.init import init_weights
 from lctrain.models.llama import AttentionCore, Llama, sdpa_attention
 from lctrain.parallel.checkpointing import apply_activation_checkpointing
-from lctrain.parallel.data_parallel import apply_data_parallel, unwrap
+from lctrain.parallel.data_parallel import apply_ddp, apply_fsdp, data_parallel_engine
 from lctrain.parallel.runtime import Runtime
 from lctrain.parallel.tensor import apply_tensor_parallel
+from lctrain.parallel.tiling import apply_loss_tiling, apply_mlp_tiling, compile_loss_head
 
 
 def build_attention_core(cfg: LctrainConfig, rt: Runtime) -> AttentionCore:
@@ -32,22 +39,67 @@ def build_attention_core(cfg: LctrainConfig, rt: Runtime) -> AttentionCore:
                                     kv_replication=rt.derived.kv_replication, options=options)
 
 
-def parallelize_model(model: Llama, cfg: LctrainConfig, rt: Runtime) -> nn.Module:
-    """Apply TP + SP, then activation checkpointing, then FSDP or DDP over dp x cp."""
-    if cfg.parallel.tp > 1:
-        model = apply_tensor_parallel(model, rt.mesh["tp"], cfg.parallel.sp)
-    model = apply_activation_checkpointing(model, cfg.train.activation_checkpointing,
-                                           cfg.parallel.cp)
-    return apply_data_parallel(model, cfg, rt)
+def parallelize_model(model: Llama, cfg: LctrainConfig, rt: Runtime,
+                      fill: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """Apply TP + SP, sequence tiling, activation checkpointing, then FSDP over dp x cp; then,
+    for a model
+    built on the meta device, materialise this rank's shards on the device and `fill` them;
+    then DDP (which needs real weights)."""
+    p, t = cfg.parallel, cfg.train
+    if p.tp > 1:
+        model = apply_tensor_parallel(model, rt.mesh["tp"], p.sp)
+    model = apply_mlp_tiling(apply_loss_tiling(model, t.loss_chunk), t.mlp_chunk, p.tp, p.sp)
+    model = apply_activation_checkpointing(model, t.activation_checkpointing, p.cp)
+    if t.compile:
+        model = apply_compile(model, p.tp)
+    engine = data_parallel_engine(cfg, rt)
+    if engine == "fsdp":
+        model = apply_fsdp(model, rt)
+    if fill is not None:
+        _materialize(model, rt.device, fill)
+    return apply_ddp(model, rt) if engine == "ddp" else model
+
+
+def apply_compile(model: Llama, tp: int) -> Llama:
+    """torch.compile each block in place (names and hooks kept: TP's, checkpointing's, and
+    FSDP's, which come after), and the loss head without TP (the vocab-parallel loss stays
+    eager)."""
+    for layer in model.layers.values():
+        layer.compile()
+    if tp == 1:
+        model.loss_head = compile_loss_head(model.loss_head)
+    return model
+
+
+def _materialize(model: nn.Module, device: torch.device,
+                 fill: Callable[[nn.Module], None]) -> None:
+    """Storage for this rank's shards on `device` (uninitialised), buffers computed, then the
+    values from `fill`. Parameters are swapped in place, so a tied weight stays one parameter."""
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    fill(model)
 
 
 def build_model(cfg: LctrainConfig, rt: Runtime) -> nn.Module:
-    """The model of `cfg` on this rank, laid out for training: initialised from train.seed
-    (identically on every rank), parallelized, then loaded from model.init_from if set (each
-    rank reads only the slices it holds)."""
-    model = Llama(cfg.model, build_attention_core(cfg, rt))
-    model.init_weights(cfg.train.seed)
-    model = parallelize_model(model.to(rt.device), cfg, rt)
+    """The model of `cfg` on this rank, laid out for training. It is built on the meta device
+    and parallelized there; then each rank allocates only its shards and fills them: from
+    model.init_from (each rank reads only its slices) or from train.seed (the same global
+    weights for every layout, lctrain.models.init)."""
+    core = build_attention_core(cfg, rt)  # host tensors: outside the meta device
+    with torch.device("meta"):
+        model = Llama(cfg.model, core)
+    return parallelize_model(model, cfg, rt, fill=partial(_fill, cfg))
+
+
+def _fill(cfg: LctrainConfig, model: nn.Module) -> None:
     if cfg.model.init_from is not None:
-        load_hf_weights(unwrap(model), cfg.model.init_from)
-    return model
+        load_hf_weights(model, cfg.model.init_from)
+    else:
+        init_weights(model, cfg.train.seed)

@@ -68,6 +68,8 @@ class Runtime:
     """Meshes and groups by name (None when running a single process)."""
     dtype: str = "fp32"
     """train.dtype: the autocast dtype of forward passes."""
+    offload_activations: bool = False
+    """train.offload_activations: what the backward needs is kept in (pinned) host memory."""
 
     def axis_rank(self, group: str) -> int:
         """This rank's index inside the named group."""
@@ -93,6 +95,14 @@ class Runtime:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
+    def saved_activations(self) -> contextlib.AbstractContextManager:
+        """The context a training forward runs in: with train.offload_activations, every tensor
+        autograd saves outside a checkpointed block (with full checkpointing: the block inputs)
+        goes to host memory, pinned on CUDA, and comes back for the backward."""
+        if not self.offload_activations:
+            return contextlib.nullcontext()
+        return torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
+
     @cached_property
     def cp_groups(self) -> CPGroups:
         """This rank's context-parallel groups, as the attention algorithms take them."""
@@ -114,12 +124,13 @@ def setup_distributed(cfg: LctrainConfig) -> Runtime:
         device = torch.device("cpu")
     topology = Topology.from_config(cfg, world)
     derived = derive(cfg, world)
+    extra = {"dtype": cfg.train.dtype, "offload_activations": cfg.train.offload_activations}
     if world == 1:
-        return Runtime(0, 1, device, topology, derived, None, cfg.train.dtype)
+        return Runtime(0, 1, device, topology, derived, None, **extra)
     if not dist.is_initialized():
         # auto on CUDA: NCCL for CUDA tensors, gloo for the CPU tensors of object collectives
         backend = cfg.launch.backend if cfg.launch.backend != "auto" else (
             "cuda:nccl,cpu:gloo" if use_cuda else "gloo")
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.launch.timeout_s))
     return Runtime(dist.get_rank(), world, device, topology, derived,
-                   build_mesh(topology, device.type), cfg.train.dtype)
+                   build_mesh(topology, device.type), **extra)

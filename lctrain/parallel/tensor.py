@@ -11,14 +11,17 @@ the output layer column-parallel over the vocabulary; the loss then runs vocab-p
 
 from __future__ import annotations
 
-from torch import nn
+import contextlib
+
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
@@ -66,3 +69,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> nn
     if tied:  # both shard the [V, D] weight's rows (Shard(0)): one vocab-sharded weight again
         model.output.weight = model.tok_embeddings.weight
     return model
+
+
+def vocab_parallel(tp: int) -> contextlib.AbstractContextManager:
+    """The context a loss (forward and backward) runs in with tensor parallelism `tp`: the
+    logits are vocab-sharded [B, S/cp, V/tp] (docs/parallelism.md §2, §10) and the
+    cross-entropy, forward and backward, is vocab-parallel, so no rank holds all of V."""
+    return loss_parallel() if tp > 1 else contextlib.nullcontext()
+
+
+def loss_value(loss: Tensor) -> Tensor:
+    """The plain tensor of a loss (a DTensor loss is replicated over tp)."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss

@@ -1,9 +1,12 @@
 """Memory formulas per rank: parameters, weights + gradients + optimizer state per data-parallel
-engine, and the activations one block keeps for the backward (docs/parallelism.md §11-12).
-Pure arithmetic on a config: no process, device or tensor.
+engine, FSDP's gathered weights, the activations one block and the rest of the model keep for
+the backward (exact against measurement), and the backward's working set (an estimate)
+(docs/parallelism.md §11-12). Pure arithmetic on a config: no process, device or tensor.
 """
 
 from __future__ import annotations
+
+import copy
 
 from lctrain.config import LctrainConfig, ModelConfig, derive
 
@@ -40,40 +43,145 @@ def state_bytes_per_rank(cfg: LctrainConfig, world_size: int) -> float:
     return local / (d.dp * p.cp) if p.dp_engine == "fsdp" else local
 
 
+def gathered_weight_bytes(cfg: LctrainConfig, world_size: int) -> float:
+    """FSDP's gathered (unsharded) weights at the peak of a step: the root's (embedding, final
+    norm, output layer: kept from the forward to the backward) and two blocks' (the one
+    computing and the one prefetched), in bf16 under train.dtype=bf16; 0 without FSDP."""
+    if cfg.parallel.dp_engine != "fsdp" or derive(cfg, world_size).dp * cfg.parallel.cp == 1:
+        return 0.0
+    blocks, root = local_params(cfg)
+    per_block = blocks // (cfg.model.n_layers // cfg.parallel.pp)
+    return (2 * per_block + root) * (2 if cfg.train.dtype == "bf16" else 4)
+
+
+def dtype_bytes(cfg: LctrainConfig, world_size: int) -> tuple[int, int, bool]:
+    """(a, r, casts) of docs/parallelism.md §11: bytes per element of what the matmuls and
+    attention compute (2 under bf16 autocast), bytes per element of the residual stream (2 only
+    when FSDP computes with bf16 weights: the embedding then outputs bf16; autocast on fp32
+    weights keeps it fp32), and whether each matmul keeps a bf16 copy of its fp32 weight
+    (autocast without FSDP's bf16 weights)."""
+    bf16 = cfg.train.dtype == "bf16"
+    fsdp_bf16 = (bf16 and cfg.parallel.dp_engine == "fsdp"
+                 and derive(cfg, world_size).dp * cfg.parallel.cp > 1)
+    return (2 if bf16 else 4), (2 if fsdp_bf16 else 4), bf16 and not fsdp_bf16
+
+
+def _norm_bytes(D: int, s: int, a: int, r: int) -> float:
+    """Bytes per token one RMSNorm keeps: its fp32 input (the residual itself, or an fp32 copy
+    of a bf16 one) and rsqrt on the sequence shard, the normalised x in the residual dtype, and
+    its output in the compute dtype, gathered over the sequence under SP (the matmuls keep it)."""
+    return (4 * D + 4 + r * D) / s + a * D
+
+
 def activation_formula(cfg: LctrainConfig, world_size: int, batch: int) -> float:
-    """Bytes one block keeps for the backward on one rank, float32 (no autocast); derived op by
-    op in docs/parallelism.md §11 and exact against `lctrain.parallel.memory` measurements.
+    """Bytes one block keeps for the backward on one rank (its input included, wherever the
+    backward keeps it: on the device, or on the host under train.offload_activations); derived
+    op by op in docs/parallelism.md §11 and exact against `lctrain.parallel.memory`
+    measurements, fp32 and bf16.
 
     n = batch * S / cp local tokens; t = tp; s = t with SP, else 1; D, F model and SwiGLU
-    widths, D_kv = H_kv * d, H heads, r KV replication (Ulysses). Per token, in elements:
-      none:      2 (D + 1)/s + 2 D + 2 D/s + (2 D + 2 r D_kv + H + 4 F)/t  [+ D/t Ulysses/USP]
-                 norms (rsqrt, normalised x on the sequence shard; the (gathered) norm output
-                 kept by the column-parallel matmuls), residual stream and block output, then
-                 q, k, v, attention output, lse and the four SwiGLU tensors on the TP shard.
-                 All-gather KV keeps the gathered K/V: 2 D_kv (cp - 1)/t more.
-      selective: (D + 2 D_kv + 2 F)/t + 2 D + D/s  (matmul outputs, before any KV
-                 replication; the two row-parallel partial sums at full width; the block output),
-                 plus (D + H)/t for the attention output and lse when cp = 1 (context-parallel
+    widths, D_kv = H_kv * d, H heads, k KV replication (Ulysses); a, r, casts: `dtype_bytes`;
+    N = (4 D + 4 + r D)/s + a D, one norm (`_norm_bytes`). Per token, in bytes:
+      none:      2 N + a (2 D + 2 k D_kv + 4 F)/t + 4 H/t  [+ a D/t Ulysses/USP]
+                 the two norms, then q, k, v, the attention output, its fp32 lse and the four
+                 SwiGLU tensors on the TP shard. All-gather KV keeps the gathered K/V:
+                 a 2 D_kv (cp - 1)/t more. With casts, per block (not per token), a bf16 copy of
+                 every matmul weight: a W/t. train.mlp_chunk: the FFN keeps its chunks' inputs
+                 (a copy of the norm output, which it no longer keeps itself) instead of
+                 a 4 F/t, and no copy of its weights; plus each chunk's int64 token index
+                 (8 S/cp bytes per block).
+      selective: a ((D + 2 D_kv + 2 F)/t + 2 D) + r D/s  (matmul outputs, before any KV
+                 replication; the two row-parallel partial sums at full width; the block input),
+                 plus (a D + 4 H)/t for the attention output and lse when cp = 1 (context-parallel
                  attention is recomputed instead).
-      full:      D/s (the block output only: the next block's checkpointed input).
+      full:      r D/s (the block input only).
     """
     m, p = cfg.model, cfg.parallel
     dv = derive(cfg, world_size)
+    a, r, casts = dtype_bytes(cfg, world_size)
     n = batch * cfg.train.seq_len // p.cp
     D, F, H, hd = m.dim, m.ffn_dim, m.n_heads, m.dim // m.n_heads
-    t, r = p.tp, dv.kv_replication
+    t, k = p.tp, dv.kv_replication
     s = t if (p.sp and t > 1) else 1
     dkv = m.n_kv_heads * hd
-    ulysses = p.cp > 1 and p.attention in ("ulysses", "usp")
     mode = cfg.train.activation_checkpointing
     if mode == "full":
-        return 4.0 * n * D / s
+        return n * r * D / s
     if mode == "selective":  # local attention: its output and lse are kept too
-        attention = n * H * (hd + 1) / t if p.cp == 1 else 0.0
-        return 4.0 * (n * ((D + 2 * dkv + 2 * F) / t + 2 * D + D / s) + attention)
-    per_token = 2 * (D + 1) / s + 2 * D + 2 * D / s + (2 * D + 2 * r * dkv + H + 4 * F) / t
-    if ulysses:
-        per_token += D / t
+        attention = n * (a * D + 4 * H) / t if p.cp == 1 else 0.0
+        return n * (a * ((D + 2 * dkv + 2 * F) / t + 2 * D) + r * D / s) + attention
+    attention_weights = D * hd * (2 * H + 2 * m.n_kv_heads) // t
+    mlp_weights = 3 * D * F // t
+    per_token = 2 * _norm_bytes(D, s, a, r) + a * (2 * D + 2 * k * dkv) / t + 4 * H / t
+    if p.cp > 1 and p.attention in ("ulysses", "usp"):
+        per_token += a * D / t
     if p.cp > 1 and p.attention == "allgather":
-        per_token += 2 * dkv * (p.cp - 1) / t
-    return 4.0 * n * per_token
+        per_token += a * 2 * dkv * (p.cp - 1) / t
+    if cfg.train.mlp_chunk:
+        per_block = 8 * cfg.train.seq_len // p.cp + (a * attention_weights if casts else 0)
+        return n * per_token + per_block
+    per_block = a * (attention_weights + mlp_weights) if casts else 0
+    return n * (per_token + a * 4 * F / t) + per_block
+
+
+def head_activation_formula(cfg: LctrainConfig, world_size: int, batch: int) -> float:
+    """Bytes the rest of the model keeps for the backward on one rank (docs/parallelism.md §11):
+    the final norm (its input is the last block's output), the RoPE tables, the fp32
+    log-softmax of the [n, V/tp] logits (none under train.loss_chunk: each chunk's logits are
+    computed again in the backward), the int64 labels (a second copy under TP's vocab-parallel
+    loss), the loss scalars, and with casts the bf16 copy of the output weight."""
+    m, p = cfg.model, cfg.parallel
+    a, r, casts = dtype_bytes(cfg, world_size)
+    n = batch * cfg.train.seq_len // p.cp
+    t = p.tp
+    s = t if (p.sp and t > 1) else 1
+    rope_rows = (batch if cfg.data.document_masking else 1) * cfg.train.seq_len // p.cp
+    total = (n * _norm_bytes(m.dim, s, a, r) + 2 * rope_rows * (m.dim // m.n_heads) * a
+             + 8 * n * (2 if t > 1 else 1))
+    if cfg.train.loss_chunk:
+        return total + 4  # the running sum of the chunk losses
+    total += 4 * n * m.vocab_size / t + 8  # log-softmax; loss and its total weight
+    return total + (a * m.vocab_size * m.dim / t if casts else 0)
+
+
+def planning_bytes(cfg: LctrainConfig, batch: int) -> float:
+    """Host bytes the attention's call plans keep during a forward, planned in the first block
+    for all of them (CPU tensors: device memory only in a CPU run): the int64 document ids of
+    every attention block (packed documents; Ulysses, USP and all-gather KV also hold them for
+    the gathered tokens), and for Ulysses and USP over zigzag shards the position order of the
+    tokens they attend over (sort index, inverse and sorted positions)."""
+    p, S = cfg.parallel, cfg.train.seq_len
+    gathered = p.cp > 1 and p.attention in ("ulysses", "usp", "allgather")
+    total = 8 * batch * S * (2 if gathered else 1) if cfg.data.document_masking else 0
+    if p.cp > 1 and p.attention in ("ulysses", "usp") and p.load_balance != "none":
+        total += 24 * S
+    return total
+
+
+def working_bytes(cfg: LctrainConfig, world_size: int, batch: int) -> float:
+    """Device bytes the backward holds for a moment beyond what the forward kept: an estimate
+    (bench/activation_memory.py compares it with measured peaks), the larger of
+      - one block's backward: the block recomputed (what it keeps without checkpointing, less
+        what its mode kept), the fp32 gradients of its input and output (2 x 4 n D/s), and
+        under train.offload_activations its input, back from the host;
+      - the loss head's backward: for the logits of one chunk (train.loss_chunk; else of all n
+        tokens), [rows, V/tp], their gradient in fp32 and in the compute dtype, with tiling
+        the recomputed logits and log-softmax (compute dtype and fp32), and under offload
+        what the head kept, back from the host."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    a, r, _ = dtype_bytes(cfg, world_size)
+    n = batch * t.seq_len // p.cp
+    s = p.tp if (p.sp and p.tp > 1) else 1
+    recompute = 0.0
+    if t.activation_checkpointing != "none":
+        plain = copy.deepcopy(cfg)
+        plain.train.activation_checkpointing = "none"
+        recompute = (activation_formula(plain, world_size, batch)
+                     - activation_formula(cfg, world_size, batch))
+    block = recompute + 2 * 4 * n * m.dim / s
+    rows = batch * min(t.loss_chunk, t.seq_len // p.cp) if t.loss_chunk else n
+    head = rows * m.vocab_size / p.tp * ((4 + a) + ((4 + a) if t.loss_chunk else 0))
+    if t.offload_activations:
+        block += r * n * m.dim / s
+        head += head_activation_formula(cfg, world_size, batch)
+    return max(block, head)

@@ -2,10 +2,11 @@
 data (`lctrain plan` prints it as text or JSON).
 
 No process, device or process group is created. Traffic: the formulas of
-`lctrain.planning.traffic` (elements sent per rank). Memory: fp32 master weights, gradients and
-AdamW moments (sharded over dp x cp by FSDP, replicated by DDP), plus activations from the
-block formula of `lctrain.planning.memory` (exact in float32 against measurement; bf16 tensors
-counted at half) and the fp32 logits.
+`lctrain.planning.traffic` (elements sent per rank). Memory (`lctrain.planning.memory`): fp32
+master weights, gradients and AdamW moments (sharded over dp x cp by FSDP, replicated by DDP),
+FSDP's gathered weights, the activations the forward keeps (blocks and head, exact against
+measurement in fp32 and bf16; on the host with train.offload_activations) and the backward's
+working set (an estimate).
 """
 
 from __future__ import annotations
@@ -15,11 +16,19 @@ from lctrain.config.validation import warnings_for
 from lctrain.layout.topology import AXES, GROUPS, Topology
 from lctrain.planning.memory import (
     activation_formula,
+    gathered_weight_bytes,
+    head_activation_formula,
     local_params,
     param_count,
     state_bytes_per_rank,
+    working_bytes,
 )
-from lctrain.planning.traffic import attention_traffic, dp_step_traffic, tp_block_traffic
+from lctrain.planning.traffic import (
+    attention_traffic,
+    dp_step_bytes,
+    dp_step_traffic,
+    tp_block_traffic,
+)
 
 GIB = 2**30
 
@@ -47,10 +56,11 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
     state_bytes = state_bytes_per_rank(cfg, world_size)
     tokens = t.micro_batch * d.local_seq_len         # per cp rank
     seq_div = p.tp if (p.sp and p.tp > 1) else 1
-    # blocks: the measured-exact float32 formula; bf16 tensors take half
-    act_layer = activation_formula(cfg, world_size, t.micro_batch) * bytes_act / 4
-    logits = tokens * (m.vocab_size / p.tp) * 4 * 2  # fp32 logits and their gradient
-    act_bytes = act_layer * m.n_layers / p.pp + logits
+    kept = (activation_formula(cfg, world_size, t.micro_batch) * (m.n_layers // p.pp)
+            + head_activation_formula(cfg, world_size, t.micro_batch))
+    on_host = kept if t.offload_activations else 0.0
+    gathered = gathered_weight_bytes(cfg, world_size)
+    working = working_bytes(cfg, world_size, t.micro_batch)
     traffic = attention_traffic_per_layer(cfg, world_size) if p.cp > 1 else {}
     notes = list(warnings_for(cfg))
     if d.kv_replication > 1:
@@ -85,14 +95,19 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
         "memory_gib": {
             "params_total_billion": n_params / 1e9,
             "weights_grads_adam": state_bytes / GIB,
-            "activations_estimate": act_bytes / GIB,
-            "total_estimate": (state_bytes + act_bytes) / GIB,
+            "fsdp_gathered_weights": gathered / GIB,
+            "activations_kept": (kept - on_host) / GIB,
+            "activations_on_host": on_host / GIB,
+            "backward_working_set": working / GIB,
+            "total_estimate": (state_bytes + gathered + kept - on_host + working) / GIB,
         },
         "traffic_elements_per_rank": {
             **traffic,
             "tp_per_layer_fwd": tp_block_traffic(tokens, m.dim, p.tp),
             f"{p.dp_engine}_per_step": dp_step_traffic(p.dp_engine, *local_params(cfg),
                                                        d.dp * p.cp, d.grad_accum),
+            f"{p.dp_engine}_bytes_per_step": dp_step_bytes(p.dp_engine, *local_params(cfg),
+                                                           d.dp * p.cp, d.grad_accum, bytes_act),
         },
         "groups": {name: {"axes": list(GROUPS[name][0]), "size": topo.group_size(name),
                           "carries": GROUPS[name][1]} for name in GROUPS},

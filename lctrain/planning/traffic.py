@@ -48,9 +48,24 @@ def dp_step_traffic(engine: str, blocks: int, root: int, shards: int, accum: int
     FSDP2: in every micro-step each block's parameters are all-gathered for the forward and again
     for the backward (they are freed in between), the root's once (never freed); gradients are
     reduce-scattered once, on the last micro-step. DDP: one all-reduce of the gradients."""
+    return sum(_dp_parts(engine, blocks, root, shards, accum))
+
+
+def _dp_parts(engine: str, blocks: int, root: int, shards: int,
+              accum: int) -> tuple[float, float]:
+    """(elements of weights gathered, elements of gradients reduced) per rank and step."""
     if shards == 1:
-        return 0.0
+        return 0.0, 0.0
     share = (shards - 1) / shards
     if engine == "ddp":
-        return 2 * share * (blocks + root)
-    return share * (accum * (2 * blocks + root) + blocks + root)
+        return 0.0, 2 * share * (blocks + root)
+    return share * accum * (2 * blocks + root), share * (blocks + root)
+
+
+def dp_step_bytes(engine: str, blocks: int, root: int, shards: int, accum: int,
+                  compute_bytes: int) -> float:
+    """`dp_step_traffic` in bytes: FSDP gathers weights in the compute dtype (bf16 under
+    train.dtype=bf16: its mixed-precision policy) and reduces gradients in fp32; DDP all-reduces
+    fp32 gradients."""
+    gathered, reduced = _dp_parts(engine, blocks, root, shards, accum)
+    return gathered * compute_bytes + reduced * 4

@@ -29,9 +29,9 @@ from lctrain.models.llama import parameter_count
 from lctrain.parallel.data_parallel import gradient_sync, unwrap
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import Runtime, setup_distributed
+from lctrain.parallel.tensor import loss_value, vocab_parallel
 from lctrain.training.checkpoint import Checkpointer, TrainState
 from lctrain.training.evals import Evaluator, format_table
-from lctrain.training.loss import token_loss_sum, value, vocab_parallel
 from lctrain.training.metrics import MetricsLogger
 from lctrain.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from lctrain.training.preemption import PreemptionWatcher
@@ -45,12 +45,11 @@ def forward_backward(model: nn.Module, mb: MicroBatch, loss_scale: float,
                      rt: Runtime) -> Tensor:
     """Backward of (sum of this rank's token losses) * loss_scale; returns the detached sum."""
     mb = mb.to(rt.device)
-    with rt.autocast():
-        logits = model(mb.inputs, mb.positions, mb.doc_ids)
-    with vocab_parallel(logits):
-        loss_sum = token_loss_sum(logits, mb.labels)
+    with vocab_parallel(rt.topology.tp):
+        with rt.autocast(), rt.saved_activations():
+            loss_sum = model(mb.inputs, mb.positions, mb.doc_ids, labels=mb.labels)
         (loss_sum * loss_scale).backward()
-    return value(loss_sum.detach())
+    return loss_value(loss_sum.detach())
 
 
 def _all_reduce(x: Tensor, rt: Runtime) -> Tensor:

@@ -15,7 +15,7 @@ from lctrain.data.batch import IGNORE_INDEX, MicroBatch
 from lctrain.data.loader import DataLoader
 from lctrain.data.sources import build_val_source
 from lctrain.parallel.runtime import Runtime
-from lctrain.training.loss import token_loss_sum, value, vocab_parallel
+from lctrain.parallel.tensor import loss_value, vocab_parallel
 
 
 class ValidationLoss:
@@ -38,10 +38,9 @@ class ValidationLoss:
         totals = torch.zeros(2, dtype=torch.float64, device=rt.device)  # loss sum, tokens
         for mb in self.micro_batches:
             mb = mb.to(rt.device)
-            with rt.autocast():
-                logits = model(mb.inputs, mb.positions, mb.doc_ids)
-            with vocab_parallel(logits):
-                totals[0] += value(token_loss_sum(logits, mb.labels)).double()
+            with vocab_parallel(rt.topology.tp), rt.autocast():
+                loss = model(mb.inputs, mb.positions, mb.doc_ids, labels=mb.labels)
+            totals[0] += loss_value(loss).double()
             totals[1] += (mb.labels != IGNORE_INDEX).sum()
         if rt.dp_cp_group is not None:
             dist.all_reduce(totals, group=rt.dp_cp_group)
