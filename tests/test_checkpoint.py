@@ -239,23 +239,29 @@ def test_preemption_signal_and_stop_file_checkpoint_and_stop(tmp_path):
         assert not (run / "STOP").exists()
 
 
-def test_non_finite_steps_stop_or_are_skipped(tmp_path):
+@pytest.mark.parametrize("parallel", [{}, {"dp": 1, "pp": 2}])
+def test_non_finite_steps_stop_or_are_skipped(tmp_path, parallel):
+    """On every rank together: with pp=2 only the last stage computes the loss, and each
+    stage holds half of the gradient norm."""
     def inf_norm(me, T):
         real, calls = T.clip_grad_norm_, [0]
 
-        def clip(params, max_norm):
+        def clip(params, max_norm, *rest):
             calls[0] += 1
-            norm = real(params, max_norm)
+            norm = real(params, max_norm, *rest)
             return torch.full_like(norm, float("inf")) if calls[0] == 3 else norm
         T.clip_grad_norm_ = clip
 
+    stop = _cfg(5, parallel, checkpoint={"every": 0})
     with pytest.raises(RankFailure, match="NonFiniteError: step 3: loss .* grad norm inf"):
-        on_ranks(_train, 2, _cfg(5, checkpoint={"every": 0}), str(tmp_path / "stop"), inf_norm)
-    skip = _cfg(5, checkpoint={"every": 0}, train={"on_nan": "skip"})
-    history = on_ranks(_train, 2, skip, str(tmp_path / "skip"), inf_norm)[0]
-    assert [h["skipped"] for h in history] == [0, 0, 1, 0, 0]
-    assert history[3]["lr"] == history[2]["lr"]  # the schedule did not advance either
-    assert all(math.isfinite(h["loss"]) for h in history)
+        on_ranks(_train, 2, stop, str(tmp_path / "stop"), inf_norm)
+    skip = _cfg(5, parallel, checkpoint={"every": 0}, train={"on_nan": "skip"})
+    histories = on_ranks(_train, 2, skip, str(tmp_path / "skip"), inf_norm)
+    for history in histories:
+        assert [h["skipped"] for h in history] == [0, 0, 1, 0, 0]
+        assert history[3]["lr"] == history[2]["lr"]  # the schedule did not advance either
+        assert all(math.isfinite(h["loss"]) for h in history)
+    assert _losses(histories[0]) == _losses(histories[1])
 
 
 def test_loading_runs_no_code_and_secrets_stay_out(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import transformers
 
 from lctrain.layout import sequence
 from lctrain.layout.comm import all_gather
-from lctrain.models.hf import check_hf_dir, export_hf, hf_config
+from lctrain.models.hf import check_hf_dir, export_hf, full_parameters, hf_config
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
 from tests.helpers import on_ranks, tiny_config
@@ -29,7 +29,7 @@ def _load_forward_export(cfg, tokens, out_dir, shard_bytes):
         local = model(sequence.split(tokens, 1, cp_rank, 2, "zigzag"), positions)
     local = local.full_tensor() if hasattr(local, "full_tensor") else local
     parts = all_gather(local, rt.mesh.group("cp"), dim=0).chunk(2, dim=0)  # cp-rank order
-    export_hf(model, cfg.model, out_dir, rt.rank, shard_bytes)
+    export_hf(full_parameters(model), cfg.model, out_dir, rt.rank, shard_bytes)
     return sequence.merge(list(parts), 1, "zigzag")
 
 

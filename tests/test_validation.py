@@ -49,14 +49,43 @@ BAD = {
     "sp_cp_seq": ({"parallel": {"tp": 2, "sp": True, "cp": 3, "load_balance": "none"},
                    "train": {"seq_len": 33}}, 6,
                   ["train.seq_len=33 must be a multiple of 6", "try train.seq_len=36"]),
-    "layers_pp": ({"parallel": {"pp": 4}, "model": {"n_layers": 6},
+    "layers_pp": ({"parallel": {"pp": 4}, "model": {"n_layers": 3},
                    "train": {"global_batch": 8}}, 4,
-                  ["model.n_layers=6 is not divisible by parallel.pp=4", "[1, 2, 3, 6]"]),
+                  ["model.n_layers=3 cannot fill 4 stages", "try parallel.pp=3"]),
+    "pp_layers": ({"parallel": {"pp": 2, "pp_layers": [1, 2]}}, 2,
+                  ["parallel.pp_layers=[1, 2] must give 2 stages", "2 layers in all",
+                   "try parallel.pp_layers=null"]),
+    "pp_gpipe_virtual": ({"parallel": {"pp": 2, "pp_schedule": "gpipe", "pp_virtual_stages": 2},
+                          "model": {"n_layers": 4}}, 2,
+                         ["parallel.pp_schedule=gpipe runs one stage per rank",
+                          "set parallel.pp_schedule=interleaved_1f1b"]),
+    "pp_zbv_virtual": ({"parallel": {"pp": 2, "pp_schedule": "zbv"},
+                        "train": {"global_batch": 8}}, 2,
+                       ["parallel.pp_schedule=zbv runs two stages per rank",
+                        "set parallel.pp_virtual_stages=2"]),
+    "pp_zbv_microbatches": ({"parallel": {"pp": 2, "pp_schedule": "zbv", "pp_virtual_stages": 2},
+                             "model": {"n_layers": 4}, "train": {"global_batch": 2}}, 2,
+                            ["parallel.pp_schedule=zbv at parallel.pp=2 needs at least 4",
+                             "try train.global_batch=4"]),
+    "pp_rounds": ({"parallel": {"pp": 2, "pp_schedule": "interleaved_1f1b",
+                                "pp_virtual_stages": 2},
+                   "model": {"n_layers": 4}, "train": {"global_batch": 5}}, 2,
+                  ["runs micro-batches in rounds of parallel.pp=2", "5 is neither below 2",
+                   "try train.global_batch=4"]),
+    "ddp_tp": ({"parallel": {"tp": 2, "dp": 2, "dp_engine": "ddp"}}, 4,
+               ["parallel.dp_engine=ddp with parallel.tp=2", "set parallel.dp_engine=fsdp"]),
+    "zero_bubble_dp": ({"parallel": {"pp": 2, "dp": 2, "pp_schedule": "zero_bubble",
+                                     "pp_virtual_stages": 2, "dp_engine": "ddp"},
+                        "model": {"n_layers": 4}, "train": {"global_batch": 4}}, 4,
+                       ["parallel.pp_schedule=zero_bubble with dp x cp = 2", "DDP reduces them",
+                        "use parallel.pp_schedule=interleaved_1f1b"]),
+    "pp_tied": ({"parallel": {"pp": 2}, "model": {"tie_embeddings": True}}, 2,
+                ["model.tie_embeddings=true with parallel.pp=2", "set parallel.pp=1"]),
     "global_batch": ({"train": {"global_batch": 10, "micro_batch": 2}}, 2,
                      ["train.global_batch=10 is not divisible by train.micro_batch=2 x dp=2 = 4",
                       "try train.global_batch=12"]),
     "pp_microbatches": ({"parallel": {"pp": 2}, "train": {"global_batch": 1}}, 2,
-                        ["parallel.pp=2 needs at least 2 micro-batches",
+                        ["parallel.pp_schedule=1f1b at parallel.pp=2 needs at least 2",
                          "try train.global_batch=2"]),
     "attention_name": ({"parallel": {"attention": "flash"}}, 1,
                        ["parallel.attention='flash' is not one of ulysses, ring, usp, allgather"]),
@@ -135,6 +164,12 @@ def test_sp_without_tp_is_a_warning_not_an_error():
     cfg = tiny_config(parallel={"sp": True})
     assert preflight(cfg, 1) == []
     assert any("parallel.sp=true has no effect with parallel.tp=1" in w for w in warnings_for(cfg))
+
+
+def test_pipeline_keys_without_pp_are_a_warning():
+    cfg = tiny_config(parallel={"pp_schedule": "zbv", "pp_virtual_stages": 2})
+    assert preflight(cfg, 1) == []
+    assert any("are ignored with parallel.pp=1" in w for w in warnings_for(cfg))
 
 
 def test_nearest_multiple():
@@ -216,10 +251,3 @@ def test_cli_refuses_a_model_this_machine_cannot_host(capsys, no_launch):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "4 CPU ranks of model.name=llama3-70b need about" in err and "GiB is available" in err
-
-
-def test_cli_refuses_layouts_this_version_cannot_train(capsys, no_launch):
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["train", *CLI_BASE, "parallel.pp=2", "launch.nproc=2", "train.global_batch=4"])
-    assert exc.value.code == 2
-    assert "parallel.pp=2: pipeline parallelism is not implemented" in capsys.readouterr().err

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: E402
 )
 
 from lctrain.config import LctrainConfig  # noqa: E402
-from lctrain.models.hf import export_hf  # noqa: E402
+from lctrain.models.hf import export_hf, full_parameters  # noqa: E402
 from lctrain.models.llama import Llama  # noqa: E402
 from lctrain.training.checkpoint import SafeReader, damaged_files  # noqa: E402
 
@@ -39,7 +39,7 @@ def export_checkpoint(checkpoint: Path, out: Path) -> None:
     weights = {"model": get_model_state_dict(model)}
     dcp.load(weights, storage_reader=SafeReader(checkpoint), no_dist=True)
     set_model_state_dict(model, weights["model"])
-    export_hf(model, cfg.model, str(out), rank=0)
+    export_hf(full_parameters(model), cfg.model, str(out), rank=0)
 
 
 def main() -> None:

@@ -23,8 +23,11 @@ def render_text(plan: dict, max_rows: int) -> str:
         "", "per-rank shapes:",
         *(f"  {k}: {v}" for k, v in plan["shapes"].items()),
         "", f"memory per rank (GiB, estimate; activation checkpointing "
-            f"{plan['activation_checkpointing']}):",
+            f"{plan['activation_checkpointing']}"
+            + (f"; pipeline rank {plan['pipeline']['largest_pp_rank']}, the largest"
+               if "pipeline" in plan else "") + "):",
         *(f"  {k}: {v:,.3f}" for k, v in plan["memory_gib"].items()),
+        *(pipeline_lines(plan["pipeline"]) if "pipeline" in plan else []),
         "", "traffic per rank (elements sent):",
         *(f"  {k}: {v:,.0f}" for k, v in plan["traffic_elements_per_rank"].items()),
         *(["", "model (value, where it came from):"] +
@@ -42,6 +45,24 @@ def render_text(plan: dict, max_rows: int) -> str:
     if plan["notes"]:
         lines += ["", "notes:", *(f"  - {n}" for n in plan["notes"])]
     return "\n".join(lines)
+
+
+def pipeline_lines(pipe: dict) -> list[str]:
+    """The per-stage table of a pipelined plan: activations at the rank's peak, its total."""
+    row_format = "  {:>5} {:>7}  {:<8} {:<16} {:>8} {:>9} {:>15} {:>14}"
+    lines = ["", f"pipeline: {pipe['schedule']}, {pipe['stages_per_rank']} stage(s) per rank, "
+                 f"{pipe['micro_batches']} micro-batches per step, bubble "
+                 f"{pipe['bubble_fraction']:.1%}",
+             row_format.format("stage", "pp rank", "layers", "holds", "params", "in flight",
+                               "activations GiB", "rank total GiB")]
+    for row in pipe["stages"]:
+        first, last = row["layers"]
+        holds = "+".join(n for n in ("embedding", "output") if row[n]) or "-"
+        lines.append(row_format.format(
+            row["stage"], row["pp_rank"], f"{first}-{last}", holds, f"{row['params'] / 1e9:.3f}B",
+            row["micro_batches_in_flight"], f"{row['activations_gib']:,.3f}",
+            f"{row['rank_total_gib']:,.3f}"))
+    return lines
 
 
 def plan_world_size(cfg: LctrainConfig) -> int:

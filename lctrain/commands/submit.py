@@ -11,7 +11,6 @@ from pathlib import Path
 from lctrain.commands.checks import preflight
 from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.compose import Composed, to_yaml
-from lctrain.config.validation import check_supported
 
 
 def render_sbatch(cfg: LctrainConfig, overrides: list[str], run_dir: Path) -> str:
@@ -65,15 +64,10 @@ def run(composed: Composed, flags: set[str]) -> int:
     problems = preflight(cfg, world)
     if problems:
         raise ConfigError(problems)
-    unsupported = check_supported(cfg)
     script = render_sbatch(cfg, composed.overrides, composed.run_dir)
     if "--dry-run" in flags:
-        for u in unsupported:
-            print(f"# warning: {u}", file=sys.stderr)
         print(script, end="")
         return 0
-    if unsupported:
-        raise ConfigError(unsupported)
     sbatch = shutil.which("sbatch")
     if sbatch is None:
         print("lctrain: sbatch not found on PATH; run on a SLURM login node, or use --dry-run "

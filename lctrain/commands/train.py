@@ -19,7 +19,6 @@ from lctrain.commands.checks import preflight
 from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.compose import Composed
 from lctrain.config.validation import (
-    check_supported,
     cuda_problems,
     uses_flash_attn,
     warnings_for,
@@ -102,7 +101,7 @@ def run(composed: Composed, flags: set[str]) -> int:
     except RuntimeError as e:
         raise ConfigError([str(e)], header="invalid launch environment") from e
     world = env.world_size if env else local_world_size(cfg)
-    problems = preflight(cfg, world) + check_supported(cfg)
+    problems = preflight(cfg, world)
     if not problems and env is None:
         problems += host_problems(cfg, world)
     elif not problems and uses_cuda(cfg):  # under torchrun or srun: this rank's machine

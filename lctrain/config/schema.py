@@ -93,7 +93,17 @@ class ParallelConfig:
     cp: int = at_least(1, 1)
     """Context-parallel size: ranks holding different token slices of the same sequences."""
     pp: int = at_least(1, 1)
-    """Pipeline-parallel size (layers split into pp stages)."""
+    """Pipeline-parallel size (layers split into pp x pp_virtual_stages stages)."""
+    pp_schedule: str = one_of("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble", "zbv")
+    """Pipeline schedule (pp > 1): 1f1b | gpipe (one stage per rank) | interleaved_1f1b |
+    zero_bubble (interleaved, weight gradients deferred into the bubbles) | zbv (zero bubble,
+    two stages per rank in a V). The pipeline micro-batches are the accumulation micro-batches."""
+    pp_virtual_stages: int = at_least(1, 1)
+    """Stages per pipeline rank: 1 for gpipe and 1f1b, 2 for zbv, any for the interleaved ones
+    (rank r holds stages r, r + pp, r + 2 pp, ...)."""
+    pp_layers: list[int] | None = None
+    """Layers of each stage, in order (pp x pp_virtual_stages numbers summing to
+    model.n_layers); None balances them by cost, counting the embedding and the output layer."""
     dp: int = -1
     """Data-parallel size; -1 derives it as world_size / (tp * cp * pp)."""
     attention: str = one_of("ulysses", "ring", "usp", "allgather", default="ring")

@@ -158,19 +158,79 @@ def _batch(cfg: LctrainConfig, world_size: int) -> list[str]:
         return [f"eval.val_sequences={cfg.eval.val_sequences} is not divisible by "
                 f"train.micro_batch={t.micro_batch} x dp={dp} = {per_step}; try "
                 f"eval.val_sequences={nearest_multiple(cfg.eval.val_sequences, per_step)}"]
-    if p.pp > 1 and accum < p.pp:
-        return [f"parallel.pp={p.pp} needs at least {p.pp} micro-batches per step to fill the "
-                f"pipeline; train.global_batch / (micro_batch x dp) = {accum}; try "
-                f"train.global_batch={p.pp * per_step}"]
+    problems = _engine(cfg, dp)
+    if p.pp > 1:
+        problems += _pipeline_micro_batches(p, accum, per_step)
+    return problems
+
+
+def _engine(cfg: LctrainConfig, dp: int) -> list[str]:
+    """What each data-parallel engine can reduce (only when a dp x cp group reduces at all)."""
+    p, problems = cfg.parallel, []
+    if dp * p.cp == 1:
+        return []
+    if p.dp_engine == "ddp" and p.tp > 1:
+        problems.append(f"parallel.dp_engine=ddp with parallel.tp={p.tp}: DDP cannot reduce the "
+                        "tensor-parallel (DTensor) weights; set parallel.dp_engine=fsdp")
+    if p.pp > 1 and p.pp_schedule in ("zero_bubble", "zbv"):
+        problems.append(f"parallel.pp_schedule={p.pp_schedule} with dp x cp = {dp * p.cp}: torch's "
+                        "zero-bubble schedules compute weight gradients after the point where "
+                        f"{p.dp_engine.upper()} reduces them, and the reduced gradients come out "
+                        "wrong (measured with torch 2.13, FSDP and DDP alike); use "
+                        "parallel.pp_schedule=interleaved_1f1b, or zero bubble with "
+                        "parallel.dp=1 and parallel.cp=1")
+    return problems
+
+
+def _pipeline_micro_batches(p, accum: int, per_step: int) -> list[str]:
+    """The schedules' needs in micro-batches per step (the accumulation micro-batches)."""
+    have = (f"train.global_batch / (micro_batch x dp) = {accum} micro-batches per step; try "
+            f"train.global_batch=")
+    if p.pp_schedule == "1f1b" and accum < p.pp:
+        return [f"parallel.pp_schedule=1f1b at parallel.pp={p.pp} needs at least {p.pp} "
+                f"micro-batches per step; {have}{p.pp * per_step}"]
+    if p.pp_schedule == "zbv" and accum < 2 * p.pp:
+        return [f"parallel.pp_schedule=zbv at parallel.pp={p.pp} needs at least {2 * p.pp} "
+                f"micro-batches per step (one per stage); {have}{2 * p.pp * per_step}"]
+    rounds = max(1, accum // p.pp)
+    if p.pp_schedule in ("interleaved_1f1b", "zero_bubble") and accum % rounds:
+        return [f"parallel.pp_schedule={p.pp_schedule} runs micro-batches in rounds of "
+                f"parallel.pp={p.pp}: {accum} is neither below {p.pp} nor a multiple of "
+                f"{rounds} rounds; {have}{rounds * p.pp * per_step}"]
     return []
 
 
-def _layers(cfg: LctrainConfig) -> list[str]:
+def _pipeline(cfg: LctrainConfig) -> list[str]:
+    """Stages: how many, which layers, and the stages per rank each schedule runs."""
     m, p = cfg.model, cfg.parallel
-    if m.n_layers % p.pp:
-        return [f"model.n_layers={m.n_layers} is not divisible by parallel.pp={p.pp} (every stage "
-                f"holds the same number of layers); try parallel.pp in {divisors(m.n_layers)}"]
-    return []
+    v, problems = p.pp_virtual_stages, []
+    if p.pp == 1:
+        return []
+    stages = p.pp * v
+    if p.pp_schedule in ("gpipe", "1f1b") and v != 1:
+        problems.append(f"parallel.pp_schedule={p.pp_schedule} runs one stage per rank, not "
+                        f"parallel.pp_virtual_stages={v}; set parallel.pp_schedule="
+                        "interleaved_1f1b or parallel.pp_virtual_stages=1")
+    if p.pp_schedule == "zbv" and v != 2:
+        problems.append(f"parallel.pp_schedule=zbv runs two stages per rank (a V); set "
+                        f"parallel.pp_virtual_stages=2 (got {v})")
+    if p.pp_layers is not None:
+        if len(p.pp_layers) != stages or any(n < 1 for n in p.pp_layers) or \
+                sum(p.pp_layers) != m.n_layers:
+            problems.append(f"parallel.pp_layers={list(p.pp_layers)} must give {stages} stages "
+                            f"(parallel.pp={p.pp} x pp_virtual_stages={v}) at least one layer "
+                            f"each, {m.n_layers} layers in all (model.n_layers); try "
+                            f"parallel.pp_layers=null (balanced by cost)")
+    elif m.n_layers < stages:
+        problems.append(f"model.n_layers={m.n_layers} cannot fill {stages} stages (parallel.pp="
+                        f"{p.pp} x pp_virtual_stages={v}) with a layer each; try parallel.pp="
+                        f"{max(1, m.n_layers // v)} or fewer virtual stages")
+    if m.tie_embeddings:
+        problems.append(f"model.tie_embeddings=true with parallel.pp={p.pp}: the embedding (first "
+                        "stage) and the output layer (last stage) would share one weight across "
+                        "ranks, which lctrain does not synchronise; set parallel.pp=1 (use "
+                        "parallel.tp or parallel.cp to split the model instead)")
+    return problems
 
 
 def _scalars(cfg: LctrainConfig) -> list[str]:
@@ -260,7 +320,7 @@ def validate(cfg: LctrainConfig, world_size: int) -> list[str]:
     if problems:  # the rules below divide by these sizes or branch on these names
         return problems + later if world_size >= 1 else problems
     world = _world(cfg, world_size)
-    problems += (world + _heads(cfg) + _context(cfg) + _layers(cfg) + later + _evals(cfg))
+    problems += (world + _heads(cfg) + _context(cfg) + _pipeline(cfg) + later + _evals(cfg))
     if cfg.train.device == "cuda":  # train.device=auto is resolved where the run starts
         problems += cuda_problems(cfg)
     if not world:
@@ -299,15 +359,6 @@ def cuda_problems(cfg: LctrainConfig) -> list[str]:
     return problems
 
 
-def check_supported(cfg: LctrainConfig) -> list[str]:
-    """Valid layouts that `lctrain train` cannot run yet (`lctrain plan` still accepts them)."""
-    p, problems = cfg.parallel, []
-    if p.pp != 1:
-        problems.append(f"parallel.pp={p.pp}: pipeline parallelism is not implemented in this "
-                        "version; set parallel.pp=1 (lctrain plan accepts the layout)")
-    return problems
-
-
 def warnings_for(cfg: LctrainConfig) -> list[str]:
     """Settings that are valid but do nothing; printed, never fatal."""
     p = cfg.parallel
@@ -315,6 +366,10 @@ def warnings_for(cfg: LctrainConfig) -> list[str]:
     if p.sp and p.tp == 1:
         out.append("parallel.sp=true has no effect with parallel.tp=1 (SP splits activations "
                    "inside the TP group)")
+    if p.pp == 1 and (p.pp_schedule != "1f1b" or p.pp_virtual_stages != 1
+                      or p.pp_layers is not None):
+        out.append("parallel.pp_schedule, pp_virtual_stages and pp_layers are ignored with "
+                   "parallel.pp=1")
     if p.cp == 1 and (p.attention != "ring" or p.ulysses_degree != 1):
         out.append(f"parallel.attention={p.attention} is ignored with parallel.cp=1")
     if has_validation(cfg) and not cfg.eval.every:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -144,23 +145,30 @@ SHARD_BYTES = 2 * 2**30
 """Largest safetensors file export_hf writes before it starts the next one."""
 
 
+def full_parameters(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """(name, whole tensor) of each parameter of `model`, a DTensor gathered when its turn comes
+    (collective over its mesh: iterate on every rank); a tied weight is listed once."""
+    for name, param in model.named_parameters():
+        yield name, param.full_tensor() if isinstance(param, DTensor) else param
+
+
 @torch.no_grad()
-def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str, rank: int,
-              shard_bytes: int = SHARD_BYTES) -> None:
-    """Write `model` as an HF Llama directory (config.json + safetensors, sharded with an index
+def export_hf(parameters: Iterable[tuple[str, Tensor | None]], cfg: ModelConfig, out_dir: str,
+              rank: int, shard_bytes: int = SHARD_BYTES) -> None:
+    """Write a model as an HF Llama directory (config.json + safetensors, sharded with an index
     beyond `shard_bytes`) that `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
-    Collective over the model's meshes: call on every rank. Parameters are gathered one at a
-    time; the other ranks drop each one at once, and rank 0 writes a file whenever it holds
-    `shard_bytes`, so no rank ever holds the whole model."""
+    `parameters`: (lctrain name, whole tensor) pairs, produced one at a time (`full_parameters`,
+    or a pipeline's, which brings every stage's to rank 0); only rank 0's tensors are used. Call
+    on every rank. Rank 0 writes a file whenever it holds `shard_bytes`, and the other ranks
+    drop each tensor at once, so no rank ever holds the whole model."""
     out = Path(out_dir)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
     files: list[dict[str, Tensor]] = []
     current: dict[str, Tensor] = {}
     size = 0
-    for name, param in model.named_parameters():  # a tied output layer is listed once
-        full = param.full_tensor() if isinstance(param, DTensor) else param
+    for name, full in parameters:
         if rank != 0:
             continue
         current[to_hf_name(name)] = full.detach().float().cpu().contiguous()

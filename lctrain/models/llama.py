@@ -226,8 +226,3 @@ class Llama(nn.Module):
         embedding, the output layer and the input projections, init_std / sqrt(2 n_layers) for
         the projections that feed the residual stream, ones for the norms."""
         init_weights(self, seed)
-
-
-def parameter_count(model: nn.Module) -> int:
-    """Parameters of `model` (global sizes, shared ones once), whatever wraps or shards it."""
-    return sum(p.numel() for p in model.parameters())

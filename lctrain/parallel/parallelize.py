@@ -1,5 +1,6 @@
 """THE build order of a model laid out for training: the attention core for the layout; the
-model on the meta device; tensor + sequence parallelism, activation checkpointing and FSDP, in
+model on the meta device, cut into pipeline stages under pipeline parallelism; then for the
+model or each stage, tensor + sequence parallelism, activation checkpointing and FSDP, in
 that order; each rank's shards materialised and filled (seeded init or Hugging Face weights);
 DDP last. The training loop, the memory measurement, benchmarks and tests all build through
 here, so every caller gets the layout training gets.
@@ -21,6 +22,7 @@ from lctrain.models.init import init_weights
 from lctrain.models.llama import AttentionCore, Llama, sdpa_attention
 from lctrain.parallel.checkpointing import apply_activation_checkpointing
 from lctrain.parallel.data_parallel import apply_ddp, apply_fsdp, data_parallel_engine
+from lctrain.parallel.pipeline import PipelinedModel, my_stages, stage_model
 from lctrain.parallel.runtime import Runtime
 from lctrain.parallel.tensor import apply_tensor_parallel
 from lctrain.parallel.tiling import apply_loss_tiling, apply_mlp_tiling, compile_loss_head
@@ -91,11 +93,17 @@ def build_model(cfg: LctrainConfig, rt: Runtime) -> nn.Module:
     """The model of `cfg` on this rank, laid out for training. It is built on the meta device
     and parallelized there; then each rank allocates only its shards and fills them: from
     model.init_from (each rank reads only its slices) or from train.seed (the same global
-    weights for every layout, lctrain.models.init)."""
+    weights for every layout, lctrain.models.init). With pipeline parallelism the model is cut
+    into stages first and each of this rank's stages is laid out like a whole model."""
     core = build_attention_core(cfg, rt)  # host tensors: outside the meta device
+    fill = partial(_fill, cfg)
+    if rt.topology.pp > 1:
+        parts = {stage: parallelize_model(stage_model(cfg, core, stage), cfg, rt, fill=fill)
+                 for stage in my_stages(cfg, rt)}
+        return PipelinedModel(parts, cfg, rt)
     with torch.device("meta"):
         model = Llama(cfg.model, core)
-    return parallelize_model(model, cfg, rt, fill=partial(_fill, cfg))
+    return parallelize_model(model, cfg, rt, fill=fill)
 
 
 def _fill(cfg: LctrainConfig, model: nn.Module) -> None:

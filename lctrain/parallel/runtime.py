@@ -84,6 +84,14 @@ class Runtime:
         """Gradient and loss reduction group."""
         return self.group("dp_cp")
 
+    def sum_scores(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` summed in place over dp x cp and the pipeline: evals and validation score on
+        every rank of the last pipeline stage, and the other stages add zeros."""
+        for name in ("dp_cp", "pp"):
+            if self.mesh is not None and self.topology.group_size(name) > 1:
+                dist.all_reduce(x, group=self.group(name))
+        return x
+
     @property
     def compute_dtype(self) -> torch.dtype | None:
         """The autocast dtype, None for plain fp32."""

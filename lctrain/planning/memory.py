@@ -1,7 +1,11 @@
 """Memory formulas per rank: parameters, weights + gradients + optimizer state per data-parallel
 engine, FSDP's gathered weights, the activations one block and the rest of the model keep for
 the backward (exact against measurement), and the backward's working set (an estimate)
-(docs/parallelism.md §11-12). Pure arithmetic on a config: no process, device or tensor.
+(docs/parallelism.md §11-12). Under pipeline parallelism each figure is that of one pipeline
+rank (`pp_rank`): its stages' blocks, the embedding on the rank of the first stage, the final
+norm and output layer on the rank of the last, the micro-batches its stages keep in flight
+and the buffers torch's pipeline stages receive into (docs/parallelism.md §13). Pure
+arithmetic on a config: no process, device or tensor.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import copy
 
 from lctrain.config import LctrainConfig, ModelConfig, derive
+from lctrain.layout.stages import block_params, rank_stages, split_layers, stage_rank
 
 STATE_BYTES_PER_PARAM = 16
 """fp32 master weight, its gradient and the two AdamW moments."""
@@ -16,42 +21,66 @@ STATE_BYTES_PER_PARAM = 16
 
 def param_count(m: ModelConfig) -> int:
     """Parameters of the Llama of `m` (a tied output layer counted once)."""
-    head_dim = m.dim // m.n_heads
-    attn = m.dim * head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
-    block = attn + 3 * m.dim * m.ffn_dim + 2 * m.dim
     head = 0 if m.tie_embeddings else m.vocab_size * m.dim
-    return m.vocab_size * m.dim + m.n_layers * block + m.dim + head
+    return m.vocab_size * m.dim + m.n_layers * block_params(m) + m.dim + head
 
 
-def local_params(cfg: LctrainConfig) -> tuple[int, int]:
-    """(block parameters, root parameters) one rank holds before FSDP: TP shards the matmuls,
-    the embedding and the output layer and replicates the norms; a stage holds n_layers / pp
-    blocks (the root counted whole: embedding, final norm and an untied output layer)."""
+def local_params(cfg: LctrainConfig, pp_rank: int = 0) -> tuple[int, int]:
+    """(block parameters, root parameters) pipeline rank `pp_rank` holds before FSDP: TP shards
+    the matmuls, the embedding and the output layer and replicates the norms; the rank holds
+    the blocks of its stages, the embedding if it runs the first stage, the final norm and an
+    untied output layer if it runs the last."""
     m, p = cfg.model, cfg.parallel
     head_dim = m.dim // m.n_heads
     matmuls = m.dim * head_dim * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.dim * m.ffn_dim
-    blocks = m.n_layers // p.pp * (matmuls // p.tp + 2 * m.dim)
+    stages, mine = split_layers(cfg), _stages_of(cfg, pp_rank)
+    blocks = sum(len(stages[s]) for s in mine) * (matmuls // p.tp + 2 * m.dim)
     vocab = m.vocab_size * m.dim // p.tp
-    return blocks, vocab * (1 if m.tie_embeddings else 2) + m.dim
+    root = vocab if 0 in mine else 0
+    if len(stages) - 1 in mine:
+        root += m.dim + (0 if m.tie_embeddings else vocab)
+    return blocks, root
 
 
-def state_bytes_per_rank(cfg: LctrainConfig, world_size: int) -> float:
-    """Weights, gradients and AdamW moments one rank holds: TP and PP split the model; FSDP also
-    shards it over dp x cp, DDP replicates it there."""
+def stage_params(cfg: LctrainConfig, stage: int) -> int:
+    """Parameters of pipeline stage `stage`, whole (all TP shards): summed over the stages,
+    `param_count`."""
+    m, stages = cfg.model, split_layers(cfg)
+    total = len(stages[stage]) * block_params(m)
+    if stage == 0:
+        total += m.vocab_size * m.dim
+    if stage == len(stages) - 1:
+        total += m.dim + (0 if m.tie_embeddings else m.vocab_size * m.dim)
+    return total
+
+
+def _stages_of(cfg: LctrainConfig, pp_rank: int) -> list[int]:
+    p = cfg.parallel
+    return rank_stages(pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule)
+
+
+def state_bytes_per_rank(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> float:
+    """Weights, gradients and AdamW moments one rank of pipeline rank `pp_rank` holds: TP and PP
+    split the model; FSDP also shards it over dp x cp, DDP replicates it there."""
     d, p = derive(cfg, world_size), cfg.parallel
-    local = STATE_BYTES_PER_PARAM * sum(local_params(cfg))
+    local = STATE_BYTES_PER_PARAM * sum(local_params(cfg, pp_rank))
     return local / (d.dp * p.cp) if p.dp_engine == "fsdp" else local
 
 
-def gathered_weight_bytes(cfg: LctrainConfig, world_size: int) -> float:
-    """FSDP's gathered (unsharded) weights at the peak of a step: the root's (embedding, final
-    norm, output layer: kept from the forward to the backward) and two blocks' (the one
-    computing and the one prefetched), in bf16 under train.dtype=bf16; 0 without FSDP."""
+def gathered_weight_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> float:
+    """FSDP's gathered (unsharded) weights at the peak of a step, in bf16 under
+    train.dtype=bf16; 0 without FSDP. Without pipelining: the root's (embedding, final norm,
+    output layer: kept from the forward to the backward) and two blocks' (the one computing and
+    the one prefetched). Under pp > 1 all of the rank's: torch's pipeline stages turn off
+    resharding after the backward until the step's last one (`backward_maybe_with_nosync`),
+    so a stage stays gathered from its backward to its next forward, and the multi-stage
+    schedules gather whole stages ahead (`_add_unshard_reshard`; docs/parallelism.md §13)."""
     if cfg.parallel.dp_engine != "fsdp" or derive(cfg, world_size).dp * cfg.parallel.cp == 1:
         return 0.0
-    blocks, root = local_params(cfg)
-    per_block = blocks // (cfg.model.n_layers // cfg.parallel.pp)
-    return (2 * per_block + root) * (2 if cfg.train.dtype == "bf16" else 4)
+    blocks, root = local_params(cfg, pp_rank)
+    if cfg.parallel.pp == 1:
+        blocks = 2 * blocks // cfg.model.n_layers
+    return (blocks + root) * (2 if cfg.train.dtype == "bf16" else 4)
 
 
 def dtype_bytes(cfg: LctrainConfig, world_size: int) -> tuple[int, int, bool]:
@@ -135,13 +164,20 @@ def head_activation_formula(cfg: LctrainConfig, world_size: int, batch: int) -> 
     n = batch * cfg.train.seq_len // p.cp
     t = p.tp
     s = t if (p.sp and t > 1) else 1
-    rope_rows = (batch if cfg.data.document_masking else 1) * cfg.train.seq_len // p.cp
-    total = (n * _norm_bytes(m.dim, s, a, r) + 2 * rope_rows * (m.dim // m.n_heads) * a
+    total = (n * _norm_bytes(m.dim, s, a, r) + rope_table_bytes(cfg, world_size, batch)
              + 8 * n * (2 if t > 1 else 1))
     if cfg.train.loss_chunk:
         return total + 4  # the running sum of the chunk losses
     total += 4 * n * m.vocab_size / t + 8  # log-softmax; loss and its total weight
     return total + (a * m.vocab_size * m.dim / t if casts else 0)
+
+
+def rope_table_bytes(cfg: LctrainConfig, world_size: int, batch: int) -> float:
+    """The RoPE cos and sin tables of one forward, [rows, S/cp, d] in the compute dtype (one row
+    per sequence under document masking): part of `head_activation_formula`; under pipelining
+    every stage computes and keeps its own."""
+    rows = (batch if cfg.data.document_masking else 1) * cfg.train.seq_len // cfg.parallel.cp
+    return 2 * rows * (cfg.model.dim // cfg.model.n_heads) * dtype_bytes(cfg, world_size)[0]
 
 
 def planning_bytes(cfg: LctrainConfig, batch: int) -> float:
@@ -158,9 +194,11 @@ def planning_bytes(cfg: LctrainConfig, batch: int) -> float:
     return total
 
 
-def working_bytes(cfg: LctrainConfig, world_size: int, batch: int) -> float:
+def working_bytes(cfg: LctrainConfig, world_size: int, batch: int,
+                  loss_head: bool = True) -> float:
     """Device bytes the backward holds for a moment beyond what the forward kept: an estimate
-    (bench/activation_memory.py compares it with measured peaks), the larger of
+    (bench/activation_memory.py compares it with measured peaks), the larger of (the second
+    only on a rank with the `loss_head`, the last pipeline stage)
       - one block's backward: the block recomputed (what it keeps without checkpointing, less
         what its mode kept), the fp32 gradients of its input and output (2 x 4 n D/s), and
         under train.offload_activations its input, back from the host;
@@ -184,4 +222,91 @@ def working_bytes(cfg: LctrainConfig, world_size: int, batch: int) -> float:
     if t.offload_activations:
         block += r * n * m.dim / s
         head += head_activation_formula(cfg, world_size, batch)
-    return max(block, head)
+    return max(block, head) if loss_head else block
+
+
+def in_flight_moments(schedule: str, pp: int, microbatches: int, virtual: int,
+                      pp_rank: int) -> list[tuple[int, ...]]:
+    """Micro-batches whose activations each stage of pipeline rank `pp_rank` keeps (in
+    `rank_stages` order) each time, from its warm-up's end on, the rank has just run a forward:
+    its peak is one of them. Activations live from a micro-batch's forward to its backward, to
+    its weight gradient W under the zero-bubble schedules (torch's input-gradient step keeps the
+    graph for W: `stage_backward_input`), in the orders torch 2.13's schedules build."""
+    p, m, v, r = pp, microbatches, virtual, pp_rank
+    if p == 1:  # no pipeline: one micro-batch at a time through the whole model
+        return [(1,) * len(rank_stages(0, 1, v, schedule))]
+    if schedule == "gpipe":  # every forward before the first backward (docs/parallelism.md §13)
+        return [(m,)]
+    if schedule == "1f1b":  # p - r warm-up forwards, then a backward after each forward (§13)
+        return [(min(m, p - r),)]
+    if schedule == "zbv":  # 2p: at the first forward of stage 2p-1-r, then at each of stage r
+        return [(2 * p - r - 1, r + 1), (2 * p - r, r)]
+    # interleaved: w = (v-1) q + 2 (p-1-r) warm-up chunk forwards, q micro-batches per round,
+    # then a forward and a backward per op: w + 1 at each moment; zero bubble: (p-1-r) and each
+    # W r ops behind its backward: (v-1) q + p. The k-th forward runs chunk (k // q) mod v, the
+    # k-th backward chunk v-1 - (k // q) mod v (docs/parallelism.md §13).
+    q = m // max(1, m // p)
+    warmup = min((v - 1) * q + (2 if schedule == "interleaved_1f1b" else 1) * (p - 1 - r), m * v)
+    lag = r if schedule == "zero_bubble" else 0
+
+    def on_chunk(n: int, j: int) -> int:  # of the rank's first n chunk ops, those on chunk j
+        cycles, rest = divmod(n, q * v)
+        return cycles * q + min(q, max(0, rest - j * q))
+
+    return [tuple(on_chunk(k + 1, j) - on_chunk(max(0, k - warmup - lag), v - 1 - j)
+                  for j in range(v)) for k in range(min(warmup, m * v - 1), m * v)]
+
+
+def peak_in_flight(moments: list[tuple[int, ...]], stage_bytes: list[float]) -> tuple[int, ...]:
+    """The moment of `in_flight_moments` that keeps the most bytes, one micro-batch keeping
+    `stage_bytes` on each stage (the first such moment)."""
+    return max(moments, key=lambda counts: sum(c * b for c, b in zip(counts, stage_bytes)))
+
+
+def stage_activation_bytes(cfg: LctrainConfig, world_size: int, batch: int, stage: int) -> float:
+    """Bytes one micro-batch keeps for the backward on pipeline stage `stage`: its blocks, and the
+    loss head (`head_activation_formula`) on the last stage, the RoPE tables alone on the others
+    (every stage computes its own); less the stage input when it arrives in a receive buffer
+    (`pipeline_buffer_bytes` counts those) and the first block keeps that very tensor: the fp32
+    residual, or the input a checkpointed block keeps, on the device (docs/parallelism.md §13)."""
+    stages, t = split_layers(cfg), cfg.train
+    total = len(stages[stage]) * activation_formula(cfg, world_size, batch)
+    if stage == len(stages) - 1:
+        total += head_activation_formula(cfg, world_size, batch)
+    elif cfg.parallel.pp > 1:
+        total += rope_table_bytes(cfg, world_size, batch)
+    r = dtype_bytes(cfg, world_size)[1]
+    if _receives(cfg, stage, -1) and not t.offload_activations and (
+            t.activation_checkpointing != "none" or r == 4):
+        total -= _stage_io_bytes(cfg, world_size, batch)
+    return total
+
+
+def pipeline_buffer_bytes(cfg: LctrainConfig, world_size: int, batch: int, pp_rank: int) -> float:
+    """The receive buffers torch's PipelineStage allocates on its first step and keeps, one per
+    micro-batch of the step (`_setup_forward_recv_info`, `_create_grad_recv_info`): for each
+    stage of the rank whose previous stage runs on another rank, the activations
+    [B, S/(cp*tp) with SP else S/cp, D] in the residual dtype; for each whose next stage does,
+    their gradients, alike (docs/parallelism.md §13)."""
+    m = derive(cfg, world_size).grad_accum
+    links = sum(_receives(cfg, s, -1) + _receives(cfg, s, 1) for s in _stages_of(cfg, pp_rank))
+    return links * m * _stage_io_bytes(cfg, world_size, batch)
+
+
+def _receives(cfg: LctrainConfig, stage: int, step: int) -> bool:
+    """Whether `stage` receives from its neighbour `stage + step` (-1: activations, 1:
+    gradients): the neighbour exists and runs on another pipeline rank."""
+    p, neighbour = cfg.parallel, stage + step
+    if not 0 <= neighbour < len(split_layers(cfg)):
+        return False
+    layout = (p.pp, p.pp_virtual_stages, p.pp_schedule)
+    return stage_rank(neighbour, *layout) != stage_rank(stage, *layout)
+
+
+def _stage_io_bytes(cfg: LctrainConfig, world_size: int, batch: int) -> float:
+    """Bytes of one micro-batch's hidden state between stages, [B, S/(cp*s), D] (s = tp with SP)
+    in the residual dtype."""
+    p = cfg.parallel
+    s = p.tp if (p.sp and p.tp > 1) else 1
+    r = dtype_bytes(cfg, world_size)[1]
+    return batch * cfg.train.seq_len // p.cp // s * cfg.model.dim * r

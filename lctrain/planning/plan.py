@@ -6,20 +6,26 @@ No process, device or process group is created. Traffic: the formulas of
 master weights, gradients and AdamW moments (sharded over dp x cp by FSDP, replicated by DDP),
 FSDP's gathered weights, the activations the forward keeps (blocks and head, exact against
 measurement in fp32 and bf16; on the host with train.offload_activations) and the backward's
-working set (an estimate).
+working set (an estimate). Under pipeline parallelism every pipeline rank has its own figures
+(its stages, the micro-batches they keep in flight, its receive buffers); the headline is the
+rank with the largest total, and "pipeline" holds them stage by stage.
 """
 
 from __future__ import annotations
 
 from lctrain.config import LctrainConfig, derive
 from lctrain.config.validation import warnings_for
+from lctrain.layout.stages import bubble_fraction, rank_stages, split_layers
 from lctrain.layout.topology import AXES, GROUPS, Topology
 from lctrain.planning.memory import (
-    activation_formula,
     gathered_weight_bytes,
-    head_activation_formula,
+    in_flight_moments,
     local_params,
     param_count,
+    peak_in_flight,
+    pipeline_buffer_bytes,
+    stage_activation_bytes,
+    stage_params,
     state_bytes_per_rank,
     working_bytes,
 )
@@ -45,6 +51,57 @@ def attention_traffic_per_layer(cfg: LctrainConfig, world_size: int) -> dict[str
             f"{p.attention}_per_layer_bwd": t["backward"]}
 
 
+def rank_memory(cfg: LctrainConfig, world_size: int, pp_rank: int) -> dict:
+    """Memory of one rank of pipeline rank `pp_rank`: "bytes" (the plan's memory keys), and for
+    each of its stages (`rank_stages` order) the micro-batches in flight at the rank's peak and
+    the activation bytes they keep."""
+    p, t = cfg.parallel, cfg.train
+    stages = rank_stages(pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule)
+    per_micro_batch = [stage_activation_bytes(cfg, world_size, t.micro_batch, s) for s in stages]
+    moments = in_flight_moments(p.pp_schedule, p.pp, derive(cfg, world_size).grad_accum,
+                                p.pp_virtual_stages, pp_rank)
+    in_flight = peak_in_flight(moments, per_micro_batch)
+    activations = [n * b for n, b in zip(in_flight, per_micro_batch)]
+    kept = sum(activations)
+    on_host = kept if t.offload_activations else 0.0
+    loss_head = len(split_layers(cfg)) - 1 in stages
+    parts = {
+        "weights_grads_adam": state_bytes_per_rank(cfg, world_size, pp_rank),
+        "fsdp_gathered_weights": gathered_weight_bytes(cfg, world_size, pp_rank),
+        "activations_kept": kept - on_host,
+        "activations_on_host": on_host,
+        "backward_working_set": working_bytes(cfg, world_size, t.micro_batch, loss_head),
+    }
+    if p.pp > 1:
+        parts["pipeline_buffers"] = pipeline_buffer_bytes(cfg, world_size, t.micro_batch,
+                                                          pp_rank)
+    total = sum(v for k, v in parts.items() if k != "activations_on_host")
+    return {"stages": stages, "in_flight": list(in_flight), "activations": activations,
+            "bytes": parts | {"total_estimate": total}}
+
+
+def pipeline_table(cfg: LctrainConfig, world_size: int, ranks: list[dict]) -> dict:
+    """The plan's "pipeline": schedule, micro-batches, bubble, and one row per stage."""
+    p = cfg.parallel
+    m = derive(cfg, world_size).grad_accum
+    layers = split_layers(cfg)
+    rows = []
+    for pp_rank, mem in enumerate(ranks):
+        for stage, n, act in zip(mem["stages"], mem["in_flight"], mem["activations"]):
+            rows.append({"stage": stage, "pp_rank": pp_rank,
+                         "layers": [layers[stage][0], layers[stage][-1]],
+                         "embedding": stage == 0, "output": stage == len(layers) - 1,
+                         "params": stage_params(cfg, stage), "micro_batches_in_flight": n,
+                         "activations_gib": act / GIB,
+                         "rank_total_gib": mem["bytes"]["total_estimate"] / GIB})
+    return {"schedule": p.pp_schedule, "stages_per_rank": len(ranks[0]["stages"]),
+            "micro_batches": m,
+            "bubble_fraction": bubble_fraction(p.pp_schedule, p.pp, m, p.pp_virtual_stages),
+            "largest_pp_rank": max(range(p.pp),
+                                   key=lambda r: ranks[r]["bytes"]["total_estimate"]),
+            "stages": sorted(rows, key=lambda row: row["stage"])}
+
+
 def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
     """Everything `lctrain plan` reports, as plain data (assumes `validate` passed)."""
     d = derive(cfg, world_size)
@@ -53,14 +110,15 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
     head_dim = m.dim // m.n_heads
     bytes_act = 2 if t.dtype == "bf16" else 4
     n_params = param_count(m)
-    state_bytes = state_bytes_per_rank(cfg, world_size)
     tokens = t.micro_batch * d.local_seq_len         # per cp rank
     seq_div = p.tp if (p.sp and p.tp > 1) else 1
-    kept = (activation_formula(cfg, world_size, t.micro_batch) * (m.n_layers // p.pp)
-            + head_activation_formula(cfg, world_size, t.micro_batch))
-    on_host = kept if t.offload_activations else 0.0
-    gathered = gathered_weight_bytes(cfg, world_size)
-    working = working_bytes(cfg, world_size, t.micro_batch)
+    ranks = [rank_memory(cfg, world_size, r) for r in range(p.pp)]
+    worst = max(ranks, key=lambda mem: mem["bytes"]["total_estimate"])
+    shards = d.dp * p.cp
+    dp_traffic = max(  # of the pipeline rank that sends the most
+        (dp_step_traffic(p.dp_engine, *local_params(cfg, r), shards, d.grad_accum),
+         dp_step_bytes(p.dp_engine, *local_params(cfg, r), shards, d.grad_accum, bytes_act))
+        for r in range(p.pp))
     traffic = attention_traffic_per_layer(cfg, world_size) if p.cp > 1 else {}
     notes = list(warnings_for(cfg))
     if d.kv_replication > 1:
@@ -73,7 +131,10 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
                                              for g in topo.groups(name)):
             notes.append(f"{name} groups span nodes (slurm.gpus_per_node={gpus}); keep "
                          f"tp x cp_ulysses <= {gpus} for intra-node links")
-    return {
+    if p.pp > 1 and worst["bytes"]["fsdp_gathered_weights"]:
+        notes.append("under pipelining FSDP keeps a stage's weights gathered from its backward "
+                     "to its next forward: fsdp_gathered_weights counts all of a rank's stages")
+    plan = {
         "world_size": world_size,
         "layout": {a: getattr(topo, a) for a in AXES} | {"cp": p.cp, "sp": p.sp},
         "attention": p.attention if p.cp > 1 else "local",
@@ -90,27 +151,21 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
             "attention_core [B, S/cp_ring, H/(tp*cp_ulysses), d]":
                 [t.micro_batch, t.seq_len // d.cp_ring, m.n_heads // (p.tp * d.cp_ulysses),
                  head_dim],
-            "layers_per_stage": m.n_layers // p.pp,
+            "layers_per_stage": [len(layers) for layers in split_layers(cfg)],
         },
-        "memory_gib": {
-            "params_total_billion": n_params / 1e9,
-            "weights_grads_adam": state_bytes / GIB,
-            "fsdp_gathered_weights": gathered / GIB,
-            "activations_kept": (kept - on_host) / GIB,
-            "activations_on_host": on_host / GIB,
-            "backward_working_set": working / GIB,
-            "total_estimate": (state_bytes + gathered + kept - on_host + working) / GIB,
-        },
+        "memory_gib": {"params_total_billion": n_params / 1e9}
+                      | {k: v / GIB for k, v in worst["bytes"].items()},
         "traffic_elements_per_rank": {
             **traffic,
             "tp_per_layer_fwd": tp_block_traffic(tokens, m.dim, p.tp),
-            f"{p.dp_engine}_per_step": dp_step_traffic(p.dp_engine, *local_params(cfg),
-                                                       d.dp * p.cp, d.grad_accum),
-            f"{p.dp_engine}_bytes_per_step": dp_step_bytes(p.dp_engine, *local_params(cfg),
-                                                           d.dp * p.cp, d.grad_accum, bytes_act),
+            f"{p.dp_engine}_per_step": dp_traffic[0],
+            f"{p.dp_engine}_bytes_per_step": dp_traffic[1],
         },
         "groups": {name: {"axes": list(GROUPS[name][0]), "size": topo.group_size(name),
                           "carries": GROUPS[name][1]} for name in GROUPS},
         "ranks": [{"rank": r, "node": r // gpus, **topo.coords(r)} for r in range(world_size)],
         "notes": notes,
     }
+    if p.pp > 1:
+        plan["pipeline"] = pipeline_table(cfg, world_size, ranks)
+    return plan

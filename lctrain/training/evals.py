@@ -7,7 +7,8 @@ runs through exactly the model, parallel layout and cp split that training uses.
 of each answer token is the argmax of the logits at the position before it, with the true
 answer before it as input (teacher forcing: one forward, no generation). An example counts as
 correct when every answer token is. Examples are spread over the dp ranks; each cp rank scores
-the answer tokens it holds, and one all-reduce over dp x cp adds up the misses.
+the answer tokens it holds (with pipeline parallelism, on the last stage), and one all-reduce
+over dp x cp (and one over the pipeline) adds up the misses.
 """
 
 from __future__ import annotations
@@ -104,10 +105,9 @@ class Evaluator:
                                    cfg.data.document_masking).to(rt.device)
             with rt.autocast():
                 logits = model(mb.inputs, mb.positions, mb.doc_ids)
-            if batch:
+            if batch and logits is not None:  # None: not the last pipeline stage
                 misses += self._misses(logits, batch).to(rt.device)
-        if rt.dp_cp_group is not None:
-            dist.all_reduce(misses, group=rt.dp_cp_group)
+        rt.sum_scores(misses)
         results = summarize(self.examples, misses.cpu())
         if self.validation is not None:
             results.update(self.validation.run(model))

@@ -24,12 +24,14 @@ from lctrain.config.compose import as_dict, to_yaml
 from lctrain.data.batch import IGNORE_INDEX, MicroBatch
 from lctrain.data.loader import DataLoader, build_loader
 from lctrain.layout.comm import record_traffic
-from lctrain.models.hf import export_hf
-from lctrain.models.llama import parameter_count
+from lctrain.layout.stages import split_layers
+from lctrain.models.hf import export_hf, full_parameters
 from lctrain.parallel.data_parallel import gradient_sync, unwrap
 from lctrain.parallel.parallelize import build_model
+from lctrain.parallel.pipeline import PipelinedModel
 from lctrain.parallel.runtime import Runtime, setup_distributed
 from lctrain.parallel.tensor import loss_value, vocab_parallel
+from lctrain.planning.memory import param_count
 from lctrain.training.checkpoint import Checkpointer, TrainState
 from lctrain.training.evals import Evaluator, format_table
 from lctrain.training.metrics import MetricsLogger
@@ -58,6 +60,21 @@ def _all_reduce(x: Tensor, rt: Runtime) -> Tensor:
     return x
 
 
+def _micro_steps(model: nn.Module, micro_batches: list[MicroBatch], loss_scale: float,
+                 rt: Runtime) -> Tensor:
+    """Forward and backward of every micro-batch; the sum of this rank's token losses (with
+    pipeline parallelism, summed over the pipeline: only the last stage computes losses)."""
+    if isinstance(model, PipelinedModel):
+        loss_sum = model.train_step(micro_batches, loss_scale)
+        dist.all_reduce(loss_sum, group=rt.group("pp"))
+        return loss_sum
+    loss_sum = torch.zeros((), device=rt.device, dtype=torch.float32)
+    for i, mb in enumerate(micro_batches):
+        with gradient_sync(model, sync=i == len(micro_batches) - 1):
+            loss_sum += forward_backward(model, mb, loss_scale, rt)
+    return loss_sum
+
+
 def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[MicroBatch],
                cfg: LctrainConfig, rt: Runtime) -> dict:
     """One optimizer step over this rank's accumulation micro-batches."""
@@ -66,11 +83,9 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[Micro
     tokens = _all_reduce(torch.tensor(float(local_tokens), dtype=torch.float64,
                                       device=rt.device), rt)
     loss_scale = rt.topology.group_size("dp_cp") / tokens.item()
-    loss_sum = torch.zeros((), device=rt.device, dtype=torch.float32)
-    for i, mb in enumerate(micro_batches):
-        with gradient_sync(model, sync=i == len(micro_batches) - 1):
-            loss_sum += forward_backward(model, mb, loss_scale, rt)
-    grad_norm = clip_grad_norm_(list(model.parameters()), cfg.optim.grad_clip)
+    loss_sum = _micro_steps(model, micro_batches, loss_scale, rt)
+    grad_norm = clip_grad_norm_(list(model.parameters()), cfg.optim.grad_clip,
+                                rt.group("pp") if rt.topology.pp > 1 else None)
     loss = _all_reduce(loss_sum, rt) / tokens
     lr = scheduler.get_last_lr()[0]
     # the same global values on every rank, so every rank takes the same decision
@@ -135,7 +150,11 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
     metrics = MetricsLogger(cfg.logging, run_dir, rt.rank, cfg.train.steps, as_dict(cfg))
     metrics.info(f"lctrain: {rt.world_size} rank(s) on {rt.device.type}, layout "
                  f"{rt.topology.shape} (pp, dp, cp_ring, cp_ulysses, tp), grad_accum "
-                 f"{rt.derived.grad_accum}, {parameter_count(model):,} parameters")
+                 f"{rt.derived.grad_accum}, {param_count(cfg.model):,} parameters")
+    if isinstance(model, PipelinedModel):
+        metrics.info(f"lctrain: pipeline {cfg.parallel.pp_schedule}, layers per stage "
+                     f"{[len(s) for s in split_layers(cfg)]}, {rt.derived.grad_accum} "
+                     f"micro-batches per step")
     if loader.dropped:
         metrics.info(f"lctrain: data.long_docs=drop skips {loader.dropped:,} documents longer "
                      f"than train.seq_len={cfg.train.seq_len}")
@@ -168,7 +187,9 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
                 break
         checkpointer.wait()
         if cfg.checkpoint.export_hf is not None and not watcher.reason:
-            export_hf(unwrap(model), cfg.model, cfg.checkpoint.export_hf, rt.rank)
+            parameters = (model.full_parameters() if isinstance(model, PipelinedModel)
+                          else full_parameters(unwrap(model)))
+            export_hf(parameters, cfg.model, cfg.checkpoint.export_hf, rt.rank)
             metrics.info(f"lctrain: exported Hugging Face weights to {cfg.checkpoint.export_hf}")
     finally:
         checkpointer.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -60,25 +61,32 @@ def resume_scheduler(scheduler, step: int) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
+                    pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Global L2 norm of all gradients (DTensor shards included); clip when max_norm > 0.
 
     DTensor gradients (TP and/or FSDP shards) reduce their partial norms over their mesh, so the
     result is the norm of the full, unsharded gradient on every rank. Plain gradients (modules
-    left out of the TP plan) are replicated, so their local norm is already the full one.
+    left out of the TP plan) are replicated, so their local norm is already the full one. With
+    pipeline parallelism each rank holds other layers: the squares add up over `pp_group`.
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    sharded = [g for g in grads if isinstance(g, DTensor)]
-    plain = [g for g in grads if not isinstance(g, DTensor)]
+    # foreach kernels take one kind of tensor at a time: plain, or DTensors of one mesh (TP
+    # without SP leaves the norms FSDP-sharded on dp x cp alone, the matmuls on dp x cp x tp)
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups.setdefault(mesh, []).append(p.grad)
     squares = []
-    for group in (sharded, plain):
-        if group:
-            norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
-            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-            squares.append(norm.float() ** 2)
-    total = torch.stack(squares).sum().sqrt()
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares.append(norm.float() ** 2)
+    total = torch.stack(squares).sum()
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    total = total.sqrt()
     if max_norm > 0:
-        for group in (sharded, plain):
-            if group:
-                torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lctrain.config import LctrainConfig
@@ -40,9 +39,9 @@ class ValidationLoss:
             mb = mb.to(rt.device)
             with vocab_parallel(rt.topology.tp), rt.autocast():
                 loss = model(mb.inputs, mb.positions, mb.doc_ids, labels=mb.labels)
-            totals[0] += loss_value(loss).double()
-            totals[1] += (mb.labels != IGNORE_INDEX).sum()
-        if rt.dp_cp_group is not None:
-            dist.all_reduce(totals, group=rt.dp_cp_group)
+            if loss is not None:  # None: not the last pipeline stage
+                totals[0] += loss_value(loss).double()
+                totals[1] += (mb.labels != IGNORE_INDEX).sum()
+        rt.sum_scores(totals)
         loss = (totals[0] / totals[1]).item()
         return {"val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}

@@ -1,0 +1,106 @@
+"""Pipeline stages as pure numbers: which layers each stage holds, which pipeline rank runs each
+stage, and the idle fraction (bubble) of each schedule (docs/parallelism.md §13).
+
+The model is cut into pp x v contiguous stages (v = parallel.pp_virtual_stages). The embedding
+goes with the first stage and the final norm, output layer and loss with the last. Without an
+explicit parallel.pp_layers the cut minimises the most expensive stage, with costs in training
+FLOPs per token: a block costs its matmuls plus causal attention over the whole sequence, the
+output layer its [D, V] matmul, the embedding a row lookup (docs/parallelism.md §13).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from lctrain.config import LctrainConfig, ModelConfig
+
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+"""Schedules that run one stage per pipeline rank."""
+
+
+def block_params(m: ModelConfig) -> int:
+    """Weights of one transformer block (norms included)."""
+    head_dim = m.dim // m.n_heads
+    attention = m.dim * head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
+    return attention + 3 * m.dim * m.ffn_dim + 2 * m.dim
+
+
+def layer_costs(m: ModelConfig, seq_len: int) -> tuple[float, list[float], float]:
+    """(embedding, [each block], output layer + loss): forward + backward FLOPs per token, 3x the
+    forward's. A block's forward is 2 FLOPs per weight plus causal attention, 2 S d_model
+    (QK^T and PV over S/2 keys on average); the output layer 2 D V plus the softmax (~5 V)."""
+    block = 3 * (2 * block_params(m) + 2 * seq_len * m.dim)
+    output = 3 * (2 * m.dim * m.vocab_size + 5 * m.vocab_size)
+    embedding = 3 * m.dim
+    return embedding, [block] * m.n_layers, output
+
+
+def stage_count(cfg: LctrainConfig) -> int:
+    return cfg.parallel.pp * cfg.parallel.pp_virtual_stages
+
+
+def split_layers(cfg: LctrainConfig) -> list[list[int]]:
+    """Global layer ids of every stage, in pipeline order (parallel.pp_layers, or balanced)."""
+    n, explicit = stage_count(cfg), cfg.parallel.pp_layers
+    counts = list(explicit) if explicit else balanced_counts(cfg.model, cfg.train.seq_len, n)
+    out, start = [], 0
+    for c in counts:
+        out.append(list(range(start, start + c)))
+        start += c
+    return out
+
+
+def balanced_counts(m: ModelConfig, seq_len: int, stages: int) -> list[int]:
+    """Layers per stage (each at least one) minimising the largest stage cost, the embedding
+    counted in the first stage and the output layer in the last; ties go to earlier stages
+    holding fewer layers (the first stage also keeps its micro-batches in flight longest)."""
+    embedding, blocks, output = layer_costs(m, seq_len)
+    return list(_best_split(len(blocks), stages, embedding, blocks[0], output))
+
+
+@cache
+def _best_split(layers: int, stages: int, first_extra: float, block: float,
+                last_extra: float) -> tuple[int, ...]:
+    # max stage cost of cutting `left` layers into `k` stages where the first is stage `index`
+    @cache
+    def best(left: int, k: int, index: int) -> tuple[float, tuple[int, ...]]:
+        if k == 1:
+            cost = left * block + (first_extra if index == 0 else 0) + last_extra
+            return cost, (left,)
+        options = []
+        for take in range(1, left - k + 2):
+            cost = take * block + (first_extra if index == 0 else 0)
+            rest_cost, rest = best(left - take, k - 1, index + 1)
+            options.append((max(cost, rest_cost), (take, *rest)))
+        cost, split = min(options)
+        return cost, split
+
+    return best(layers, stages, 0)[1]
+
+
+def rank_stages(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    """The stages pipeline rank `pp_rank` runs, in order: looped (r, r + pp, ...) or, for zbv,
+    a V (r and 2 pp - 1 - r: the first and the last stage on rank 0)."""
+    if schedule == "zbv":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + i * pp for i in range(virtual)]
+
+
+def stage_rank(stage: int, pp: int, virtual: int, schedule: str) -> int:
+    """The pipeline rank that runs `stage`."""
+    return next(r for r in range(pp) if stage in rank_stages(r, pp, virtual, schedule))
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
+    """Idle time / step time of a pipeline rank, stages of equal cost, a backward twice a
+    forward, split evenly into input and weight gradients (docs/parallelism.md §13)."""
+    p, m, v = pp, microbatches, virtual
+    if p == 1:
+        return 0.0
+    if schedule in SINGLE_STAGE_SCHEDULES:
+        return (p - 1) / (m + p - 1)
+    if schedule == "interleaved_1f1b":
+        return (p - 1) / (v * m + p - 1)
+    if schedule in ("zero_bubble", "zbv"):  # weight gradients fill two thirds of the bubble
+        return (p - 1) / (3 * v * m + p - 1)
+    raise ValueError(f"unknown schedule {schedule}")

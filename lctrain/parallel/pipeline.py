@@ -1,0 +1,223 @@
+"""Pipeline parallelism: this rank's stages of the model, the schedule that trains them
+(torch.distributed.pipelining), and a plain forward through every stage for evals.
+
+The model is cut into parallel.pp x pp_virtual_stages stages (lctrain.layout.stages). A stage is
+a Llama that holds only its layers, under their global ids, with the embedding on the first stage
+and the final norm, output layer and loss on the last, so checkpoint keys never depend on pp.
+Each stage is laid out as a whole model would be (TP + SP, tiling, checkpointing, then FSDP or
+DDP over the dp x cp group of its pipeline coordinate). Every rank of a pipeline reads the same
+micro-batches; the first stage takes the tokens, every stage takes the RoPE positions and the
+document ids as keywords, and the last stage takes the labels and returns the sum of its token
+losses, scaled for the backward exactly as without pipelining (docs/parallelism.md §10, §13).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.tensor import DTensor
+
+from lctrain.config import LctrainConfig
+from lctrain.data.batch import MicroBatch
+from lctrain.layout.stages import rank_stages, split_layers, stage_count, stage_rank
+from lctrain.models.llama import AttentionCore, Llama
+from lctrain.parallel.data_parallel import unwrap
+from lctrain.parallel.runtime import Runtime
+from lctrain.parallel.tensor import loss_value, vocab_parallel
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+             "interleaved_1f1b": ScheduleInterleaved1F1B,
+             "zero_bubble": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
+
+
+def my_stages(cfg: LctrainConfig, rt: Runtime) -> list[int]:
+    """The stage ids this rank runs, in order."""
+    p = cfg.parallel
+    return rank_stages(rt.axis_rank("pp"), p.pp, p.pp_virtual_stages, p.pp_schedule)
+
+
+def stage_model(cfg: LctrainConfig, core: AttentionCore, stage: int) -> Llama:
+    """Stage `stage` of the model on the meta device: its layers under their global ids, the
+    embedding if it is the first stage, the final norm and output layer if it is the last."""
+    layers = set(split_layers(cfg)[stage])
+    with torch.device("meta"):
+        model = Llama(cfg.model, core)
+    for key in [k for k in model.layers if int(k) not in layers]:
+        del model.layers[key]
+    if stage > 0:
+        model.tok_embeddings = None
+    if stage < stage_count(cfg) - 1:
+        model.norm = model.output = None
+    return model
+
+
+class PipelinedModel(nn.Module):
+    """This rank's stages as one module under the global parameter names (layers.{i}.*,
+    tok_embeddings.*, norm.*, output.*), so that the optimizer, gradient clipping, checkpoints
+    and export see the same names as without pipelining; `train_step` runs the schedule and
+    `forward` runs the stages one after the other (no backward: evals, validation)."""
+
+    def __init__(self, parts: dict[int, nn.Module], cfg: LctrainConfig, rt: Runtime):
+        """parts: stage id -> the stage laid out for training (FSDP- or DDP-wrapped)."""
+        super().__init__()
+        self.cfg, self.rt = cfg, rt
+        self.n_stages = stage_count(cfg)
+        self.layers = nn.ModuleDict()
+        self.tok_embeddings = self.norm = self.output = None
+        for stage in sorted(parts):
+            model = unwrap(parts[stage])
+            for key, layer in model.layers.items():
+                self.layers[key] = layer
+            for name in ("tok_embeddings", "norm", "output"):
+                if getattr(model, name) is not None:
+                    setattr(self, name, getattr(model, name))
+        self.parts = parts  # a plain dict: the stage modules are reached through the names above
+        for part in parts.values():
+            if isinstance(part, nn.parallel.DistributedDataParallel):
+                # the schedule arms DDP's gradient hooks itself, before each stage's last
+                # backward of a step; armed by every forward too, the first step would record
+                # each parameter once per micro-batch and DDP's bucket rebuild would fail
+                part.require_backward_grad_sync = False
+        p = cfg.parallel
+        pp_group = rt.group("pp")
+        self.stages = [PipelineStage(parts[s], s, self.n_stages, rt.device, group=pp_group)
+                       for s in sorted(parts, key=my_stages(cfg, rt).index)]
+        schedule = SCHEDULES[p.pp_schedule]
+        kwargs = dict(n_microbatches=rt.derived.grad_accum, loss_fn=self._scaled_loss,
+                      scale_grads=False)
+        self.schedule = (schedule(self.stages, **kwargs) if issubclass(
+            schedule, PipelineScheduleMulti) else schedule(self.stages[0], **kwargs))
+        self._loss_scale = 1.0
+        self._loss_sums: list[Tensor] = []
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.n_stages - 1 in self.parts
+
+    def _scaled_loss(self, loss_sum: Tensor, _target: Tensor) -> Tensor:
+        """The schedule's loss function: the last stage already returns the loss sum."""
+        self._loss_sums.append(loss_value(loss_sum.detach()))
+        return loss_sum * self._loss_scale
+
+    def train_step(self, micro_batches: list[MicroBatch], loss_scale: float) -> Tensor:
+        """Forward and backward of the step's micro-batches through the pipeline schedule; the
+        detached sum of token losses (on the last stage; 0 on the others)."""
+        rt = self.rt
+        mbs = [mb.to(rt.device) for mb in micro_batches]
+        inputs = torch.cat([mb.inputs for mb in mbs])
+        kwargs = {"positions": torch.cat([mb.positions.expand_as(mb.inputs) for mb in mbs]),
+                  "labels": torch.cat([mb.labels for mb in mbs])}
+        if mbs[0].doc_ids is not None:
+            kwargs["doc_ids"] = torch.cat([mb.doc_ids for mb in mbs])
+        self._loss_scale, self._loss_sums = loss_scale, []
+        args = (inputs,) if 0 in self.parts else ()
+        # the loss is computed inside the last stage: the schedule's target is a placeholder
+        target = torch.zeros(len(mbs), device=rt.device)
+        with vocab_parallel(rt.topology.tp), rt.autocast(), rt.saved_activations():
+            self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
+        total = torch.zeros((), device=rt.device, dtype=torch.float32)
+        # the last ones: on its first step the schedule also runs a forward on placeholder
+        # inputs to learn the shapes between stages
+        for s in self._loss_sums[len(self._loss_sums) - len(mbs):]:
+            total += s.float()
+        return total
+
+    @torch.no_grad()
+    def forward(self, x: Tensor, positions: Tensor, doc_ids: Tensor | None = None,
+                labels: Tensor | None = None) -> Tensor | None:
+        """The whole model's output (logits, or the loss sum with `labels`) on the rank of the
+        last stage, None on the others: each stage receives its input from the rank of the stage
+        before it. Collective over the pipeline: every pipeline rank calls it with the same
+        batch."""
+        positions = positions.expand(x.shape[0], positions.shape[-1])
+        h: Tensor | None = x
+        for stage in range(self.n_stages):
+            if stage not in self.parts:
+                continue
+            if stage > 0 and stage - 1 not in self.parts:
+                h = self._recv(self._peer(stage - 1))
+            last = stage == self.n_stages - 1
+            h = self.parts[stage](h, positions, doc_ids, labels=labels if last else None)
+            if not last and stage + 1 not in self.parts:
+                self._send(h, self._peer(stage + 1))
+        return h if self.has_last_stage else None
+
+    @torch.no_grad()
+    def full_parameters(self) -> Iterator[tuple[str, Tensor | None]]:
+        """(name, whole fp32 tensor) of every parameter, in the unsplit model's order, on global
+        rank 0 (None elsewhere). The ranks of the owning stage gather it over their own meshes,
+        and the owner in rank 0's pipeline sends it to rank 0. Collective: iterate on every
+        rank."""
+        rt, topo = self.rt, self.rt.topology
+        owner_of = _owners(self.cfg)
+        root_line = all(c == 0 for axis, c in topo.coords(rt.rank).items() if axis != "pp")
+        with torch.device("meta"):
+            reference = Llama(self.cfg.model)
+        for name, meta in reference.named_parameters():
+            stage = owner_of(name)
+            full = None
+            if stage in self.parts:
+                param = self.get_parameter(name)
+                full = param.full_tensor() if isinstance(param, DTensor) else param
+                full = full.float().contiguous()
+            peer = self._peer(stage)
+            if root_line and peer != 0:
+                if rt.rank == peer:
+                    dist.send(full, 0)
+                elif rt.rank == 0:
+                    full = torch.empty(meta.shape, dtype=torch.float32, device=rt.device)
+                    dist.recv(full, peer)
+            yield name, full if rt.rank == 0 else None
+
+    def _peer(self, stage: int) -> int:
+        """Global rank that runs `stage` in this rank's pipeline."""
+        p, topo = self.cfg.parallel, self.rt.topology
+        coords = topo.coords(self.rt.rank)
+        coords["pp"] = stage_rank(stage, p.pp, p.pp_virtual_stages, p.pp_schedule)
+        return topo.rank(**coords)
+
+    def _send(self, h: Tensor, peer: int) -> None:
+        header = torch.tensor([_DTYPES.index(h.dtype), *h.shape], dtype=torch.int64,
+                              device=h.device)
+        dist.send(torch.tensor([header.numel()], device=h.device), peer)
+        dist.send(header, peer)
+        dist.send(h.contiguous(), peer)
+
+    def _recv(self, peer: int) -> Tensor:
+        device = self.rt.device
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+        dist.recv(size, peer)
+        header = torch.zeros(int(size), dtype=torch.int64, device=device)
+        dist.recv(header, peer)
+        out = torch.empty(header[1:].tolist(), dtype=_DTYPES[int(header[0])], device=device)
+        dist.recv(out, peer)
+        return out
+
+
+def _owners(cfg: LctrainConfig) -> Callable[[str], int]:
+    """parameter name -> the stage that holds it."""
+    stage_of_layer = {layer: s for s, layers in enumerate(split_layers(cfg)) for layer in layers}
+    last = stage_count(cfg) - 1
+
+    def owner(name: str) -> int:
+        if name.startswith("layers."):
+            return stage_of_layer[int(name.split(".")[1])]
+        return 0 if name.startswith("tok_embeddings.") else last
+
+    return owner
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+"""Dtypes a hidden state can travel in between stages (index sent in the header)."""

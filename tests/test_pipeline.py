@@ -1,0 +1,295 @@
+"""Pipeline parallelism changes nothing: every schedule, composed with TP + SP, every CP
+algorithm, document masking and FSDP/DDP, gives the losses and grad norms of one process over
+the same global batch, and after one step every parameter gradient equals the unsharded
+model's (the reference is the single-process model: tests/helpers.reference_model).
+
+One process spawn per world size runs every (layout, schedule) of that size.
+"""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from lctrain.config.validation import validate
+from lctrain.data.batch import IGNORE_INDEX
+from lctrain.data.loader import build_loader
+from lctrain.layout.stages import bubble_fraction, rank_stages, split_layers, stage_rank
+from lctrain.layout.topology import Topology
+from lctrain.parallel.parallelize import build_model
+from lctrain.parallel.runtime import setup_distributed
+from lctrain.training.loop import _micro_steps, train
+from tests.helpers import on_ranks, reference_model, tiny_config
+
+SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2, "zbv": 2}
+"""schedule -> virtual stages per rank"""
+
+LAYOUTS = {  # name -> (world, parallel overrides, data overrides)
+    "pp2": (2, {"pp": 2}, {}),
+    "pp2_dp2_ddp": (4, {"pp": 2, "dp": 2, "dp_engine": "ddp"}, {}),
+    "pp2_tp2_sp": (4, {"pp": 2, "tp": 2, "sp": True}, {}),
+    "pp2_cp2_ring_docs": (4, {"pp": 2, "cp": 2, "attention": "ring"}, {"document_masking": True}),
+    "pp2_cp2_ulysses": (4, {"pp": 2, "cp": 2, "attention": "ulysses"}, {}),
+    "pp4": (4, {"pp": 4}, {}),
+    "tp2_sp_cp2_ring_pp2": (8, {"pp": 2, "tp": 2, "sp": True, "cp": 2, "attention": "ring"}, {}),
+    "cp4_usp_pp2": (8, {"pp": 2, "cp": 4, "attention": "usp", "ulysses_degree": 2}, {}),
+    "pp2_tp2_dp2": (8, {"pp": 2, "tp": 2, "dp": 2}, {}),
+}
+
+
+def _config(par: dict, data: dict, schedule: str, dp: int):
+    p = par["pp"]
+    virtual = SCHEDULES[schedule]
+    # zbv needs a micro-batch per stage: 2 pp of them
+    accum = 2 * p if schedule == "zbv" else p
+    return tiny_config(
+        model={"n_layers": 8},
+        train={"steps": 3, "global_batch": accum * dp, "micro_batch": 1},
+        parallel={**par, "pp_schedule": schedule, "pp_virtual_stages": virtual},
+        data=data)
+
+
+def _cases(world: int):
+    """(case name, config) of every layout of `world` ranks under every schedule but the
+    zero-bubble ones with dp x cp > 1, which validation refuses (their weight gradients come
+    after the data-parallel reduction)."""
+    for name, (w, par, data) in LAYOUTS.items():
+        if w != world:
+            continue
+        for schedule in SCHEDULES:
+            cfg = _config(par, data, schedule, par.get("dp", 1))
+            problems = validate(cfg, world)
+            if schedule in ("zero_bubble", "zbv") and par.get("dp", 1) * par.get("cp", 1) > 1:
+                assert len(problems) == 1 and "reduces them" in problems[0], problems
+                continue
+            assert problems == [], (name, schedule, problems)
+            yield f"{name}/{schedule}", cfg
+
+
+def _reference_grads(cfg):
+    """Gradients of the unsharded model over the step's global batch, token-weighted."""
+    single = dataclasses.replace(cfg, parallel=dataclasses.replace(
+        cfg.parallel, pp=1, tp=1, sp=False, cp=1, dp=-1))
+    accum = single.train.global_batch // single.train.micro_batch
+    loader = build_loader(single, Topology(), 0, accum)
+    mbs = loader.next_step()
+    tokens = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in mbs)
+    model = reference_model(cfg)
+    for mb in mbs:
+        (model(mb.inputs, mb.positions, mb.doc_ids, labels=mb.labels) / tokens).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _one_step_gradient_error(cfg) -> float:
+    """Largest |grad - reference| / max|reference| over every parameter after one step."""
+    rt = setup_distributed(cfg)
+    model = build_model(cfg, rt)
+    loader = build_loader(cfg, rt.topology, rt.rank, rt.derived.grad_accum)
+    mbs = loader.next_step()
+    local = torch.tensor(float(sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in mbs)),
+                         dtype=torch.float64)
+    tokens = rt.sum_scores(local) / rt.topology.pp  # every pipeline rank counts the same batch
+    _micro_steps(model, mbs, rt.topology.group_size("dp_cp") / tokens.item(), rt)
+    ref = _reference_grads(cfg)
+    worst = 0.0
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        worst = max(worst, float((grad - ref[name]).abs().max() / ref[name].abs().max()))
+    return worst
+
+
+def _run_cases(world: int, root: str) -> dict:
+    """{case: (one-step gradient error, 3-step history)} on this rank."""
+    out = {}
+    for name, cfg in _cases(world):
+        error = _one_step_gradient_error(cfg)
+        out[name] = (error, train(cfg, f"{root}/{name.replace('/', '_')}"))
+    return out
+
+
+def _single(cfg):
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(
+        cfg.parallel, pp=1, tp=1, sp=False, cp=1, dp=-1))
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_every_schedule_and_layout_matches_one_process(world, tmp_path):
+    results = on_ranks(_run_cases, world, world, str(tmp_path), timeout_s=900)
+    refs: dict = {}
+    for name, cfg in _cases(world):
+        key = (cfg.model.n_layers, cfg.train.global_batch, cfg.data.document_masking)
+        if key not in refs:
+            refs[key] = on_ranks(train, 1, _single(cfg), str(tmp_path / f"ref{len(refs)}"))[0]
+        ref = refs[key]
+        for rank_results in results:
+            error, history = rank_results[name]
+            assert error < 1e-4, (name, error)
+            assert [h["step"] for h in history] == [1, 2, 3]
+            for got, want in zip(history, ref):
+                for key_ in ("loss", "grad_norm"):
+                    assert got[key_] == pytest.approx(want[key_], rel=1e-4), (name, key_, got,
+                                                                            want)
+
+
+def test_stage_split_and_owners():
+    cfg = tiny_config(model={"n_layers": 8}, parallel={"pp": 2, "pp_virtual_stages": 2,
+                                                          "pp_schedule": "interleaved_1f1b"})
+    assert split_layers(cfg) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert rank_stages(0, 2, 2, "interleaved_1f1b") == [0, 2]
+    assert rank_stages(0, 2, 2, "zbv") == [0, 3]
+    assert [stage_rank(s, 2, 2, "zbv") for s in range(4)] == [0, 1, 1, 0]
+    explicit = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
+                                                                     pp_layers=[1, 3, 3, 1]))
+    assert split_layers(explicit) == [[0], [1, 2, 3], [4, 5, 6], [7]]
+
+
+def test_balanced_split_counts_the_output_layer():
+    # a large vocabulary makes the output layer worth several blocks: the last stage holds fewer
+    cfg = tiny_config(model={"n_layers": 8, "vocab_size": 8192}, parallel={"pp": 2})
+    counts = [len(s) for s in split_layers(cfg)]
+    assert sum(counts) == 8 and counts[1] < counts[0]
+
+
+def test_bubble_formulas():
+    assert bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction("gpipe", 2, 2) == pytest.approx(1 / 3)
+    assert bubble_fraction("interleaved_1f1b", 4, 8, 2) == pytest.approx(3 / 19)
+    assert bubble_fraction("zero_bubble", 4, 8, 2) < bubble_fraction("interleaved_1f1b", 4, 8, 2)
+    assert bubble_fraction("1f1b", 1, 8) == 0
+
+
+def _ckpt_cfg(parallel: dict, checkpoint: dict, steps: int = 6):
+    return tiny_config(model={"n_layers": 4},
+                       train={"steps": steps, "global_batch": 8, "micro_batch": 1},
+                       parallel=parallel, checkpoint=checkpoint)
+
+
+SAVED_AT = {"pp": 2, "tp": 2, "dp": 2}
+OTHER_LAYOUTS = [  # (world, parallel)
+    (8, {"dp": 8}),
+    (8, {"pp": 4, "dp": 2}),
+    (8, {"pp": 2, "cp": 2, "dp": 2, "attention": "ulysses"}),
+]
+
+
+def _assert_continues(histories, ref, steps, what):
+    for history in histories:
+        assert [h["step"] for h in history] == steps, what
+        for got, want in zip(history, ref[steps[0] - 1:]):
+            assert got["loss"] == pytest.approx(want["loss"], rel=2e-5), what
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), what
+
+
+def test_checkpoints_load_across_pipeline_layouts(tmp_path):
+    """Saved at (pp2, tp2, dp2), loaded at each other layout, and saved at each of those,
+    loaded at (pp2, tp2, dp2): the next losses are the uninterrupted run's."""
+    runs = {}
+    for world, par in [(8, SAVED_AT), *OTHER_LAYOUTS]:
+        run = tmp_path / "_".join(f"{k}{v}" for k, v in par.items())
+        runs[str(par)] = (run, on_ranks(train, world, _ckpt_cfg(par, {"every": 3}), str(run),
+                                        timeout_s=300)[0])
+    ref = runs[str(SAVED_AT)][1]
+    for _, history in runs.values():  # every layout trains the same model
+        _assert_continues([history], ref, [1, 2, 3, 4, 5, 6], "uninterrupted")
+    saved = runs[str(SAVED_AT)][0] / "checkpoints" / "step-00000003"
+    for world, par in OTHER_LAYOUTS:
+        cfg = _ckpt_cfg(par, {"every": 0, "load": str(saved)})
+        _assert_continues(on_ranks(train, world, cfg, str(tmp_path / f"from_pp2_{world}"),
+                                   timeout_s=300), ref, [4, 5, 6], f"pp2 tp2 dp2 -> {par}")
+        back = runs[str(par)][0] / "checkpoints" / "step-00000003"
+        cfg = _ckpt_cfg(SAVED_AT, {"every": 0, "load": str(back)})
+        _assert_continues(on_ranks(train, 8, cfg, str(tmp_path / f"to_pp2_{par}"),
+                                   timeout_s=300), ref, [4, 5, 6], f"{par} -> pp2 tp2 dp2")
+
+
+def _forward_and_export(cfg, out_dir):
+    """The pipelined model's logits and loss on every stage's rank, and its export."""
+    from lctrain.data.batch import micro_batch_from_tokens
+    from lctrain.models.hf import export_hf
+    from lctrain.parallel.tensor import loss_value, vocab_parallel
+
+    rt = setup_distributed(cfg)
+    model = build_model(cfg, rt)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len + 1),
+                           generator=torch.Generator().manual_seed(3))
+    mb = micro_batch_from_tokens(tokens, cfg.train.seq_len, rt.axis_rank("cp"),
+                                 rt.topology.cp, cfg.parallel.load_balance)
+    logits = model(mb.inputs, mb.positions, mb.doc_ids)
+    with vocab_parallel(rt.topology.tp):
+        loss = model(mb.inputs, mb.positions, mb.doc_ids, labels=mb.labels)
+    export_hf(model.full_parameters(), cfg.model, out_dir, rt.rank)
+    if logits is None:
+        return None
+    logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+    return logits, float(loss_value(loss)), mb.labels
+
+
+def test_pipeline_forward_evals_and_export_equal_the_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(model={"n_layers": 4},
+                      parallel={"pp": 2, "tp": 2, "sp": True, "pp_schedule": "interleaved_1f1b",
+                                "pp_virtual_stages": 2})
+    out = on_ranks(_forward_and_export, 4, cfg, str(tmp_path / "hf"))
+    # stages 0, 2 on pipeline rank 0 (ranks 0, 1), stages 1, 3 (the last) on rank 1 (ranks 2, 3)
+    assert out[0] is None and out[1] is None
+    model = reference_model(cfg)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len + 1),
+                           generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(tokens[:, :-1])
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+    for logits, got_loss, _ in out[2:]:
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+        assert got_loss == pytest.approx(float(loss), rel=1e-5)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens[:, :-1]).logits, want, rtol=1e-4, atol=1e-5)
+
+
+def _in_step(n: int, rank: int, action):
+    """train() with action() run on rank `rank` at its n-th step."""
+    import torch.distributed as dist
+
+    import lctrain.training.loop as loop
+
+    def run(cfg, run_dir):
+        real, calls = loop.train_step, [0]
+
+        def step(*args, **kwargs):
+            calls[0] += 1
+            if dist.get_rank() == rank and calls[0] == n:
+                action(run_dir)
+            return real(*args, **kwargs)
+        loop.train_step = step
+        return train(cfg, run_dir)
+    return run
+
+
+def _sigkill(_run_dir):
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _stop_file(run_dir):
+    (Path(run_dir) / "STOP").touch()
+
+
+def test_a_killed_stage_ends_the_job_and_a_stop_ends_every_stage(tmp_path):
+    from lctrain.parallel.launch import RankFailure
+
+    cfg = tiny_config(model={"n_layers": 4}, parallel={"pp": 2},
+                      train={"steps": 6, "global_batch": 4, "micro_batch": 1})
+    with pytest.raises(RankFailure) as failure:
+        on_ranks(_in_step(2, 1, _sigkill), 2, cfg, str(tmp_path / "killed"), timeout_s=120)
+    assert failure.value.rank == 1 and "SIGKILL" in str(failure.value)
+    # the STOP file appears during step 2 (rank 0 looks for it): both stages stop after step 2
+    run = tmp_path / "stopped"
+    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, every=0))
+    histories = on_ranks(_in_step(2, 0, _stop_file), 2, cfg, str(run), timeout_s=120)
+    assert [[h["step"] for h in hist] for hist in histories] == [[1, 2], [1, 2]]
+    assert (run / "checkpoints" / "step-00000002").is_dir()
