@@ -2,9 +2,10 @@
 
     python tools/export_hf.py runs/x/checkpoints/step-00001000 exported/
 
-One process, any saved layout: the checkpoint is verified against its manifest, the model is
-built from the checkpoint's config.yaml, the weights are read from the DCP shards (resharded to
-one process) and written as config.json + model.safetensors, which
+One process, any saved layout and engine: the checkpoint is verified against its manifest, the
+model is built from the checkpoint's config.yaml, the weights are read from the DCP shards
+(resharded to one process) or from the DeepSpeed engine's ZeRO shards (consolidated) and written
+as config.json + model.safetensors, which
 `transformers.AutoModelForCausalLM.from_pretrained` loads.
 """
 
@@ -16,17 +17,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch.distributed.checkpoint as dcp  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
-from torch.distributed.checkpoint.state_dict import (  # noqa: E402
-    get_model_state_dict,
-    set_model_state_dict,
-)
 
 from lctrain.config import LctrainConfig  # noqa: E402
 from lctrain.models.hf import export_hf, full_parameters  # noqa: E402
 from lctrain.models.llama import Llama  # noqa: E402
-from lctrain.training.checkpoint import SafeReader, damaged_files  # noqa: E402
+from lctrain.parallel import deepspeed_engine  # noqa: E402
+from lctrain.training.checkpoint import damaged_files, full_weights  # noqa: E402
 
 
 def export_checkpoint(checkpoint: Path, out: Path) -> None:
@@ -35,10 +32,11 @@ def export_checkpoint(checkpoint: Path, out: Path) -> None:
         raise SystemExit(f"export_hf: {checkpoint} cannot be used: {'; '.join(problems)}")
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LctrainConfig),
                                               OmegaConf.load(checkpoint / "config.yaml")))
-    model = Llama(cfg.model)  # unsharded, on the CPU: DCP reshards any layout into it
-    weights = {"model": get_model_state_dict(model)}
-    dcp.load(weights, storage_reader=SafeReader(checkpoint), no_dist=True)
-    set_model_state_dict(model, weights["model"])
+    model = Llama(cfg.model)
+    if (checkpoint / deepspeed_engine.TAG).is_dir():  # ZeRO shards, consolidated
+        model.load_state_dict(deepspeed_engine.full_weights(checkpoint))
+    else:
+        model.load_state_dict(full_weights(checkpoint, cfg))
     export_hf(full_parameters(model), cfg.model, str(out), rank=0)
 
 

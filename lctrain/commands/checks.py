@@ -1,6 +1,7 @@
 """Everything checked before a command acts, with no process started: the configuration's own
-rules (`lctrain.config.validation`), the data it names (`lctrain.data.sources`) and the Hugging
-Face directory it starts from (`lctrain.models.hf`)."""
+rules (`lctrain.config.validation`), the data it names (`lctrain.data.sources`), the Hugging
+Face directory it starts from (`lctrain.models.hf`) and, for the DeepSpeed engine, deepspeed
+itself (`lctrain.parallel.deepspeed_engine`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from lctrain.config import LctrainConfig
 from lctrain.config.validation import field_problems, validate
 from lctrain.data.sources import data_problems
 from lctrain.models.hf import check_hf_dir
+from lctrain.parallel import deepspeed_engine
 
 
 def preflight(cfg: LctrainConfig, world_size: int) -> list[str]:
@@ -19,6 +21,8 @@ def preflight(cfg: LctrainConfig, world_size: int) -> list[str]:
     if field_problems(cfg, blocking_only=True):  # the data rules read these sizes and names
         return problems
     problems += data_problems(cfg)
+    if cfg.parallel.dp_engine == "deepspeed":
+        problems += deepspeed_engine.environment_problems(cfg)
     init = cfg.model.init_from
     if init is not None and os.path.isdir(init):
         problems += check_hf_dir(init, cfg.model)

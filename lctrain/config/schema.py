@@ -10,6 +10,7 @@ written back: the config describes the model and the layout, not the shards.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 
 def one_of(*choices: str, default: str | None = None):
@@ -112,8 +113,9 @@ class ParallelConfig:
     """Ulysses degree inside usp; the ring degree is cp / ulysses_degree."""
     load_balance: str = one_of("zigzag", "none")
     """Sequence split across cp ranks: zigzag (2*cp chunks, causal balance) | none (contiguous)."""
-    dp_engine: str = one_of("fsdp", "ddp")
-    """Data-parallel engine: fsdp (FSDP2, parameters sharded over dp x cp) | ddp."""
+    dp_engine: str = one_of("fsdp", "ddp", "deepspeed")
+    """Data-parallel engine over dp x cp: fsdp (FSDP2, parameters sharded) | ddp | deepspeed
+    (a ZeRO engine: deepspeed.*)."""
 
 
 @dataclass
@@ -371,6 +373,22 @@ class PlanConfig:
 
 
 @dataclass
+class DeepSpeedConfig:
+    """The ZeRO engine of parallel.dp_engine=deepspeed (the `deepspeed` extra)."""
+
+    zero_stage: int = at_least(1, 1)
+    """ZeRO stage 1 (optimizer state sharded over dp x cp), 2 (+ gradients) or 3 (+ weights)."""
+    offload_optimizer: str = one_of("none", "cpu")
+    """Keep the optimizer state (and its step) in host memory."""
+    offload_param: str = one_of("none", "cpu")
+    """Keep the weights in host memory between uses (zero_stage=3 only)."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """Further DeepSpeed JSON keys, merged over the ones lctrain sets; a key that contradicts
+    one of lctrain's (batch sizes, ZeRO stage, offload, precision, clipping, optimizer,
+    scheduler) is refused."""
+
+
+@dataclass
 class LctrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -384,3 +402,4 @@ class LctrainConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     preprocess: PreprocessConfig = field(default_factory=PreprocessConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)

@@ -16,6 +16,7 @@ import dataclasses
 import math
 import os
 
+from lctrain.config.deepspeed import conflicts
 from lctrain.config.derived import ulysses_degree
 from lctrain.config.schema import LctrainConfig
 
@@ -167,8 +168,10 @@ def _batch(cfg: LctrainConfig, world_size: int) -> list[str]:
 def _engine(cfg: LctrainConfig, dp: int) -> list[str]:
     """What each data-parallel engine can reduce (only when a dp x cp group reduces at all)."""
     p, problems = cfg.parallel, []
+    if p.dp_engine == "deepspeed":
+        problems += _deepspeed(cfg, cfg.train.global_batch // (cfg.train.micro_batch * dp))
     if dp * p.cp == 1:
-        return []
+        return problems
     if p.dp_engine == "ddp" and p.tp > 1:
         problems.append(f"parallel.dp_engine=ddp with parallel.tp={p.tp}: DDP cannot reduce the "
                         "tensor-parallel (DTensor) weights; set parallel.dp_engine=fsdp")
@@ -180,6 +183,24 @@ def _engine(cfg: LctrainConfig, dp: int) -> list[str]:
                         "parallel.pp_schedule=interleaved_1f1b, or zero bubble with "
                         "parallel.dp=1 and parallel.cp=1")
     return problems
+
+
+def _deepspeed(cfg: LctrainConfig, grad_accum: int) -> list[str]:
+    """The DeepSpeed engine: ZeRO's options, and the layouts it runs with lctrain."""
+    p, ds, problems = cfg.parallel, cfg.deepspeed, []
+    if ds.zero_stage > 3:
+        problems.append(f"deepspeed.zero_stage={ds.zero_stage} must be 1, 2 or 3")
+    if ds.offload_param != "none" and ds.zero_stage != 3:
+        problems.append(f"deepspeed.offload_param={ds.offload_param} offloads ZeRO-3's "
+                        f"partitioned weights (got deepspeed.zero_stage={ds.zero_stage}); set "
+                        "deepspeed.zero_stage=3 or deepspeed.offload_param=none")
+    for size, what in ((p.tp, "tp"), (p.pp, "pp")):
+        if size > 1:
+            problems.append(f"parallel.dp_engine=deepspeed with parallel.{what}={size}: "
+                            "DeepSpeed's engine cannot shard lctrain's tensor-parallel (DTensor) "
+                            "weights or run its pipeline stages; set parallel.dp_engine=fsdp "
+                            f"(FSDP composes with {what}) or parallel.{what}=1")
+    return problems + conflicts(cfg, grad_accum)
 
 
 def _pipeline_micro_batches(p, accum: int, per_step: int) -> list[str]:

@@ -60,11 +60,28 @@ def _stages_of(cfg: LctrainConfig, pp_rank: int) -> list[int]:
 
 
 def state_bytes_per_rank(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> float:
-    """Weights, gradients and AdamW moments one rank of pipeline rank `pp_rank` holds: TP and PP
-    split the model; FSDP also shards it over dp x cp, DDP replicates it there."""
+    """Weights, gradients and AdamW moments one rank of pipeline rank `pp_rank` keeps on its
+    device: TP and PP split the model; FSDP also shards it over dp x cp, DDP replicates it there;
+    DeepSpeed's ZeRO-1 shards the AdamW moments, ZeRO-2 the gradients too, ZeRO-3 the weights
+    too, keeps an fp32 master partition besides, and offloaded parts live on the host
+    (docs/parallelism.md §9, §12)."""
     d, p = derive(cfg, world_size), cfg.parallel
-    local = STATE_BYTES_PER_PARAM * sum(local_params(cfg, pp_rank))
-    return local / (d.dp * p.cp) if p.dp_engine == "fsdp" else local
+    params, n = sum(local_params(cfg, pp_rank)), d.dp * p.cp
+    if p.dp_engine == "fsdp":
+        return STATE_BYTES_PER_PARAM * params / n
+    if p.dp_engine == "ddp" or n == 1:
+        return STATE_BYTES_PER_PARAM * params
+    # DeepSpeed, as bench/engines.py measures it: the model's weights (whole under ZeRO-1/2, a
+    # 1/n partition under ZeRO-3) in the compute dtype plus an fp32 master partition; gradients
+    # whole under ZeRO-1, a partition under ZeRO-2/3, reduced into the host with the optimizer
+    # state when it is offloaded; the reduce bucket (deepspeed reduce_bucket_size) on top
+    ds, a, host = cfg.deepspeed, (2 if cfg.train.dtype == "bf16" else 4), 0.0
+    offload = ds.offload_optimizer == "cpu"
+    weights = 0 if ds.offload_param == "cpu" else a * params / (n if ds.zero_stage == 3 else 1)
+    master = host if offload else 4 * params / n
+    grads = host if offload else 4 * params / (n if ds.zero_stage >= 2 else 1)
+    moments = host if offload else 8 * params / n
+    return weights + master + grads + moments
 
 
 def gathered_weight_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> float:

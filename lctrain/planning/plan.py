@@ -131,6 +131,10 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
                                              for g in topo.groups(name)):
             notes.append(f"{name} groups span nodes (slurm.gpus_per_node={gpus}); keep "
                          f"tp x cp_ulysses <= {gpus} for intra-node links")
+    if p.dp_engine == "deepspeed":
+        notes.append(f"parallel.dp_engine=deepspeed: weights_grads_adam counts ZeRO-"
+                     f"{cfg.deepspeed.zero_stage}'s shards on the device (offloaded parts "
+                     "excluded); DeepSpeed's step traffic and buffers are not modelled")
     if p.pp > 1 and worst["bytes"]["fsdp_gathered_weights"]:
         notes.append("under pipelining FSDP keeps a stage's weights gathered from its backward "
                      "to its next forward: fsdp_gathered_weights counts all of a rank's stages")
@@ -158,8 +162,9 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
         "traffic_elements_per_rank": {
             **traffic,
             "tp_per_layer_fwd": tp_block_traffic(tokens, m.dim, p.tp),
-            f"{p.dp_engine}_per_step": dp_traffic[0],
-            f"{p.dp_engine}_bytes_per_step": dp_traffic[1],
+            **({} if p.dp_engine == "deepspeed" else {
+                f"{p.dp_engine}_per_step": dp_traffic[0],
+                f"{p.dp_engine}_bytes_per_step": dp_traffic[1]}),
         },
         "groups": {name: {"axes": list(GROUPS[name][0]), "size": topo.group_size(name),
                           "carries": GROUPS[name][1]} for name in GROUPS},

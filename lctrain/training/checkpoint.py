@@ -4,8 +4,11 @@ background), verified on load, and loadable under any other valid layout.
 One checkpoint is one directory, `<checkpoint.dir>/step-00000040/`:
 
     .metadata, __R_0.distcp   torch.distributed.checkpoint (DCP): model weights and AdamW state,
-                              keyed by parameter name with global shapes, so any tp / cp / dp /
-                              dp_engine layout can load them (DCP reshards)
+                              keyed by parameter name with global shapes, so any tp / cp / pp /
+                              dp layout and the fsdp and ddp engines can load them (DCP reshards)
+    deepspeed/                instead, under parallel.dp_engine=deepspeed: the engine's own files
+                              (weights, ZeRO optimizer partitions); any ZeRO stage and dp x cp
+                              resumes them, and any engine loads their weights (load_model_only)
     train_state.json          step, tokens seen, data-loader state, the layout it was saved under
     rng-0000R.json            each rank's RNG states (restored only under the same layout)
     config.yaml               the resolved configuration (secrets redacted)
@@ -44,12 +47,15 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
 
+from lctrain.models.llama import Llama
+from lctrain.parallel import deepspeed_engine
 from lctrain.training.optim import resume_scheduler
 
 MANIFEST = "manifest.json"
@@ -190,6 +196,8 @@ class Checkpointer:
         self.root = Path(c.dir) if c.dir else Path(run_dir) / "checkpoints"
         self.layout = {"world_size": rt.world_size, "shape": list(rt.topology.shape),
                        "dp_engine": cfg.parallel.dp_engine}
+        if cfg.parallel.dp_engine == "deepspeed":
+            self.layout["zero_stage"] = cfg.deepspeed.zero_stage
         # checkpoint collectives get their own group: a background save must never interleave
         # with the training step's collectives on the default group
         self.pg = dist.new_group(backend="gloo") if rt.world_size > 1 else None
@@ -223,7 +231,6 @@ class Checkpointer:
         """Checkpoint after `step` optimizer steps; returns once the tensors are staged (async)
         or written and committed (sync, or wait=True)."""
         self.wait()  # the previous checkpoint commits first (and raises its error, if any)
-        tensors, _ = tensor_state(model, optimizer)
         tmp = self.root / f".step-{step:08d}.partial"
         if self.rt.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -231,6 +238,14 @@ class Checkpointer:
         self._barrier()
         extra = {"step": step, "tokens": state.tokens, "loader": loader.state_dict(),
                  "layout": self.layout, "format": 1}
+        if deepspeed_engine.is_engine(model):  # its own files, written synchronously
+            try:
+                deepspeed_engine.save(model, tmp)
+            except Exception as e:  # noqa: BLE001
+                self._fail(tmp, step, e)
+            self._commit(None, tmp, step, extra, rng_state())
+            return
+        tensors, _ = tensor_state(model, optimizer)
         writer = dcp.FileSystemWriter(tmp)
         if self._executor is not None and not wait:
             staged = dcp.async_save(tensors, storage_writer=writer, process_group=self.pg)
@@ -277,7 +292,10 @@ class Checkpointer:
         """Rank 0: the remaining files, the manifest last, then the rename that makes it real."""
         _write_json(tmp / STATE, extra)
         (tmp / "config.yaml").write_text(self.config_yaml)
-        for name in (".metadata", STATE, "config.yaml"):
+        engine_files = sorted(str(f.relative_to(tmp)) for f in (tmp / deepspeed_engine.TAG).rglob(
+            "*") if f.is_file())
+        for name in [n for n in (".metadata", STATE, "config.yaml") if (tmp / n).is_file()] + \
+                engine_files:
             files[name] = {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
         _write_json(tmp / MANIFEST, {"step": step, "files": files})
         final = step_dir(self.root, step)
@@ -355,17 +373,30 @@ class Checkpointer:
 
     def _load(self, path: Path, model, optimizer, scheduler, loader) -> TrainState:
         saved = json.loads((path / STATE).read_text())
-        reader = SafeReader(path)
         if self.cfg.checkpoint.load_model_only:
-            weights = {"model": get_model_state_dict(model)}
-            dcp.load(weights, storage_reader=reader, process_group=self.pg)
-            set_model_state_dict(model, weights["model"])
+            self._load_weights(path, model)
             self.log(f"lctrain: loaded the model weights of {path} (checkpoint.load_model_only)")
             return TrainState()
-        tensors, optim_sd = tensor_state(model, optimizer)
-        dcp.load(tensors, storage_reader=reader, process_group=self.pg)
-        set_state_dict(model, optimizer, model_state_dict=tensors["model"],
-                       optim_state_dict={**optim_sd, "state": tensors["optim"]})
+        saved_by_deepspeed = (path / deepspeed_engine.TAG).is_dir()
+        if saved_by_deepspeed != deepspeed_engine.is_engine(model):
+            raise CheckpointError(
+                f"{path} was saved by the {saved['layout']['dp_engine']} engine, whose optimizer "
+                f"state parallel.dp_engine={self.cfg.parallel.dp_engine} cannot resume; set "
+                "checkpoint.load_model_only=true to start from its weights with a fresh "
+                "optimizer, or train on with the engine that saved it")
+        if saved_by_deepspeed:
+            if saved["layout"].get("zero_stage") != self.layout["zero_stage"]:
+                raise CheckpointError(
+                    f"{path} holds ZeRO-{saved['layout'].get('zero_stage')} optimizer state, "
+                    f"which deepspeed.zero_stage={self.layout['zero_stage']} cannot resume; set "
+                    f"deepspeed.zero_stage={saved['layout'].get('zero_stage')}, or "
+                    "checkpoint.load_model_only=true for its weights with a fresh optimizer")
+            deepspeed_engine.load(model, path)
+        else:
+            tensors, optim_sd = tensor_state(model, optimizer)
+            dcp.load(tensors, storage_reader=SafeReader(path), process_group=self.pg)
+            set_state_dict(model, optimizer, model_state_dict=tensors["model"],
+                           optim_state_dict={**optim_sd, "state": tensors["optim"]})
         resume_scheduler(scheduler, saved["step"])
         try:
             loader.load_state_dict(saved["loader"])
@@ -378,3 +409,27 @@ class Checkpointer:
                  + ("" if same else f" (saved under layout {saved['layout']}, resharded; RNG "
                     "states not restored)"))
         return TrainState(step=saved["step"], tokens=saved["tokens"])
+
+    def _load_weights(self, path: Path, model) -> None:
+        """The weights of any engine's checkpoint into `model` under any engine."""
+        engine, saved_by_deepspeed = deepspeed_engine.is_engine(model), (
+            path / deepspeed_engine.TAG).is_dir()
+        if engine:  # whole weights from either format, partitioned as this engine's
+            whole = (deepspeed_engine.full_weights(path) if saved_by_deepspeed
+                     else full_weights(path, self.cfg))
+            deepspeed_engine.load_full_weights(model, whole, self.cfg.deepspeed.zero_stage)
+        elif saved_by_deepspeed:  # ZeRO shards consolidated, then laid out as this model's
+            set_model_state_dict(model, deepspeed_engine.full_weights(path),
+                                 options=StateDictOptions(full_state_dict=True))
+        else:
+            weights = {"model": get_model_state_dict(model)}
+            dcp.load(weights, storage_reader=SafeReader(path), process_group=self.pg)
+            set_model_state_dict(model, weights["model"])
+
+
+def full_weights(path: Path, cfg) -> dict[str, torch.Tensor]:
+    """The whole weights of a DCP checkpoint (any layout), read by this process alone."""
+    model = Llama(cfg.model)  # unsharded, on the CPU: DCP reshards any layout into it
+    weights = {"model": get_model_state_dict(model)}
+    dcp.load(weights, storage_reader=SafeReader(path), no_dist=True)
+    return weights["model"]

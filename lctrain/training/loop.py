@@ -26,7 +26,8 @@ from lctrain.data.loader import DataLoader, build_loader
 from lctrain.layout.comm import record_traffic
 from lctrain.layout.stages import split_layers
 from lctrain.models.hf import export_hf, full_parameters
-from lctrain.parallel.data_parallel import gradient_sync, unwrap
+from lctrain.parallel import deepspeed_engine
+from lctrain.parallel.data_parallel import data_parallel_engine, gradient_sync, unwrap
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.pipeline import PipelinedModel
 from lctrain.parallel.runtime import Runtime, setup_distributed
@@ -82,6 +83,8 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[Micro
     # float64: exact token counts far beyond float32's 2^24
     tokens = _all_reduce(torch.tensor(float(local_tokens), dtype=torch.float64,
                                       device=rt.device), rt)
+    if deepspeed_engine.is_engine(model):
+        return _deepspeed_step(model, scheduler, micro_batches, tokens, rt)
     loss_scale = rt.topology.group_size("dp_cp") / tokens.item()
     loss_sum = _micro_steps(model, micro_batches, loss_scale, rt)
     grad_norm = clip_grad_norm_(list(model.parameters()), cfg.optim.grad_clip,
@@ -95,6 +98,33 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[Micro
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
+            "valid_tokens": int(tokens.item()), "skipped": int(not finite)}
+
+
+def _deepspeed_step(engine: nn.Module, scheduler, micro_batches: list[MicroBatch],
+                    tokens: Tensor, rt: Runtime) -> dict:
+    """train_step under the DeepSpeed engine: the same token-weighted loss (DeepSpeed's own
+    division by the accumulation steps is off; it averages gradients over dp x cp as FSDP
+    does), its global clipping, and lctrain's lr schedule, advanced only when DeepSpeed applied
+    the step (it skips a step with a non-finite gradient norm)."""
+    loss_scale = rt.topology.group_size("dp_cp") / tokens.item()
+    loss_sum = torch.zeros((), device=rt.device, dtype=torch.float32)
+    for mb in micro_batches:
+        mb = mb.to(rt.device)
+        with rt.autocast():
+            loss = engine(mb.inputs, mb.positions, mb.doc_ids, labels=mb.labels)
+        engine.backward(loss * loss_scale, scale_wrt_gas=False)
+        engine.step()  # the optimizer steps at the accumulation boundary only
+        loss_sum += loss.detach().float()
+    loss = _all_reduce(loss_sum, rt) / tokens
+    lr = scheduler.get_last_lr()[0]
+    applied = engine.was_step_applied()
+    if applied:
+        scheduler.step()
+    norm = engine.get_global_grad_norm()
+    grad_norm = float("nan") if norm is None or norm < 0 else float(norm)
+    finite = applied and bool(torch.isfinite(loss))
+    return {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm,
             "valid_tokens": int(tokens.item()), "skipped": int(not finite)}
 
 
@@ -146,6 +176,8 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
     model = build_model(cfg, rt)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    if data_parallel_engine(cfg, rt) == "deepspeed":
+        model = deepspeed_engine.initialize(model, optimizer, cfg, rt)
     loader = build_loader(cfg, rt.topology, rt.rank, rt.derived.grad_accum)
     metrics = MetricsLogger(cfg.logging, run_dir, rt.rank, cfg.train.steps, as_dict(cfg))
     metrics.info(f"lctrain: {rt.world_size} rank(s) on {rt.device.type}, layout "
