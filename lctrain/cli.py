@@ -13,15 +13,18 @@ import sys
 
 from lctrain.commands.init_from import resolve_model
 from lctrain.config import ConfigError
-from lctrain.config.compose import compose
+from lctrain.config.compose import compose, to_yaml
 from lctrain.config.paths import recipe_names
 
 COMMANDS = {  # name: (what it does, the flags it takes)
-    "train": ("validate, then train (local ranks, torchrun or srun)", set()),
-    "plan": ("validate and print the layout, per-rank shapes, memory and traffic", {"--json"}),
-    "submit": ("render the sbatch script for slurm.* and submit it", {"--dry-run"}),
+    "train": ("validate, then train (local ranks, torchrun or srun)", {"--cfg"}),
+    "plan": ("validate and print the layout, per-rank shapes, memory and traffic",
+             {"--json", "--cfg"}),
+    "submit": ("render the sbatch script for slurm.* and submit it", {"--dry-run", "--cfg"}),
     "preprocess": ("tokenize data.path with data.tokenizer into preprocess.output, for "
-                   "data.source=tokens", set()),
+                   "data.source=tokens", {"--cfg"}),
+    "keys": ("list every key (or those of the SECTIONs given) with its type, default, allowed "
+             "values and meaning", set()),
 }
 EXIT_CONFIG = 2
 
@@ -33,16 +36,23 @@ def usage() -> str:
         lines.append(f"  {name:<11} {summary}" + (f"  [{' '.join(sorted(flags))}]" if flags
                                                     else ""))
     lines += ["", "Every setting is a Hydra override, e.g. parallel.dp=2 train.steps=20 "
-              "hydra.run.dir=runs/x.",
+              "hydra.run.dir=runs/x. `lctrain keys [SECTION]` lists them; --cfg prints the "
+              "resolved configuration of a command line without running it.",
               f"Recipes: {', '.join(recipe_names())}. Exit codes: 0 ok, 1 run failure (or data "
               "error), 2 configuration error."]
     return "\n".join(lines)
 
 
 def _run_command(command: str, overrides: list[str], flags: set[str]) -> int:
-    composed = resolve_model(compose(overrides))
     # Each command is imported when it runs: train and plan load torch (seconds), and
-    # preprocess must start without it.
+    # preprocess must start without it. keys takes section names, not overrides.
+    if command == "keys":
+        from lctrain.commands import keys
+        return keys.run(overrides)
+    composed = resolve_model(compose(overrides))
+    if "--cfg" in flags:  # the resolved configuration, nothing run
+        print(to_yaml(composed.cfg), end="")
+        return 0
     if command == "train":
         from lctrain.commands import train as module
     elif command == "plan":

@@ -78,6 +78,19 @@ def test_llama_256k_plan(capsys):
     assert "pp=1 x dp=4 x cp_ring=8 x cp_ulysses=2 x tp=4" in text and "more (plan.max" in text
 
 
+def test_plan_world_comes_from_the_layout_when_every_size_is_fixed(capsys):
+    def plan(*overrides):
+        with pytest.raises(SystemExit) as done:
+            cli.main(["plan", "+recipe=tiny", *overrides])
+        assert done.value.code == 0
+        return capsys.readouterr().out
+
+    out = plan()  # cp2 x dp2: 4 ranks, whatever slurm.* says
+    assert "world size 4:" in out and "planned for the layout's 4 ranks" in out
+    out = plan("parallel.dp=-1", "slurm.nodes=2", "slurm.gpus_per_node=4")  # the allocation
+    assert "world size 8:" in out and "planned for the layout" not in out
+
+
 def test_plan_traffic_matches_digest_formulas():
     # docs/parallelism.md §5-6, per rank per attention forward; L tokens, P ranks, d model width
     cfg = compose(["model=llama3-8b", "parallel.cp=8", "parallel.attention=ulysses",

@@ -66,9 +66,23 @@ def pipeline_lines(pipe: dict) -> list[str]:
 
 
 def plan_world_size(cfg: LctrainConfig) -> int:
+    """launch.nproc if set; else the layout's product when every size is fixed; else (dp=-1)
+    slurm.nodes x slurm.gpus_per_node."""
+    p = cfg.parallel
     if cfg.launch.nproc is not None:
         return cfg.launch.nproc
+    if p.dp != -1:
+        return p.tp * p.cp * p.pp * p.dp
     return cfg.slurm.nodes * cfg.slurm.gpus_per_node
+
+
+def world_note(cfg: LctrainConfig, world: int) -> list[str]:
+    """A note when the planned world differs from what the slurm.* keys would request."""
+    slurm = cfg.slurm.nodes * cfg.slurm.gpus_per_node
+    if cfg.launch.nproc is None and cfg.parallel.dp != -1 and slurm != world:
+        return [f"planned for the layout's {world} ranks; slurm.nodes x slurm.gpus_per_node = "
+                f"{slurm} would not match it (set parallel.dp=-1 to plan for the allocation)"]
+    return []
 
 
 def run(composed: Composed, flags: set[str]) -> int:
@@ -81,7 +95,7 @@ def run(composed: Composed, flags: set[str]) -> int:
     plan["model"] = {name: {"value": getattr(cfg.model, name),
                             "origin": composed.origins.get(name, "default")}
                      for name in composed.origins}
-    plan["notes"] = composed.notes + plan["notes"]
+    plan["notes"] = composed.notes + world_note(cfg, world) + plan["notes"]
     if "--json" in flags or cfg.plan.format == "json":
         json.dump(plan, sys.stdout, indent=1)
         print()
