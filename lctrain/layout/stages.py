@@ -91,6 +91,18 @@ def stage_rank(stage: int, pp: int, virtual: int, schedule: str) -> int:
     return next(r for r in range(pp) if stage in rank_stages(r, pp, virtual, schedule))
 
 
+def stages_of(cfg: LctrainConfig, pp_rank: int) -> list[int]:
+    """`rank_stages` of pipeline rank `pp_rank` under cfg's schedule."""
+    p = cfg.parallel
+    return rank_stages(pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule)
+
+
+def rank_of(cfg: LctrainConfig, stage: int) -> int:
+    """`stage_rank` of `stage` under cfg's schedule."""
+    p = cfg.parallel
+    return stage_rank(stage, p.pp, p.pp_virtual_stages, p.pp_schedule)
+
+
 def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
     """Idle time / step time of a pipeline rank, stages of equal cost, a backward twice a
     forward, split evenly into input and weight gradients (docs/parallelism.md §13)."""

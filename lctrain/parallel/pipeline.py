@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from lctrain.config import LctrainConfig
 from lctrain.data.batch import MicroBatch
-from lctrain.layout.stages import rank_stages, split_layers, stage_count, stage_rank
+from lctrain.layout.stages import rank_of, split_layers, stage_count, stages_of
 from lctrain.models.llama import AttentionCore, Llama
 from lctrain.parallel.data_parallel import unwrap
 from lctrain.parallel.runtime import Runtime
@@ -44,8 +44,7 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
 
 def my_stages(cfg: LctrainConfig, rt: Runtime) -> list[int]:
     """The stage ids this rank runs, in order."""
-    p = cfg.parallel
-    return rank_stages(rt.axis_rank("pp"), p.pp, p.pp_virtual_stages, p.pp_schedule)
+    return stages_of(cfg, rt.axis_rank("pp"))
 
 
 def stage_model(cfg: LctrainConfig, core: AttentionCore, stage: int) -> Llama:
@@ -183,9 +182,9 @@ class PipelinedModel(nn.Module):
 
     def _peer(self, stage: int) -> int:
         """Global rank that runs `stage` in this rank's pipeline."""
-        p, topo = self.cfg.parallel, self.rt.topology
+        topo = self.rt.topology
         coords = topo.coords(self.rt.rank)
-        coords["pp"] = stage_rank(stage, p.pp, p.pp_virtual_stages, p.pp_schedule)
+        coords["pp"] = rank_of(self.cfg, stage)
         return topo.rank(**coords)
 
     def _send(self, h: Tensor, peer: int) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 
 from lctrain.config import LctrainConfig, ModelConfig, derive
-from lctrain.layout.stages import block_params, rank_stages, split_layers, stage_rank
+from lctrain.layout.stages import block_params, rank_of, rank_stages, split_layers, stages_of
 
 STATE_BYTES_PER_PARAM = 16
 """fp32 master weight, its gradient and the two AdamW moments."""
@@ -33,7 +33,7 @@ def local_params(cfg: LctrainConfig, pp_rank: int = 0) -> tuple[int, int]:
     m, p = cfg.model, cfg.parallel
     head_dim = m.dim // m.n_heads
     matmuls = m.dim * head_dim * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.dim * m.ffn_dim
-    stages, mine = split_layers(cfg), _stages_of(cfg, pp_rank)
+    stages, mine = split_layers(cfg), stages_of(cfg, pp_rank)
     blocks = sum(len(stages[s]) for s in mine) * (matmuls // p.tp + 2 * m.dim)
     vocab = m.vocab_size * m.dim // p.tp
     root = vocab if 0 in mine else 0
@@ -52,11 +52,6 @@ def stage_params(cfg: LctrainConfig, stage: int) -> int:
     if stage == len(stages) - 1:
         total += m.dim + (0 if m.tie_embeddings else m.vocab_size * m.dim)
     return total
-
-
-def _stages_of(cfg: LctrainConfig, pp_rank: int) -> list[int]:
-    p = cfg.parallel
-    return rank_stages(pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule)
 
 
 def state_bytes_per_rank(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> float:
@@ -306,18 +301,17 @@ def pipeline_buffer_bytes(cfg: LctrainConfig, world_size: int, batch: int, pp_ra
     [B, S/(cp*tp) with SP else S/cp, D] in the residual dtype; for each whose next stage does,
     their gradients, alike (docs/parallelism.md §13)."""
     m = derive(cfg, world_size).grad_accum
-    links = sum(_receives(cfg, s, -1) + _receives(cfg, s, 1) for s in _stages_of(cfg, pp_rank))
+    links = sum(_receives(cfg, s, -1) + _receives(cfg, s, 1) for s in stages_of(cfg, pp_rank))
     return links * m * _stage_io_bytes(cfg, world_size, batch)
 
 
 def _receives(cfg: LctrainConfig, stage: int, step: int) -> bool:
     """Whether `stage` receives from its neighbour `stage + step` (-1: activations, 1:
     gradients): the neighbour exists and runs on another pipeline rank."""
-    p, neighbour = cfg.parallel, stage + step
+    neighbour = stage + step
     if not 0 <= neighbour < len(split_layers(cfg)):
         return False
-    layout = (p.pp, p.pp_virtual_stages, p.pp_schedule)
-    return stage_rank(neighbour, *layout) != stage_rank(stage, *layout)
+    return rank_of(cfg, neighbour) != rank_of(cfg, stage)
 
 
 def _stage_io_bytes(cfg: LctrainConfig, world_size: int, batch: int) -> float:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from lctrain.config import LctrainConfig, derive
 from lctrain.config.validation import warnings_for
-from lctrain.layout.stages import bubble_fraction, rank_stages, split_layers
+from lctrain.layout.stages import bubble_fraction, split_layers, stages_of
 from lctrain.layout.topology import AXES, GROUPS, Topology
 from lctrain.planning.memory import (
     gathered_weight_bytes,
@@ -56,7 +56,7 @@ def rank_memory(cfg: LctrainConfig, world_size: int, pp_rank: int) -> dict:
     each of its stages (`rank_stages` order) the micro-batches in flight at the rank's peak and
     the activation bytes they keep."""
     p, t = cfg.parallel, cfg.train
-    stages = rank_stages(pp_rank, p.pp, p.pp_virtual_stages, p.pp_schedule)
+    stages = stages_of(cfg, pp_rank)
     per_micro_batch = [stage_activation_bytes(cfg, world_size, t.micro_batch, s) for s in stages]
     moments = in_flight_moments(p.pp_schedule, p.pp, derive(cfg, world_size).grad_accum,
                                 p.pp_virtual_stages, pp_rank)

@@ -97,8 +97,13 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[Micro
         optimizer.step()
         scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm.item(),
-            "valid_tokens": int(tokens.item()), "skipped": int(not finite)}
+    return _step_metrics(loss, lr, grad_norm.item(), tokens, finite)
+
+
+def _step_metrics(loss: Tensor, lr: float, grad_norm: float, tokens: Tensor,
+                  applied: bool) -> dict:
+    return {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm,
+            "valid_tokens": int(tokens.item()), "skipped": int(not applied)}
 
 
 def _deepspeed_step(engine: nn.Module, scheduler, micro_batches: list[MicroBatch],
@@ -123,9 +128,7 @@ def _deepspeed_step(engine: nn.Module, scheduler, micro_batches: list[MicroBatch
         scheduler.step()
     norm = engine.get_global_grad_norm()
     grad_norm = float("nan") if norm is None or norm < 0 else float(norm)
-    finite = applied and bool(torch.isfinite(loss))
-    return {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm,
-            "valid_tokens": int(tokens.item()), "skipped": int(not finite)}
+    return _step_metrics(loss, lr, grad_norm, tokens, applied and bool(torch.isfinite(loss)))
 
 
 def _agree_run_dir(run_dir: Path, rt: Runtime) -> Path:
