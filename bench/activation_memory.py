@@ -191,6 +191,12 @@ def _kept_only_longest(train: dict, cap: float) -> int | None:
     return lo if hi < 2**40 else None
 
 
+# the recipe's layout on its preset model: the checkpoint and corpus it requires given as null,
+# synthetic data (the plan's memory does not depend on them)
+LAYOUT_ONLY = ["model.init_from=null", "model.hf_overrides=[]", "data.source=synthetic",
+               "data.path=null", "data.tokenizer=null"]
+
+
 def recipe_table(chunk: int) -> None:
     print("\n## lctrain plan per rank, recipes/llama-256k.yaml (GiB)")
     keys = ("weights_grads_adam", "fsdp_gathered_weights", "activations_kept",
@@ -204,7 +210,7 @@ def recipe_table(chunk: int) -> None:
             ["train.activation_checkpointing=full", f"train.loss_chunk={chunk * 16}",
              f"train.mlp_chunk={chunk * 16}", "train.offload_activations=true"]]
     for overrides in rows:
-        cfg = compose(["+recipe=llama-256k", *overrides]).cfg
+        cfg = compose(["+recipe=llama-256k", *LAYOUT_ONLY, *overrides]).cfg
         world = plan_world_size(cfg)
         assert not validate(cfg, world), overrides
         mem = build_plan(cfg, world)["memory_gib"]

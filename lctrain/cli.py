@@ -20,12 +20,19 @@ COMMANDS = {  # name: (what it does, the flags it takes)
     "train": ("validate, then train (local ranks, torchrun or srun)", {"--cfg"}),
     "plan": ("validate and print the layout, per-rank shapes, memory and traffic",
              {"--json", "--cfg"}),
-    "submit": ("render the sbatch script for slurm.* and submit it", {"--dry-run", "--cfg"}),
+    "submit": ("render the sbatch script for slurm.* and submit it (--multirun: one job per "
+               "combination of comma-separated values)", {"--dry-run", "--cfg", "--multirun"}),
     "preprocess": ("tokenize data.path with data.tokenizer into preprocess.output, for "
                    "data.source=tokens", {"--cfg"}),
     "keys": ("list every key (or those of the SECTIONs given) with its type, default, allowed "
              "values and meaning", set()),
+    "status": ("RUN_DIR...: job state, last step, loss, tokens/s, ETA and newest checkpoint",
+               set()),
+    "plot": ("RUN_DIR...: PNGs of loss, tokens/s, MFU, memory and eval accuracy against step, "
+             "runs overlaid (--out=DIR: where; default RUN_DIR/plots)", {"--out"}),
 }
+PATH_COMMANDS = {"keys", "status", "plot"}
+"""Commands whose arguments are names or paths, not overrides: nothing is composed for them."""
 EXIT_CONFIG = 2
 
 
@@ -45,10 +52,18 @@ def usage() -> str:
 
 def _run_command(command: str, overrides: list[str], flags: set[str]) -> int:
     # Each command is imported when it runs: train and plan load torch (seconds), and
-    # preprocess must start without it. keys takes section names, not overrides.
-    if command == "keys":
-        from lctrain.commands import keys
-        return keys.run(overrides)
+    # preprocess must start without it. keys, status and plot take names or paths.
+    if command in PATH_COMMANDS:
+        if command == "keys":
+            from lctrain.commands import keys as module
+        elif command == "status":
+            from lctrain.commands import status as module
+        else:
+            from lctrain.commands import plot as module
+        return module.run(overrides) if command == "keys" else module.run(overrides, flags)
+    if command == "submit" and "--multirun" in flags:  # composes each combination itself
+        from lctrain.commands import submit
+        return submit.run_multirun(overrides, flags)
     composed = resolve_model(compose(overrides))
     if "--cfg" in flags:  # the resolved configuration, nothing run
         print(to_yaml(composed.cfg), end="")
@@ -72,7 +87,7 @@ def _parse(argv: list[str]) -> tuple[str, list[str], set[str]]:
         raise ConfigError([f"unknown command {command!r}; use {', '.join(COMMANDS)}"])
     flags = {a for a in rest if a.startswith("--")}
     allowed = COMMANDS[command][1]
-    unknown = sorted(flags - allowed - {"--help"})
+    unknown = sorted(f for f in flags if f.split("=", 1)[0] not in allowed | {"--help"})
     if unknown:
         raise ConfigError([f"unknown flag {f} for lctrain {command}; allowed: "
                            f"{', '.join(sorted(allowed)) or 'none'}" for f in unknown])

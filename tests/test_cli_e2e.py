@@ -54,7 +54,10 @@ def test_non_editable_install_finds_conf_and_recipes(tmp_path):
     code = ("import lctrain, sys; print(lctrain.__file__); import lctrain.attention, "
             "lctrain.data.loader as d; print(lctrain.attention.__file__); print(d.__file__); "
             "from lctrain.cli import main; main(sys.argv[1:])")
-    done = subprocess.run([sys.executable, "-c", code, "plan", "+recipe=llama-256k"],
+    # the recipe's layout without the checkpoint and corpus it requires (null, synthetic data)
+    plan = ["plan", "+recipe=llama-256k", "model.init_from=null", "model.hf_overrides=[]",
+            "data.source=synthetic", "data.path=null", "data.tokenizer=null"]
+    done = subprocess.run([sys.executable, "-c", code, *plan],
                           cwd=elsewhere, env={**ENV, "PYTHONPATH": str(target)},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

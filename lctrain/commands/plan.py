@@ -9,6 +9,7 @@ import sys
 from lctrain.commands.checks import preflight
 from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.compose import Composed
+from lctrain.config.derived import slurm_world
 from lctrain.layout.topology import AXES
 from lctrain.planning.plan import build_plan
 
@@ -67,18 +68,18 @@ def pipeline_lines(pipe: dict) -> list[str]:
 
 def plan_world_size(cfg: LctrainConfig) -> int:
     """launch.nproc if set; else the layout's product when every size is fixed; else (dp=-1)
-    slurm.nodes x slurm.gpus_per_node."""
+    the Slurm job's ranks (slurm.nodes x slurm.gpus_per_node on GPU nodes)."""
     p = cfg.parallel
     if cfg.launch.nproc is not None:
         return cfg.launch.nproc
     if p.dp != -1:
         return p.tp * p.cp * p.pp * p.dp
-    return cfg.slurm.nodes * cfg.slurm.gpus_per_node
+    return slurm_world(cfg)
 
 
 def world_note(cfg: LctrainConfig, world: int) -> list[str]:
     """A note when the planned world differs from what the slurm.* keys would request."""
-    slurm = cfg.slurm.nodes * cfg.slurm.gpus_per_node
+    slurm = slurm_world(cfg)
     if cfg.launch.nproc is None and cfg.parallel.dp != -1 and slurm != world:
         return [f"planned for the layout's {world} ranks; slurm.nodes x slurm.gpus_per_node = "
                 f"{slurm} would not match it (set parallel.dp=-1 to plan for the allocation)"]

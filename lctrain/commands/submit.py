@@ -1,84 +1,334 @@
-"""`lctrain submit`: render an sbatch script (srun + torchrun c10d rendezvous) and submit it."""
+"""`lctrain submit`: check a job against the layout and the cluster, render its sbatch script,
+save it with the resolved config in the run dir, and submit it; `--multirun` submits one job per
+combination of comma-separated values after checking every combination.
+
+The batch script starts one srun task per node, each a torchrun (`python -m
+torch.distributed.run` of the submitter's own Python, or slurm.python) over the node's ranks:
+its GPUs, or on a CPU partition (slurm.gpus_per_node=0) launch.nproc / slurm.nodes gloo ranks.
+The rendezvous address and port come from `lctrain.commands.job` on the first node.
+
+Preemption and requeue: Slurm sends USR1 to the batch shell slurm.signal_before_s before the time
+limit; its trap writes the job's token (job id and restart count) into RUN_DIR/STOP, and lctrain
+checkpoints after the current step, records the token in RUN_DIR/STOPPED and exits 0
+(`lctrain.training.preemption`). Only then (STOPPED holds this start's token) does the script
+requeue the job (slurm.requeue); a USR1 after the last step requeues nothing. The requeued
+job, like a resubmitted one with the same hydra.run.dir, resumes from the newest checkpoint
+(the job runs with checkpoint.resume=auto) and discards the old STOP file, whose token is not
+its own. Slurm's own requeue (node failure, preemption) resumes the same way.
+
+Sweeps use a loop of our own over Hydra's override grammar rather than Hydra's submitit launcher:
+the launcher pickles a Python function into its own sbatch template (one task per rank, no
+torchrun, no USR1 trap or requeue), needs `@hydra.main` where lctrain composes with the compose
+API so that every error exits 2 before anything starts, and would submit the combinations it can
+before failing on a bad one. Here every combination is composed and checked first, then each is
+submitted as the same batch script a single `lctrain submit` renders.
+"""
 
 from __future__ import annotations
 
+import itertools
+import re
 import shlex
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+
 from lctrain.commands.checks import preflight
+from lctrain.commands.init_from import resolve_model, typed_keys
 from lctrain.config import ConfigError, LctrainConfig
-from lctrain.config.compose import Composed, to_yaml
+from lctrain.config.compose import Composed, compose, to_yaml
+from lctrain.config.derived import local_world_size, slurm_ranks_per_node, slurm_world
+from lctrain.training.preemption import STOPPED
+
+STOP_TOKEN = "${SLURM_JOB_ID}.${SLURM_RESTART_COUNT:-0}"
+"""What the USR1 trap writes into RUN_DIR/STOP: this job, this start of it."""
+JOBS_FILE = "slurm_jobs"
+"""Job ids submitted into a run dir, one per line, oldest first (`lctrain status` reads it)."""
+
+
+def job_python(cfg: LctrainConfig) -> str:
+    return cfg.slurm.python or sys.executable
+
+
+def cpus_per_task(cfg: LctrainConfig) -> int:
+    s = cfg.slurm
+    if s.cpus_per_task is not None:
+        return s.cpus_per_task
+    if s.gpus_per_node > 0:
+        return s.gpus_per_node * s.cpus_per_gpu
+    return max(slurm_ranks_per_node(cfg), 1)
+
+
+def job_overrides(cfg: LctrainConfig, overrides: list[str], run_dir: Path) -> list[str]:
+    """The overrides the job's `lctrain train` runs with: the user's, the run dir made absolute,
+    and checkpoint.resume=auto so that a requeued or resubmitted job resumes."""
+    keep = [o for o in overrides if not o.lstrip("+~").startswith("hydra.run.dir=")]
+    if "resume" not in typed_keys(overrides, "checkpoint") and cfg.checkpoint.load is None:
+        keep.append("checkpoint.resume=auto")
+    return [*keep, run_dir_override(run_dir.resolve())]
+
+
+def run_dir_override(path: Path) -> str:
+    """hydra.run.dir=PATH, quoted for Hydra's grammar (a sweep's run dirs contain = and ,)."""
+    quoted = str(path).replace("'", "\\'")
+    return f"hydra.run.dir='{quoted}'"
 
 
 def render_sbatch(cfg: LctrainConfig, overrides: list[str], run_dir: Path) -> str:
-    """The batch script: one srun task per node, each a torchrun over slurm.gpus_per_node ranks."""
+    """The batch script for `cfg` (see the module docstring)."""
     s = cfg.slurm
     run_dir = run_dir.resolve()
+    per_node, cpus = slurm_ranks_per_node(cfg), cpus_per_task(cfg)
+    python = shlex.quote(job_python(cfg))
+    stop = shlex.quote(str(run_dir / "STOP"))
+    stopped = shlex.quote(str(run_dir / STOPPED))
     header = [
         "#!/bin/bash",
         f"#SBATCH --job-name={s.job_name}",
         f"#SBATCH --nodes={s.nodes}",
         "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --gpus-per-node={s.gpus_per_node}",
-        f"#SBATCH --cpus-per-task={s.gpus_per_node * s.cpus_per_gpu}",
+        *([f"#SBATCH --gpus-per-node={s.gpus_per_node}"] if s.gpus_per_node else []),
+        f"#SBATCH --cpus-per-task={cpus}",
         f"#SBATCH --time={s.time}",
         f"#SBATCH --output={run_dir}/slurm-%j.out",
-        "#SBATCH --signal=B:USR1@300",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --signal=B:USR1@{s.signal_before_s}",
+        "#SBATCH --requeue" if s.requeue else "#SBATCH --no-requeue",
     ]
     for flag, value in (("partition", s.partition), ("account", s.account), ("qos", s.qos)):
         if value:
             header.append(f"#SBATCH --{flag}={value}")
-    keep = [o for o in overrides if not o.startswith("hydra.run.dir=")]
-    args = " ".join(shlex.quote(o) for o in [*keep, f"hydra.run.dir={run_dir}"])
+    args = " ".join(shlex.quote(o) for o in job_overrides(cfg, overrides, run_dir))
+    exports = [f"export {k}={shlex.quote(str(v))}" for k, v in s.env.items()]
+    requeue = [
+        f'if [ "$status" -eq 0 ] && [ "$(cat {stopped} 2>/dev/null)" = "{STOP_TOKEN}" ]; then',
+        '  echo "lctrain: stopped early on USR1; requeueing job $SLURM_JOB_ID to resume"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+    ] if s.requeue else []
     body = [
         "set -euo pipefail",
+        "# Slurm's USR1 (--signal above) reaches this shell only: the trap asks lctrain, through",
+        "# the stop file, to checkpoint after the current step and exit",
+        f"trap 'echo \"{STOP_TOKEN}\" > {stop}' USR1",
+        f'echo "lctrain: job $SLURM_JOB_ID start ${{SLURM_RESTART_COUNT:-0}} on '
+        f'$SLURM_JOB_NODELIST, run dir {run_dir}"',
         *s.setup,
-        'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "export MASTER_PORT=${MASTER_PORT:-29500}",
-        "export OMP_NUM_THREADS=1",
-        "# SLURM's USR1 (--signal above) reaches this shell only: it asks lctrain, through the",
-        "# stop file, to checkpoint after the current step and exit cleanly",
-        f"trap 'touch {shlex.quote(str(run_dir / 'STOP'))}' USR1",
-        "srun --kill-on-bad-exit=1 torchrun \\",
-        "  --nnodes=\"$SLURM_NNODES\" \\",
-        f"  --nproc-per-node={s.gpus_per_node} \\",
-        "  --rdzv-backend=c10d --rdzv-id=\"$SLURM_JOB_ID\" \\",
-        "  --rdzv-endpoint=\"$MASTER_ADDR:$MASTER_PORT\" \\",
+        *exports,
+        f"export OMP_NUM_THREADS={max(cpus // max(per_node, 1), 1)}",
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f'rdzv=$({python} -m lctrain.commands.job rendezvous "$head")',
+        'export MASTER_ADDR="${rdzv% *}" MASTER_PORT="${rdzv#* }"',
+        f"srun --kill-on-bad-exit=1 {python} -m torch.distributed.run \\",
+        '  --nnodes="$SLURM_NNODES" \\',
+        f"  --nproc-per-node={per_node} \\",
+        '  --rdzv-backend=c10d --rdzv-id="$SLURM_JOB_ID" \\',
+        '  --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" \\',
         f"  -m lctrain.cli train {args} &",
         "srun_pid=$!",
         "while true; do  # a trap interrupts wait: wait again until srun itself has ended",
         '  status=0; wait "$srun_pid" || status=$?',
         '  kill -0 "$srun_pid" 2>/dev/null || break',
         "done",
+        *requeue,
         'exit "$status"',
     ]
     return "\n".join(header + [""] + body) + "\n"
 
 
-def run(composed: Composed, flags: set[str]) -> int:
+def slurm_problems(cfg: LctrainConfig, overrides: list[str]) -> list[str]:
+    """What makes slurm.* unable to run this layout, before any cluster is asked."""
+    s, problems = cfg.slurm, []
+    if s.gpus_per_node == 0 and slurm_ranks_per_node(cfg) == 0:
+        total = local_world_size(cfg)
+        problems.append(f"{total} ranks (launch.nproc, default tp*cp*pp*dp) cannot be split "
+                        f"evenly over slurm.nodes={s.nodes} CPU nodes; set launch.nproc to a "
+                        f"multiple of {s.nodes} or change slurm.nodes")
+    if s.python is not None and not Path(s.python).is_absolute():
+        problems.append(f"slurm.python={s.python} must be an absolute path (the batch shell's "
+                        "PATH is not the submitter's)")
+    if s.requeue and cfg.checkpoint.load is not None:
+        problems.append("slurm.requeue=true with checkpoint.load: a requeued job would start "
+                        "again from checkpoint.load; start from weights with model.init_from, "
+                        "or set slurm.requeue=false")
+    if s.requeue and "resume" in typed_keys(overrides, "checkpoint") and \
+            cfg.checkpoint.resume != "auto":
+        problems.append("slurm.requeue=true with checkpoint.resume=none: a requeued job would "
+                        "start over; drop the override (submit runs with resume=auto) or set "
+                        "slurm.requeue=false")
+    return problems
+
+
+@dataclass
+class Partition:
+    name: str
+    nodes: int
+    cpus: int
+    gpus: int
+    """GPUs per node its GRES offers (0: none)."""
+    default: bool
+
+
+def partitions() -> dict[str, Partition]:
+    """The cluster's partitions as sinfo reports them (one row per partition)."""
+    out = subprocess.run(["sinfo", "-h", "-o", "%P|%D|%c|%G"], capture_output=True, text=True,
+                         check=True).stdout
+    found = {}
+    for line in out.splitlines():
+        name, nodes, cpus, gres = line.split("|")
+        gpus = max((int(m.group(1)) for m in re.finditer(r"gpu(?::[\w.-]+)?:(\d+)", gres)),
+                   default=0)
+        part = Partition(name.rstrip("*"), int(nodes), int(re.match(r"\d+", cpus).group()), gpus,
+                         name.endswith("*"))
+        found[part.name] = part
+    return found
+
+
+def cluster_problems(cfg: LctrainConfig, parts: dict[str, Partition]) -> list[str]:
+    """What keeps this job from ever starting on the cluster sinfo describes."""
+    s = cfg.slurm
+    name = s.partition or next((p.name for p in parts.values() if p.default), None)
+    if name not in parts:
+        return [f"slurm.partition={s.partition} does not exist on this cluster; partitions: "
+                f"{', '.join(parts) or 'none'}" if s.partition else
+                "the cluster has no default partition; set slurm.partition"]
+    part, problems = parts[name], []
+    if s.gpus_per_node > part.gpus:
+        problems.append(f"slurm.gpus_per_node={s.gpus_per_node} but partition {name} offers "
+                        f"{part.gpus} GPUs per node, so the job would never start; "
+                        + ("set slurm.gpus_per_node=0 to run on its CPUs" if part.gpus == 0 else
+                           f"set slurm.gpus_per_node<={part.gpus}"))
+    if s.nodes > part.nodes:
+        problems.append(f"slurm.nodes={s.nodes} but partition {name} has {part.nodes} node(s)")
+    if cpus_per_task(cfg) > part.cpus:
+        problems.append(f"--cpus-per-task={cpus_per_task(cfg)} exceeds the {part.cpus} CPUs of "
+                        f"a node in partition {name}; set slurm.cpus_per_task (or "
+                        "slurm.cpus_per_gpu) lower")
+    return problems
+
+
+def job_problems(composed: Composed) -> list[str]:
+    """Everything wrong with one job before the cluster is asked."""
     cfg = composed.cfg
-    world = cfg.slurm.nodes * cfg.slurm.gpus_per_node
-    problems = preflight(cfg, world)
+    problems = slurm_problems(cfg, composed.overrides)
+    return problems or preflight(cfg, slurm_world(cfg))
+
+
+def expand_sweep(overrides: list[str]) -> list[tuple[list[str], str]]:
+    """Every combination of the sweep overrides (`key=a,b`, `key=range(...)`, Hydra's grammar):
+    (overrides, label naming the swept values), in order, the last key varying fastest."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException as e:
+        raise ConfigError([str(e)], header="the sweep could not be parsed") from e
+    choices = []
+    for o in parsed:
+        if o.is_sweep_override():
+            key = o.get_key_element()
+            choices.append([(f"{key}={v}", f"{key}={v}") for v in o.sweep_string_iterator()])
+        else:
+            choices.append([(o.input_line, "")])
+    out = []
+    for combo in itertools.product(*choices):
+        label = ",".join(lab for _, lab in combo if lab)
+        out.append(([line for line, _ in combo], label))
+    return out
+
+
+def _sweep(overrides: list[str]) -> list[Composed]:
+    """One Composed per combination, each in its own run dir under the first one's
+    (`<run dir>/<i>_<swept values>`)."""
+    combos = expand_sweep(overrides)
+    try:
+        base = compose(combos[0][0]).run_dir
+    except ConfigError as e:
+        raise ConfigError(e.problems, header="the sweep's first job could not be composed") from e
+    composed, problems = [], []
+    for i, (combo, label) in enumerate(combos):
+        name = f"{i}_{re.sub(r'[^A-Za-z0-9._=,+-]', '_', label)}" if label else str(i)
+        try:
+            job = resolve_model(compose([*combo, run_dir_override(base / name)]))
+        except ConfigError as e:
+            problems += [f"[{label}] {p}" for p in e.problems]
+            continue
+        composed.append(job)
+        problems += [f"[{label}] {p}" for p in job_problems(job)]
     if problems:
-        raise ConfigError(problems)
-    script = render_sbatch(cfg, composed.overrides, composed.run_dir)
-    if "--dry-run" in flags:
-        print(script, end="")
-        return 0
+        raise ConfigError(problems, header=f"none of the sweep's {len(combos)} jobs was "
+                                           "submitted")
+    return composed
+
+
+def _sbatch() -> str:
     sbatch = shutil.which("sbatch")
     if sbatch is None:
-        print("lctrain: sbatch not found on PATH; run on a SLURM login node, or use --dry-run "
-              "to print the script", file=sys.stderr)
-        return 1
+        raise ConfigError(["sbatch is not on PATH: run lctrain submit on a Slurm login node (or "
+                           "start a local Slurm: python tools/local_slurm.py start DIR), or use "
+                           "--dry-run to print the batch script"],
+                          header="no Slurm here")
+    return sbatch
+
+
+def submit(composed: Composed, sbatch: str) -> str:
+    """Save the script and config in the run dir, submit, and return the job id."""
     run_dir = composed.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "submit.sbatch"
-    path.write_text(script)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    done = subprocess.run([sbatch, str(path)], capture_output=True, text=True)
-    sys.stdout.write(done.stdout)
-    sys.stderr.write(done.stderr)
-    return done.returncode
+    script = run_dir / "submit.sbatch"
+    script.write_text(render_sbatch(composed.cfg, composed.overrides, run_dir))
+    (run_dir / "config.yaml").write_text(to_yaml(composed.cfg))
+    done = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"sbatch {script} failed: {done.stderr.strip()}")
+    job_id = done.stdout.strip().split(";")[0]
+    with open(run_dir / JOBS_FILE, "a") as f:
+        f.write(job_id + "\n")
+    return job_id
+
+
+def _submit_all(jobs: list[Composed], flags: set[str]) -> int:
+    if "--dry-run" in flags:
+        for composed in jobs:
+            if len(jobs) > 1:
+                print(f"# run dir {composed.run_dir.resolve()}")
+            print(render_sbatch(composed.cfg, composed.overrides, composed.run_dir), end="")
+        return 0
+    sbatch = _sbatch()
+    problems = []
+    if shutil.which("sinfo"):
+        parts = partitions()
+        problems = [p for c in jobs for p in cluster_problems(c.cfg, parts)]
+    if problems:
+        raise ConfigError(list(dict.fromkeys(problems)), header="the cluster cannot run this job")
+    for note in jobs[0].notes:
+        print(f"lctrain: {note}", file=sys.stderr)
+    for composed in jobs:
+        try:
+            job_id = submit(composed, sbatch)
+        except RuntimeError as e:
+            print(f"lctrain: {e}", file=sys.stderr)
+            return 1
+        run_dir = composed.run_dir.resolve()
+        print(f"lctrain: submitted job {job_id}; run dir {run_dir}; follow it with `lctrain "
+              f"status {run_dir}`")
+    return 0
+
+
+def run(composed: Composed, flags: set[str]) -> int:
+    problems = job_problems(composed)
+    if problems:
+        raise ConfigError(problems)
+    return _submit_all([composed], flags)
+
+
+def run_multirun(overrides: list[str], flags: set[str]) -> int:
+    jobs = _sweep(overrides)
+    if "--cfg" in flags:
+        for composed in jobs:
+            print(f"# run dir {composed.run_dir.resolve()}\n{to_yaml(composed.cfg)}", end="")
+        return 0
+    return _submit_all(jobs, flags)

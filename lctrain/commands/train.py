@@ -18,6 +18,7 @@ from lctrain.attention.kernels import FLASH_INSTALL
 from lctrain.commands.checks import preflight
 from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.compose import Composed
+from lctrain.config.derived import local_world_size
 from lctrain.config.validation import (
     cuda_problems,
     uses_flash_attn,
@@ -26,14 +27,6 @@ from lctrain.config.validation import (
 from lctrain.parallel import launch
 from lctrain.planning.memory import param_count
 from lctrain.training import loop
-
-
-def local_world_size(cfg: LctrainConfig) -> int:
-    """launch.nproc, else tp*cp*pp*dp with dp=-1 counting as 1."""
-    if cfg.launch.nproc is not None:
-        return cfg.launch.nproc
-    p = cfg.parallel
-    return p.tp * p.cp * p.pp * max(p.dp, 1)
 
 
 def uses_cuda(cfg: LctrainConfig) -> bool:

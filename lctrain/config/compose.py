@@ -77,12 +77,13 @@ def compose(overrides: list[str]) -> Composed:
             raw = hydra_compose("config", overrides=overrides, return_hydra_config=True)
             HydraConfig.instance().set_config(raw)
             run_dir = Path(str(OmegaConf.select(raw, "hydra.run.dir")))
+            recipe = OmegaConf.select(raw, "hydra.runtime.choices.recipe")
             user = OmegaConf.to_container(
                 OmegaConf.masked_copy(raw, [k for k in raw if k != "hydra"]), resolve=True)
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError([_hydra_message(e)],
                           header="configuration could not be composed") from e
-    problems = unknown_keys(user, LctrainConfig)
+    problems = unknown_keys(user, LctrainConfig) + required_keys(recipe, overrides)
     if problems:
         raise ConfigError(problems)
     try:
@@ -92,6 +93,17 @@ def compose(overrides: list[str]) -> Composed:
         raise ConfigError([_hydra_message(e)]) from e
     assert isinstance(cfg, LctrainConfig)
     return Composed(cfg=cfg, run_dir=run_dir, overrides=list(overrides))
+
+
+def required_keys(recipe: str | None, overrides: list[str]) -> list[str]:
+    """Keys that the selected recipe marks with Hydra's mandatory value `???` and that no
+    override sets: merged over the schema's defaults, a `???` would keep the default silently."""
+    if recipe is None:
+        return []
+    path = recipes_dir() / f"{recipe}.yaml"
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    return [f"{key} is required by +recipe={recipe} (??? in recipes/{path.name}); set {key}=..."
+            for key in sorted(OmegaConf.missing_keys(OmegaConf.load(path)) - given)]
 
 
 def _hydra_message(e: BaseException) -> str:

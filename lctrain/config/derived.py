@@ -43,6 +43,29 @@ def derive(cfg: LctrainConfig, world_size: int) -> Derived:
     )
 
 
+def local_world_size(cfg: LctrainConfig) -> int:
+    """launch.nproc, else tp*cp*pp*dp with dp=-1 counting as 1."""
+    if cfg.launch.nproc is not None:
+        return cfg.launch.nproc
+    p = cfg.parallel
+    return p.tp * p.cp * p.pp * max(p.dp, 1)
+
+
+def slurm_ranks_per_node(cfg: LctrainConfig) -> int:
+    """Ranks each node of a Slurm job runs: slurm.gpus_per_node, or on a CPU partition
+    (gpus_per_node=0) launch.nproc / slurm.nodes (0 when that does not divide evenly)."""
+    s = cfg.slurm
+    if s.gpus_per_node > 0:
+        return s.gpus_per_node
+    total = local_world_size(cfg)
+    return total // s.nodes if total % s.nodes == 0 else 0
+
+
+def slurm_world(cfg: LctrainConfig) -> int:
+    """Ranks of the Slurm job slurm.* describes."""
+    return cfg.slurm.nodes * slurm_ranks_per_node(cfg)
+
+
 def ulysses_degree(p: ParallelConfig) -> int:
     """Ulysses (all-to-all) degree inside the cp group."""
     if p.cp == 1:

@@ -324,17 +324,32 @@ class LoggingConfig:
     wandb_project: str = "lctrain"
     """W&B project."""
     wandb_mode: str = one_of("online", "offline", "disabled", default="offline")
-    """W&B mode: online | offline | disabled."""
+    """W&B mode: online | offline | disabled. A restarted run continues the W&B run whose id
+    is stored in the run dir (`wandb_run_id`)."""
+    tensorboard: bool = False
+    """Also write the logged scalars for TensorBoard into RUN_DIR/tensorboard (rank 0; the
+    `tensorboard` extra: pip install 'lctrain[tensorboard]')."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s of one rank, the denominator of the logged MFU; null = the datasheet value
+    of a known GPU in the run's dtype (dense), or on the CPU this machine's fp32 matmul rate,
+    measured at the start (docs/parallelism.md §14)."""
 
 
 @dataclass
 class SlurmConfig:
+    """What `lctrain submit` asks Slurm for and how the batch script starts the ranks: one srun
+    task per node, each a torchrun over the node's ranks."""
+
     nodes: int = at_least(1, 1)
     """Nodes to request."""
-    gpus_per_node: int = at_least(1, 8)
-    """GPUs (= ranks) per node."""
-    cpus_per_gpu: int = 8
-    """CPU cores per GPU rank."""
+    gpus_per_node: int = at_least(0, 8)
+    """GPUs (= ranks) per node; 0 for a CPU partition: no GPU is requested and each node runs
+    launch.nproc / slurm.nodes gloo ranks (launch.nproc defaults to tp*cp*pp*dp)."""
+    cpus_per_gpu: int = at_least(1, 8)
+    """CPU cores per GPU rank (GPU partitions: --cpus-per-task = gpus_per_node x this)."""
+    cpus_per_task: int | None = at_least(1, None, hint="slurm.cpus_per_task=null")
+    """CPU cores of the one task per node (--cpus-per-task); default gpus_per_node x
+    cpus_per_gpu, or on a CPU partition one per rank."""
     partition: str | None = None
     """SLURM partition (-p)."""
     account: str | None = None
@@ -346,7 +361,18 @@ class SlurmConfig:
     job_name: str = "lctrain"
     """Job name."""
     setup: list[str] = field(default_factory=list)
-    """Shell lines run before srun (module load, source venv, ...)."""
+    """Shell lines run before srun (module load, ...)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Variables the batch script exports before srun, e.g. NCCL_SOCKET_IFNAME, NCCL_IB_HCA,
+    GLOO_SOCKET_IFNAME; MASTER_ADDR here replaces the head node's resolved address."""
+    python: str | None = None
+    """The Python that runs torchrun and lctrain on the nodes; default the submitter's own
+    (sys.executable), whatever PATH the batch shell gets."""
+    requeue: bool = True
+    """Let Slurm requeue the job (--requeue) and requeue it from the batch script when the
+    USR1 warning stopped training early; the requeued job resumes from its checkpoint."""
+    signal_before_s: int = at_least(10, 300)
+    """Seconds before the time limit at which Slurm sends USR1 (checkpoint and stop)."""
 
 
 @dataclass

@@ -13,6 +13,7 @@ runs them all before launch.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 
@@ -291,6 +292,22 @@ def _scalars(cfg: LctrainConfig) -> list[str]:
     return problems
 
 
+TENSORBOARD_INSTALL = "pip install 'lctrain[tensorboard]'"
+
+
+def _logging(cfg: LctrainConfig) -> list[str]:
+    """The logging outputs: a peak that is a rate, and the optional tensorboard package
+    present when asked for (found without importing it)."""
+    lg, problems = cfg.logging, []
+    if lg.peak_tflops is not None and not lg.peak_tflops > 0:
+        problems.append(f"logging.peak_tflops={lg.peak_tflops} must be > 0 (TFLOP/s of one "
+                        "rank); try logging.peak_tflops=989 (H100 bf16, dense) or null")
+    if lg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        problems.append(f"logging.tensorboard=true but tensorboard is not installed; run "
+                        f"{TENSORBOARD_INSTALL}, or set logging.tensorboard=false")
+    return problems
+
+
 def has_validation(cfg: LctrainConfig) -> bool:
     """Whether a validation loss is configured (eval.val_data or data.val_fraction)."""
     return cfg.eval.val_data is not None or cfg.data.val_fraction > 0
@@ -337,7 +354,8 @@ def validate(cfg: LctrainConfig, world_size: int) -> list[str]:
     problems = field_problems(cfg, blocking_only=True) + _dp(cfg)
     if world_size < 1:
         problems.append(f"world size {world_size} must be positive")
-    later = [p for p in field_problems(cfg) if p not in problems] + _scalars(cfg)
+    later = ([p for p in field_problems(cfg) if p not in problems] + _scalars(cfg)
+             + _logging(cfg))
     if problems:  # the rules below divide by these sizes or branch on these names
         return problems + later if world_size >= 1 else problems
     world = _world(cfg, world_size)

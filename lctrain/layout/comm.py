@@ -7,7 +7,8 @@ P-1 peers in a ring, a reduce-scatter sends (P-1)/P of its input, a P2P send sen
 Counting is active only inside `record_traffic()`; each entry is keyed by (tag, collective), the
 tag naming the algorithm (`traffic_tag("ring")`). Only the collectives of this module are counted
 (context-parallel attention); FSDP/DDP gradient traffic is not. The training loop logs the bytes
-each step sent as `cp_bytes_sent` in metrics.jsonl.
+each step sent as `traffic/cp` (and `cp_bytes_sent`) in metrics.jsonl, and the other groups'
+traffic from the formulas of `lctrain.planning.traffic` (docs/parallelism.md §14).
 """
 
 from __future__ import annotations

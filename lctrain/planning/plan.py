@@ -14,6 +14,7 @@ rank with the largest total, and "pipeline" holds them stage by stage.
 from __future__ import annotations
 
 from lctrain.config import LctrainConfig, derive
+from lctrain.config.derived import slurm_ranks_per_node
 from lctrain.config.validation import warnings_for
 from lctrain.layout.stages import bubble_fraction, split_layers, stages_of
 from lctrain.layout.topology import AXES, GROUPS, Topology
@@ -125,12 +126,12 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
         notes.append(f"KV heads are replicated x{d.kv_replication} before the Ulysses all-to-all "
                      f"({m.n_kv_heads // p.tp} KV heads per TP rank, Ulysses degree "
                      f"{d.cp_ulysses})")
-    gpus = cfg.slurm.gpus_per_node
+    per_node = slurm_ranks_per_node(cfg) or world_size  # (0: ranks that split unevenly)
     for name in ("tp", "cp_ulysses"):
-        if topo.group_size(name) > 1 and any(len({r // gpus for r in g}) > 1
-                                             for g in topo.groups(name)):
-            notes.append(f"{name} groups span nodes (slurm.gpus_per_node={gpus}); keep "
-                         f"tp x cp_ulysses <= {gpus} for intra-node links")
+        if per_node and topo.group_size(name) > 1 and any(len({r // per_node for r in g}) > 1
+                                                          for g in topo.groups(name)):
+            notes.append(f"{name} groups span nodes ({per_node} ranks per node); keep "
+                         f"tp x cp_ulysses <= {per_node} for intra-node links")
     if p.dp_engine == "deepspeed":
         notes.append(f"parallel.dp_engine=deepspeed: weights_grads_adam counts ZeRO-"
                      f"{cfg.deepspeed.zero_stage}'s shards on the device (offloaded parts "
@@ -168,7 +169,8 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
         },
         "groups": {name: {"axes": list(GROUPS[name][0]), "size": topo.group_size(name),
                           "carries": GROUPS[name][1]} for name in GROUPS},
-        "ranks": [{"rank": r, "node": r // gpus, **topo.coords(r)} for r in range(world_size)],
+        "ranks": [{"rank": r, "node": r // per_node, **topo.coords(r)}
+                  for r in range(world_size)],
         "notes": notes,
     }
     if p.pp > 1:

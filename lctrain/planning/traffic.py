@@ -1,13 +1,19 @@
 """Elements each rank sends: one attention layer per context-parallel algorithm (forward and
 backward), one block's TP/SP collectives, one step of FSDP. Derived in docs/parallelism.md
 §2 and §5-9; `lctrain plan` predicts with these, and tests and bench/attention.py compare them
-with what `lctrain.layout.comm.record_traffic` measures.
+with what `lctrain.layout.comm.record_traffic` measures. `step_traffic_bytes` adds them up into
+the bytes one rank sends per step in the groups whose collectives lctrain does not issue itself
+(TP, pipeline, data parallelism), which the training loop logs (docs/parallelism.md §14).
 
 L: global sequence (one sample), d = H * head_dim and d_kv = H_kv * r * head_dim per TP rank
 (r = KV replication), P = cp, u = Ulysses degree, R = ring degree = P / u.
 """
 
 from __future__ import annotations
+
+from lctrain.config import LctrainConfig, derive
+from lctrain.layout.stages import split_layers, stages_of
+from lctrain.planning.memory import local_params, pipeline_buffer_bytes
 
 
 def attention_traffic(algorithm: str, seq_len: int, d: int, d_kv: int, cp: int, ulysses: int,
@@ -41,6 +47,22 @@ def tp_block_traffic(tokens: int, dim: int, tp: int) -> float:
     return 4 * (tp - 1) / tp * tokens * dim
 
 
+def tp_recompute_traffic(tokens: int, dim: int, tp: int, sp: bool) -> float:
+    """What one block's backward sends again when it recomputes the block's forward (selective
+    or full checkpointing): with SP the two all-gathers and the reduce-scatter after wo, without
+    it the all-reduce after wo (docs/parallelism.md §2, Note)."""
+    return (3 if sp else 2) * (tp - 1) / tp * tokens * dim
+
+
+def tp_end_traffic(tokens: int, dim: int, tp: int) -> float:
+    """The vocabulary-parallel embedding's, or the output layer's, TP collectives in one forward
+    and backward: a reduce-scatter (SP) or all-reduce of the embedding's output and, backward, an
+    all-gather of its gradient (SP); an all-gather of the output layer's input (SP) and,
+    backward, a reduce-scatter (SP) or all-reduce of its gradient: 2 (t-1)/t tokens dim
+    elements each (docs/parallelism.md §14)."""
+    return 2 * (tp - 1) / tp * tokens * dim
+
+
 def dp_step_traffic(engine: str, blocks: int, root: int, shards: int, accum: int) -> float:
     """One optimizer step of data parallelism over `shards` ranks, for `blocks` and `root`
     parameters per rank and `accum` micro-steps (docs/parallelism.md §9).
@@ -69,3 +91,45 @@ def dp_step_bytes(engine: str, blocks: int, root: int, shards: int, accum: int,
     fp32 gradients."""
     gathered, reduced = _dp_parts(engine, blocks, root, shards, accum)
     return gathered * compute_bytes + reduced * 4
+
+
+def step_traffic_bytes(cfg: LctrainConfig, world_size: int) -> dict[str, float]:
+    """Bytes one rank sends in one optimizer step, by group, from the formulas above: "tp"
+    (DTensor's collectives), "pp" (the pipeline's sends), "dp" (FSDP/DDP over dp x cp); only
+    groups of more than one rank, each the largest over the pipeline ranks. "dp" is left out
+    under pipelining (FSDP then keeps weights gathered across micro-batches, which
+    `dp_step_traffic` does not model) and with DeepSpeed (its traffic is not modelled)
+    (docs/parallelism.md §14)."""
+    p, d = cfg.parallel, derive(cfg, world_size)
+    out = {}
+    if p.tp > 1:
+        out["tp"] = max(_tp_step_bytes(cfg, world_size, r) for r in range(p.pp))
+    if p.pp > 1:
+        out["pp"] = max(pipeline_buffer_bytes(cfg, world_size, cfg.train.micro_batch, r)
+                        for r in range(p.pp))
+    if d.dp * p.cp > 1 and p.pp == 1 and p.dp_engine != "deepspeed":
+        out["dp"] = dp_step_bytes(p.dp_engine, *local_params(cfg), d.dp * p.cp, d.grad_accum,
+                                  _compute_bytes(cfg))
+    return out
+
+
+def _compute_bytes(cfg: LctrainConfig) -> int:
+    return 2 if cfg.train.dtype == "bf16" else 4
+
+
+def _tp_step_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int) -> float:
+    """TP bytes pipeline rank `pp_rank` sends per step: its blocks forward and backward (and the
+    recomputed forward under checkpointing), the output layer's collectives in the compute
+    dtype, the embedding's in float32 (its lookup runs outside autocast)."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    d = derive(cfg, world_size)
+    tokens = t.micro_batch * d.local_seq_len
+    stages, mine = split_layers(cfg), stages_of(cfg, pp_rank)
+    per_block = 2 * tp_block_traffic(tokens, m.dim, p.tp)
+    if t.activation_checkpointing != "none":
+        per_block += tp_recompute_traffic(tokens, m.dim, p.tp, p.sp)
+    end = tp_end_traffic(tokens, m.dim, p.tp)
+    compute = sum(len(stages[s]) for s in mine) * per_block
+    compute += end if len(stages) - 1 in mine else 0
+    fp32 = end if 0 in mine else 0
+    return d.grad_accum * (_compute_bytes(cfg) * compute + 4 * fp32)

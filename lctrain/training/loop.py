@@ -35,7 +35,7 @@ from lctrain.parallel.tensor import loss_value, vocab_parallel
 from lctrain.planning.memory import param_count
 from lctrain.training.checkpoint import Checkpointer, TrainState
 from lctrain.training.evals import Evaluator, format_table
-from lctrain.training.metrics import MetricsLogger
+from lctrain.training.metrics import MetricsLogger, StepMeter
 from lctrain.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from lctrain.training.preemption import PreemptionWatcher
 
@@ -193,13 +193,17 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
     if loader.dropped:
         metrics.info(f"lctrain: data.long_docs=drop skips {loader.dropped:,} documents longer "
                      f"than train.seq_len={cfg.train.seq_len}")
+    meter = StepMeter(cfg, rt, metrics.info)  # on the CPU: times a matmul on every rank
     checkpointer = Checkpointer(cfg, rt, run_dir, to_yaml(cfg), metrics.info)
     evaluator = Evaluator(cfg, rt)
     history: list[dict] = []
     try:
         state = checkpointer.maybe_resume(model, optimizer, scheduler, loader)
+        metrics.start(state.step)  # metrics.jsonl keeps each step once
+        meter.start()
         for step in range(state.step + 1, cfg.train.steps + 1):
             out = _timed_step(model, optimizer, scheduler, loader, cfg, rt)
+            meter.per_step(out)
             _check_finite(out, step, cfg, metrics)
             state.step, state.tokens = step, state.tokens + rt.derived.tokens_per_step
             out.update(step=step, tokens=state.tokens)
@@ -214,14 +218,18 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
                 out["checkpoint_stall"] = _save(checkpointer, step, model, optimizer, loader,
                                                 state, wait=stop)
             history.append(out)
-            if metrics.should_log(step) or evaluated or stop:
+            if metrics.should_log(step) or evaluated or stop:  # the same steps on every rank
+                meter.reduce(out)  # collective: peak memory and data time over the ranks
                 metrics.log(step, {k: v for k, v in out.items() if k != "step"})
             if stop:
                 metrics.info(f"lctrain: stopping after step {step} ({watcher.reason}); the "
                              "checkpoint is saved: run again with checkpoint.resume=auto")
                 break
         checkpointer.wait()
-        if cfg.checkpoint.export_hf is not None and not watcher.reason:
+        completed = state.step == cfg.train.steps
+        if completed:
+            watcher.completed()
+        if cfg.checkpoint.export_hf is not None and completed:
             parameters = (model.full_parameters() if isinstance(model, PipelinedModel)
                           else full_parameters(unwrap(model)))
             export_hf(parameters, cfg.model, cfg.checkpoint.export_hf, rt.rank)

@@ -1,8 +1,18 @@
 """Preemption: SIGTERM / SIGUSR1 on any rank, or a stop file in the run dir, turned into one
-decision that every rank takes after the same step (checkpoint, then exit 0)."""
+decision that every rank takes after the same step (checkpoint, then exit 0).
+
+The stop file belongs to one start of one job: lctrain's batch script writes the job's token
+(`job_token`: Slurm job id and restart count) into RUN_DIR/STOP. A run removes, at start, a stop
+file that is not its own (left by the job it requeues or resumes, or touched by hand before it
+started) and keeps one written for its own token while it was starting up. When a run stops
+early it writes its token into RUN_DIR/STOPPED, which the batch script reads to decide on a
+requeue: a USR1 that arrives after the last step (the run completed; STOPPED is absent) never
+requeues a finished job.
+"""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from pathlib import Path
@@ -12,6 +22,10 @@ import torch.distributed as dist
 
 from lctrain.parallel.launch import STOP_SIGNALS
 from lctrain.parallel.runtime import Runtime
+
+STOPPED = "STOPPED"
+"""Beside the stop file: the token of the start that stopped early (the batch script requeues
+that start only)."""
 
 
 class PreemptionWatcher:
@@ -27,8 +41,11 @@ class PreemptionWatcher:
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
-        if rank == 0 and stop_file.exists():  # left by the run this one resumes
-            stop_file.unlink()
+        self.stopped_file = stop_file.with_name(STOPPED)
+        if rank == 0:
+            self.stopped_file.unlink(missing_ok=True)  # the record of the start before this
+            if stop_file.exists() and _read(stop_file) != job_token():
+                stop_file.unlink()  # not this job's: left by the run this one resumes
 
     def _handle(self, signum, frame) -> None:
         self._signal = signal.Signals(signum).name
@@ -45,9 +62,31 @@ class PreemptionWatcher:
             self.reason = (f"{self._signal} received" if self._signal else
                            "a stop signal on another rank" if flags[0] else
                            f"{self.stop_file} exists")
+            if self.rank == 0:
+                self.stopped_file.write_text(f"{job_token() or ''}\n")
         return any(flags)
+
+    def completed(self) -> None:
+        """Training reached its last step: nothing to requeue, whatever stop came late."""
+        if self.rank == 0:
+            self.stop_file.unlink(missing_ok=True)
+            self.stopped_file.unlink(missing_ok=True)
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}
+
+
+def job_token() -> str | None:
+    """This start of this Slurm job, as the batch script's USR1 trap writes it; None outside
+    Slurm."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return f"{job}.{os.environ.get('SLURM_RESTART_COUNT') or '0'}" if job else None
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None

@@ -1,0 +1,203 @@
+"""`lctrain plot RUN_DIR [RUN_DIR ...] [--out=DIR]`: PNGs of each run's metrics.jsonl against
+step, runs overlaid in every figure, one colour per run (`PALETTE`, in the order given), the
+legend naming each run by its directory (`parent/name` where two names are the same):
+
+  loss.png            train loss (solid) and val_loss (dashed)
+  tokens_per_sec.png  throughput, tokens/s
+  mfu.png             model FLOPs utilisation, percent
+  memory.png          peak_mem_bytes (the max over ranks), GiB
+  eval.png            accuracy, one line style per eval/<task>/acc and eval/<task>/len<N>/acc
+                      (the per-depth cells are left out)
+
+A figure whose metric no run logged is skipped, and the command says so. Where: --out=DIR, else
+the first RUN_DIR's plots/ folder, whether one run or several are given. A step logged twice (a
+run resumed from a checkpoint appends its rows again) keeps its last row.
+
+Nothing but json and matplotlib: the command starts without torch, and matplotlib (Agg) is
+imported only once there is something to draw.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from lctrain.config import ConfigError
+
+PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
+           "#17becf")
+"""One colour per run, in the order the runs are given (repeats after eight runs)."""
+LINESTYLES = ("-", "--", ":", "-.")
+"""One line style per metric within a figure (loss / val_loss, each eval key)."""
+FIGURES = {  # file stem: (y label, scale, keys; None: every eval accuracy key logged)
+    "loss": ("loss", 1.0, ("loss", "val_loss")),
+    "tokens_per_sec": ("tokens/s", 1.0, ("tokens_per_sec",)),
+    "mfu": ("MFU (%)", 100.0, ("mfu",)),
+    "memory": ("peak memory, max over ranks (GiB)", 1.0 / 2**30, ("peak_mem_bytes",)),
+    "eval": ("accuracy", 1.0, None),
+}
+EVAL_ACC = re.compile(r"eval/([^/]+)/(?:len(\d+)/)?acc")
+"""eval/<task>/acc and eval/<task>/len<N>/acc; the per-depth cells do not match."""
+FIGSIZE, DPI = (8, 4.5), 100  # 800 x 450 pixels
+
+
+@dataclass(frozen=True)
+class Run:
+    label: str
+    rows: list[dict]
+    """One row per step, ascending; the last row logged for each step."""
+
+
+@dataclass(frozen=True)
+class Line:
+    label: str
+    color: str
+    linestyle: str
+    steps: list[int]
+    values: list[float]
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl, one per step (the last one logged), ascending by step."""
+    by_step: dict[int, dict] = {}
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError([f"{path}:{number}: not valid JSON ({e.msg}); fix or delete "
+                                   "that line"], header="unreadable metrics") from None
+            if not isinstance(row, dict) or type(row.get("step")) is not int:
+                raise ConfigError([f"{path}:{number}: not a JSON object with an integer "
+                                   "\"step\"; fix or delete that line"],
+                                  header="unreadable metrics")
+            by_step[row["step"]] = row
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def labels(dirs: list[Path]) -> list[str]:
+    """Each run's directory name; `parent/name` where names repeat; the full path if that does."""
+    names = [d.name for d in dirs]
+    names = [f"{d.parent.name}/{d.name}" if names.count(d.name) > 1 else d.name for d in dirs]
+    return [str(d) if names.count(n) > 1 else n for d, n in zip(dirs, names)]
+
+
+def load_runs(paths: list[str]) -> list[Run]:
+    """Every run named, or one ConfigError listing every path that is not a readable run dir."""
+    if not paths:
+        raise ConfigError(["give at least one RUN_DIR: lctrain plot RUN_DIR [RUN_DIR ...]"],
+                          header="cannot plot")
+    dirs = [Path(p).resolve() for p in paths]
+    problems, rows = [], []
+    for given, d in zip(paths, dirs):
+        if not d.exists():
+            problems.append(f"{given}: no such file or directory")
+        elif not (d / "metrics.jsonl").is_file():
+            problems.append(f"{given}: not a run dir (no metrics.jsonl); a run dir is the "
+                            "hydra.run.dir of `lctrain train`, holding metrics.jsonl (one JSON "
+                            "row per logged step) beside its checkpoints")
+        else:
+            try:
+                rows.append(read_metrics(d / "metrics.jsonl"))
+            except ConfigError as e:
+                problems += e.problems
+    if problems:
+        raise ConfigError(problems, header="cannot plot")
+    return [Run(label, r) for label, r in zip(labels(dirs), rows)]
+
+
+def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the rows where `key` is a finite number (absent or null: no point)."""
+    points = [(row["step"], float(row[key])) for row in rows
+              if isinstance(row.get(key), (int, float)) and not isinstance(row[key], bool)
+              and math.isfinite(row[key])]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def eval_keys(runs: list[Run]) -> list[str]:
+    """Every eval accuracy key any run logged: per task, the overall one first, then by length."""
+    found = {k for run in runs for row in run.rows for k in row if EVAL_ACC.fullmatch(k)}
+
+    def order(key: str) -> tuple[str, int]:
+        task, length = EVAL_ACC.fullmatch(key).groups()
+        return task, int(length) if length else -1
+
+    return sorted(found, key=order)
+
+
+def build_lines(runs: list[Run]) -> dict[str, list[Line]]:
+    """Figure stem -> its lines (empty: no run logged that metric); colour by run, style by key."""
+    figures = {}
+    for stem, (_, scale, keys) in FIGURES.items():
+        keys = keys if keys is not None else eval_keys(runs)
+        lines = []
+        for i, run in enumerate(runs):
+            for j, key in enumerate(keys):
+                steps, values = series(run.rows, key)
+                if not steps:
+                    continue
+                name = key.removeprefix("eval/").removesuffix("/acc")
+                lines.append(Line(run.label if len(keys) == 1 else f"{run.label} {name}",
+                                  PALETTE[i % len(PALETTE)], LINESTYLES[j % len(LINESTYLES)],
+                                  steps, [v * scale for v in values]))
+        figures[stem] = lines
+    return figures
+
+
+def draw(figures: dict[str, list[Line]], out: Path) -> list[Path]:
+    """One PNG per figure that has lines, in `out`; returns their paths."""
+    import matplotlib  # lazy: a second of import, and only when there is something to draw
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for stem, lines in figures.items():
+        if not lines:
+            continue
+        fig, ax = plt.subplots(figsize=FIGSIZE, dpi=DPI)
+        for line in lines:  # a single point gets a marker, or it would not show
+            ax.plot(line.steps, line.values, color=line.color, linestyle=line.linestyle,
+                    linewidth=2, marker="o" if len(line.steps) == 1 else None, label=line.label)
+        ax.set(xlabel="step", ylabel=FIGURES[stem][0], title=stem)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(out / f"{stem}.png", dpi=DPI)
+        plt.close(fig)
+        written.append(out / f"{stem}.png")
+    return written
+
+
+def _out_dir(paths: list[str], flags: set[str]) -> Path:
+    """--out=DIR, else the first RUN_DIR's plots/."""
+    given = [f.split("=", 1)[1] if "=" in f else "" for f in flags if f.split("=", 1)[0] == "--out"]
+    if any(not g for g in given) or len(given) > 1:
+        raise ConfigError(["--out takes one folder: --out=DIR"], header="cannot plot")
+    out = Path(given[0]) if given else Path(paths[0]) / "plots"
+    if out.exists() and not out.is_dir():
+        raise ConfigError([f"--out={out}: a file, not a folder"], header="cannot plot")
+    return out
+
+
+def run(paths: list[str], flags: set[str]) -> int:
+    runs = load_runs(paths)
+    out = _out_dir(paths, flags)
+    figures = build_lines(runs)
+    if not any(figures.values()):
+        raise ConfigError([f"no plottable step in {', '.join(paths)}: no row has a number for "
+                           "loss, tokens_per_sec, mfu, peak_mem_bytes or an eval accuracy"],
+                          header="cannot plot")
+    for stem, lines in figures.items():
+        if not lines:
+            keys = FIGURES[stem][2] or ("eval/<task>/acc",)
+            print(f"skipped {stem}.png: no run logged {' or '.join(keys)}")
+    for path in draw(figures, out):
+        print(path)
+    return 0

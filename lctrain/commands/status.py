@@ -1,0 +1,115 @@
+"""`lctrain status RUN_DIR [RUN_DIR...]`: where a run stands, from its run dir and, when Slurm is
+here, from squeue / scontrol / sacct: the state of its newest job, the last logged step, loss,
+tokens/s, the time left at the recent rate, and the newest complete checkpoint.
+
+Read-only: nothing in the run dir is changed, and a run dir that no job or `lctrain train` has
+written yet is an error naming what a run dir holds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from lctrain.commands.plot import read_metrics
+from lctrain.commands.submit import JOBS_FILE
+from lctrain.config import ConfigError
+from lctrain.training.checkpoint import complete_checkpoints
+
+RATE_WINDOW = 10
+"""Logged steps whose mean step time estimates the time left."""
+
+
+def job_state(job_id: str) -> str:
+    """The job's state as Slurm reports it, from the queue, then the controller's memory of
+    finished jobs, then accounting; 'unknown' when none of them knows it."""
+    if shutil.which("squeue"):
+        out = _ask(["squeue", "-h", "-j", job_id, "-o", "%T|%r|%M"])
+        if out:
+            state, reason, elapsed = out.split("\n")[0].split("|")
+            return f"{state} ({reason}, {elapsed} elapsed)" if state == "PENDING" or \
+                reason not in ("None", "") else f"{state} ({elapsed} elapsed)"
+    if shutil.which("scontrol"):
+        out = _ask(["scontrol", "-o", "show", "job", job_id])
+        fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+        if "JobState" in fields:
+            return (f"{fields['JobState']} (exit {fields.get('ExitCode', '?')}, restarts "
+                    f"{fields.get('Restarts', '0')})")
+    if shutil.which("sacct"):
+        out = _ask(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,ExitCode"])
+        if out:
+            return out.split("\n")[0].replace("|", " (exit ") + ")"
+    return "unknown (Slurm no longer reports it)"
+
+
+def _ask(cmd: list[str]) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else ""
+
+
+def _ago(seconds: float) -> str:
+    return f"{_duration(seconds)} ago"
+
+
+def _duration(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=round(max(seconds, 0))))
+
+
+def describe(run_dir: Path) -> list[tuple[str, str]]:
+    """(field, value) rows for one run dir; raises ConfigError when it is not a run dir."""
+    run_dir = run_dir.resolve()
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        raise ConfigError([f"{run_dir} is not a run dir: it has no config.yaml (a run dir holds "
+                           "config.yaml, metrics.jsonl and checkpoints/, written by lctrain train "
+                           "or lctrain submit)"], header="no status")
+    cfg = OmegaConf.load(config)
+    steps = int(cfg.train.steps)
+    rows = [("run dir", str(run_dir))]
+    jobs = (run_dir / JOBS_FILE).read_text().split() if (run_dir / JOBS_FILE).is_file() else []
+    if jobs:
+        rows.append(("job", f"{jobs[-1]}: {job_state(jobs[-1])}"
+                     + (f"; earlier jobs {', '.join(jobs[:-1])}" if len(jobs) > 1 else "")))
+    path = run_dir / "metrics.jsonl"
+    metrics = read_metrics(path) if path.is_file() else []
+    if metrics:
+        last = metrics[-1]
+        recent = metrics[-RATE_WINDOW:]
+        step_time = sum(r["step_time"] for r in recent) / len(recent)
+        tokens_per_sec = sum(r["tokens_per_sec"] for r in recent) / len(recent)
+        rows += [
+            ("step", f"{last['step']} / {steps} ({100 * last['step'] / steps:.0f}%)"),
+            ("loss", f"{last['loss']:.4f} at step {last['step']}"),
+            ("tokens/s", f"{tokens_per_sec:,.0f} (mean of the last {len(recent)} logged steps)"),
+            ("time left", "none: the last step is done" if last["step"] >= steps else
+             f"{_duration((steps - last['step']) * step_time)} at {step_time:.2f} s/step"),
+            ("last logged", _ago(time.time() - last["time"]) if "time" in last else "?"),
+        ]
+    else:
+        rows.append(("step", f"none logged yet (0 / {steps})"))
+    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.get("dir") else run_dir / "checkpoints"
+    found = complete_checkpoints(root)
+    rows.append(("checkpoint", f"{found[0]} ({_ago(time.time() - found[0].stat().st_mtime)})"
+                 if found else f"none complete in {root}"))
+    if (run_dir / "STOP").exists():
+        rows.append(("stop file", f"{run_dir / 'STOP'}: training stops after its current step"))
+    return rows
+
+
+def run(paths: list[str], flags: set[str]) -> int:
+    if not paths:
+        raise ConfigError(["give one or more run dirs: lctrain status RUN_DIR [RUN_DIR...]"],
+                          header="no status")
+    blocks = [describe(Path(p)) for p in paths]
+    for i, rows in enumerate(blocks):
+        if i:
+            print()
+        width = max(len(k) for k, _ in rows)
+        for key, value in rows:
+            print(f"{key:<{width}}  {value}")
+    return 0
