@@ -2,8 +2,8 @@
 here, from squeue / scontrol / sacct: the state of its newest job, the last logged step, loss,
 tokens/s, the time left at the recent rate, and the newest complete checkpoint.
 
-Read-only: nothing in the run dir is changed, and a run dir that no job or `lctrain train` has
-written yet is an error naming what a run dir holds.
+Read-only: nothing in the run dir is changed (its lock is read, never taken), and a run dir that
+no job or `lctrain train` has written yet is an error naming what a run dir holds.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from omegaconf import OmegaConf
 from lctrain.commands.plot import read_metrics
 from lctrain.commands.submit import JOBS_FILE
 from lctrain.config import ConfigError
+from lctrain.parallel.progress import diagnose, read_records
+from lctrain.training import run_lock
 from lctrain.training.checkpoint import complete_checkpoints
 
 RATE_WINDOW = 10
@@ -96,9 +98,31 @@ def describe(run_dir: Path) -> list[tuple[str, str]]:
     found = complete_checkpoints(root)
     rows.append(("checkpoint", f"{found[0]} ({_ago(time.time() - found[0].stat().st_mtime)})"
                  if found else f"none complete in {root}"))
+    rows.append(("lock", lock_row(run_dir)))
+    records = read_records(run_dir)
+    if any(r["phase"] not in ("done", "stopped") for r in records):  # live, or ended badly
+        behind, lines = diagnose(records)
+        rows.append(("ranks", f"{len(records)} progress records; behind: "
+                     f"{', '.join(map(str, behind)) or 'none'}"))
+        rows += [("", line) for line in lines]
     if (run_dir / "STOP").exists():
         rows.append(("stop file", f"{run_dir / 'STOP'}: training stops after its current step"))
     return rows
+
+
+def lock_row(run_dir: Path) -> str:
+    """Who holds the run dir's lock, read without touching it (the local clock ages it)."""
+    state = run_lock.inspect(run_dir, now=time.time())
+    if state is None:
+        return "free (no job holds this run dir)"
+    h = state.holder
+    if state.stale:
+        who = h.describe() if h else "an unreadable lock file"
+        return f"stale: {who} ({state.why}); the next lctrain train takes it over"
+    if h is None:
+        return f"held: the lock file is {state.why}"
+    job = f" (Slurm job {h.slurm_job_id})" if h.slurm_job_id else ""
+    return f"held by {h.host}:{h.pid} since {h.since}{job}; {state.why}"
 
 
 def run(paths: list[str], flags: set[str]) -> int:

@@ -2,11 +2,14 @@
 
 Started under torchrun or srun, this process is one rank. Started plainly with a layout of more
 than one rank, it starts `launch.nproc` local ranks itself and exits non-zero, naming the rank,
-as soon as any of them fails.
+as soon as any of them fails. Before any rank starts, the launching process (under torchrun or
+srun: global rank 0) takes the run dir's lock, so that a second job in the same run dir exits 2
+naming the first (`lctrain.training.run_lock`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -24,9 +27,16 @@ from lctrain.config.validation import (
     uses_flash_attn,
     warnings_for,
 )
-from lctrain.parallel import launch
+from lctrain.data.ingest import DataError
+from lctrain.parallel import launch, progress
 from lctrain.planning.memory import param_count
-from lctrain.training import loop
+from lctrain.training import loop, run_lock
+from lctrain.training.checkpoint import CheckpointError
+from lctrain.training.files import RunDirError
+from lctrain.training.loop import NonFiniteError
+
+RUN_ERRORS = (RunDirError, CheckpointError, DataError, NonFiniteError)
+"""Run failures whose message names the file, step or data and what to do."""
 
 
 def uses_cuda(cfg: LctrainConfig) -> bool:
@@ -82,9 +92,39 @@ def _rank_main(cfg: LctrainConfig, run_dir: str) -> None:
     """One rank: train, then leave the process group (torchrun and local ranks alike)."""
     try:
         loop.train(cfg, run_dir)
+    except Exception as e:
+        if os.environ.get("LCTRAIN_LAUNCHER") != "local" and launch.env_from_environment():
+            # under torchrun/srun each rank reports (the local launcher reports for its ranks)
+            _report_stall(Path(run_dir), f"this rank failed: {type(e).__name__}: {e}")
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _report_stall(run_dir: Path, why: str, always: bool = False) -> list[int]:
+    """Print and save the stall report when some rank is behind (or `always`); returns those
+    ranks."""
+    records = progress.read_records(run_dir)
+    behind, _ = progress.diagnose(records)
+    if behind or always:
+        report = progress.stall_report(records, why)
+        path = progress.write_report(run_dir, report)
+        print(f"{report}\n(saved to {path})", file=sys.stderr, flush=True)
+    return behind
+
+
+def _stall_watchdog(run_dir: Path, stall_s: int):
+    """For the local launcher: (rank, reason) once no rank has advanced for stall_s."""
+    def check() -> tuple[int, str] | None:
+        idle = progress.stalled_for(progress.read_records(run_dir))
+        if not stall_s or idle <= stall_s:
+            return None
+        behind = _report_stall(run_dir, f"no rank advanced for {idle:.0f} s; "
+                                        f"launch.stall_s={stall_s}", always=True)
+        return (behind[0] if behind else 0,
+                f"made no progress for {idle:.0f} s (launch.stall_s={stall_s}; report above)")
+    return check
 
 
 def run(composed: Composed, flags: set[str]) -> int:
@@ -108,8 +148,33 @@ def run(composed: Composed, flags: set[str]) -> int:
         for w in warnings_for(cfg):
             print(f"lctrain: warning: {w}", file=sys.stderr)
     run_dir = composed.run_dir
-    if env is not None or world == 1:
-        _rank_main(cfg, str(run_dir))
+    with _lock_run_dir(run_dir, rank):
+        return _start(cfg, env is not None, world, run_dir)
+
+
+def _lock_run_dir(run_dir: Path, rank: int) -> contextlib.AbstractContextManager:
+    """The run dir's lock (lctrain.training.run_lock), taken before any rank or process group
+    exists by this process when it launches the ranks, by global rank 0 under torchrun or srun
+    (if it refuses, torchrun stops the others); held until the ranks have ended."""
+    if rank != 0:
+        return contextlib.nullcontext()
+    lock = run_lock.acquire(run_dir, log=lambda m: print(m, file=sys.stderr, flush=True))
+    if lock.took_over:
+        print(f"lctrain: took over the run dir lock of {lock.took_over}", file=sys.stderr)
+    return lock
+
+
+def _start(cfg: LctrainConfig, under_launcher: bool, world: int, run_dir: Path) -> int:
+    """Train in this process (a rank of torchrun/srun, or a world of one), or launch the local
+    ranks and wait for them."""
+    if under_launcher or world == 1:
+        if under_launcher:
+            launch.die_with_parent()  # torchrun's agent (or srun's step daemon)
+        try:
+            _rank_main(cfg, str(run_dir))
+        except RUN_ERRORS as e:  # their message says it all: no traceback
+            print(f"lctrain: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
         return 0
     threads = max(1, (os.cpu_count() or 1) // world)
     start_method = cfg.launch.start_method
@@ -119,9 +184,14 @@ def run(composed: Composed, flags: set[str]) -> int:
         launch.run_ranks(_rank_main, world, (cfg, str(run_dir)), start_method=start_method,
                          threads=threads, backend=None,
                          master_port=cfg.launch.master_port,
-                         collective_timeout_s=cfg.launch.timeout_s)
+                         collective_timeout_s=cfg.launch.timeout_s,
+                         watchdog=_stall_watchdog(Path(run_dir), cfg.launch.stall_s))
     except launch.RankFailure as e:
-        print(f"lctrain: {e}; all ranks were stopped (its traceback, if any, is above)",
+        behind = (progress.diagnose(progress.read_records(Path(run_dir)))[0]
+                  if "launch.stall_s" in e.reason else _report_stall(Path(run_dir), str(e)))
+        blame = (f"rank(s) {', '.join(map(str, behind))} fell behind (stall report above); "
+                 if behind else "")
+        print(f"lctrain: {blame}{e}; all ranks were stopped (its traceback, if any, is above)",
               file=sys.stderr)
         return 1
     print(f"lctrain: done; run dir {Path(run_dir).resolve()}")

@@ -387,7 +387,12 @@ class LaunchConfig:
     master_port: int = 0
     """Rendezvous port for local launches; 0 picks a free one."""
     timeout_s: int = at_least(1, 600)
-    """Collective timeout in seconds."""
+    """Collective timeout in seconds: a rank waiting this long in one collective fails, and the
+    job ends with a stall report naming the ranks behind (RUN_DIR/stall-report.txt)."""
+    stall_s: int = at_least(0, 1800)
+    """End the job with a stall report when no rank has advanced (step, micro-step or any
+    collective) for this long; 0 = never. Keep it above the longest stretch without a
+    collective (a checkpoint save, the first step's compilation)."""
 
 
 @dataclass

@@ -5,46 +5,42 @@
 
 Training then reads it with `data.source=tokens data.path=data/corpus-tok`.
 
-The main process reads rows (lctrain.data.ingest) in batches of preprocess.batch_rows; a fork pool
-of preprocess.workers processes, each with its own tokenizer built once, checks and tokenizes
-them. Ordered `imap` hands the results back in input order and only the main process writes, so
-the dataset is byte-identical whatever the worker count. At most 2 batches per worker are in
+The main process reads rows (lctrain.data.ingest) in batches of preprocess.batch_rows; a fork
+ProcessPoolExecutor of preprocess.workers processes, each with its own tokenizer built once, checks
+and tokenizes them. The results are taken back in input order and only the main process writes,
+so the dataset is byte-identical whatever the worker count. At most 2 batches per worker are in
 flight, so the corpus is never read ahead. Bad rows are skipped and counted by reason (or, with
 data.strict=true, the first one stops the run); nothing is published unless the run completes.
+A worker that dies (the OOM killer's SIGKILL) stops the run at once with a WorkerDied naming the
+signal and the rows it held: the executor watches every worker, where `Pool.imap` waits forever.
 """
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
-
-import numpy as np
 
 from lctrain.config import DataConfig, LctrainConfig, PreprocessConfig
 from lctrain.config.validation import field_problems
+from lctrain.data.encoding import EncodedBatch, WorkerDied, encoded_batches
 from lctrain.data.ingest import (
     SKIP_REASONS,
     DataError,
-    Row,
     TokenizerInfo,
     TokenizerMismatch,
-    check_row,
     iter_rows,
     load_tokenizer,
     resolve_inputs,
 )
 from lctrain.data.shards import ShardWriter, dtype_for_vocab
 
-__all__ = ["DataError", "PreprocessSummary", "preprocess", "validate_preprocess"]
+__all__ = ["DataError", "PreprocessSummary", "WorkerDied", "preprocess",
+           "validate_preprocess"]
 
 EXAMPLES = 3
 """Locations kept per skip reason."""
@@ -84,117 +80,6 @@ def validate_preprocess(cfg: LctrainConfig) -> list[str]:
         problems.append("data.text_field is empty; name the field holding the text, e.g. "
                         "data.text_field=text")
     return problems + field_problems(d, "data.") + field_problems(p, "preprocess.")
-
-
-@dataclass
-class EncodedBatch:
-    """One batch of rows, checked and tokenized: documents back to back and the skipped rows."""
-
-    rows: int
-    tokens: np.ndarray
-    """uint32 [sum(lengths)]."""
-    lengths: np.ndarray
-    """int64 [documents]."""
-    skips: list[tuple[str, str, str]]
-    """(reason, location, detail) in row order."""
-
-
-class BatchEncoder:
-    """Checks and tokenizes batches of rows; built once per worker process."""
-
-    def __init__(self, info: TokenizerInfo, text_field: str):
-        from tokenizers import Tokenizer
-
-        self.tokenizer = Tokenizer.from_str(info.json)
-        self.text_field = text_field
-        self.head = [] if info.bos_id is None else [info.bos_id]
-        self.tail = [] if info.eos_id is None else [info.eos_id]
-        self._encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
-
-    def __call__(self, rows: list[Row]) -> EncodedBatch:
-        texts, where, skips = [], [], []
-        for i, (kind, prefix, n, payload) in enumerate(rows):
-            text, reason, detail = check_row(kind, payload, self.text_field)
-            if text is None:
-                skips.append((i, reason, f"{prefix}{n}", detail))
-            else:
-                texts.append(text)
-                where.append((i, prefix, n))
-        ids, lengths = [], []
-        for (i, prefix, n), enc in zip(where, self._encode(texts, add_special_tokens=False)):
-            doc = self.head + enc.ids + self.tail
-            if not doc:
-                skips.append((i, "no_tokens", f"{prefix}{n}", "the text has no tokens and "
-                              "neither BOS nor EOS is added"))
-                continue
-            ids += doc
-            lengths.append(len(doc))
-        return EncodedBatch(rows=len(rows), tokens=np.asarray(ids, dtype=np.uint32),
-                            lengths=np.asarray(lengths, dtype=np.int64),
-                            skips=[s[1:] for s in sorted(skips)])
-
-
-_worker_encoder: BatchEncoder | None = None
-"""The encoder of this worker process (set by `_init_worker`, the pool initializer)."""
-
-
-def _init_worker(info: TokenizerInfo, text_field: str) -> None:
-    global _worker_encoder
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker; no fork warnings
-    signal.signal(signal.SIGINT, signal.SIG_IGN)    # the main process stops the pool
-    _worker_encoder = BatchEncoder(info, text_field)
-
-
-def _encode_in_worker(rows: list[Row]) -> EncodedBatch:
-    assert _worker_encoder is not None, "worker used without _init_worker"
-    return _worker_encoder(rows)
-
-
-class _Throttle:
-    """Feeds batches to Pool.imap at most `limit` ahead of the results taken back."""
-
-    def __init__(self, batches: Iterator[list[Row]], limit: int):
-        self._batches, self._slots, self._stop = batches, threading.Semaphore(limit), False
-
-    def __iter__(self) -> Iterator[list[Row]]:
-        while True:
-            self._slots.acquire()
-            batch = None if self._stop else next(self._batches, None)
-            if batch is None:
-                return
-            yield batch
-
-    def taken(self) -> None:
-        self._slots.release()
-
-    def stop(self) -> None:
-        self._stop = True
-        self._slots.release()
-
-
-def _batches(rows: Iterator[Row], size: int) -> Iterator[list[Row]]:
-    while batch := list(islice(rows, size)):
-        yield batch
-
-
-def encoded_batches(rows: Iterator[Row], info: TokenizerInfo, text_field: str, batch_rows: int,
-                    workers: int) -> Iterator[EncodedBatch]:
-    """Batches of rows, tokenized by `workers` fork processes (1: in this process), in order."""
-    batches = _batches(rows, batch_rows)
-    if workers == 1:
-        yield from map(BatchEncoder(info, text_field), batches)
-        return
-    throttle = _Throttle(batches, limit=2 * workers)
-    pool = multiprocessing.get_context("fork").Pool(workers, _init_worker, (info, text_field))
-    try:
-        for batch in pool.imap(_encode_in_worker, throttle):
-            throttle.taken()
-            yield batch
-        pool.close()
-        pool.join()
-    finally:
-        throttle.stop()
-        pool.terminate()
 
 
 def _cpu_count() -> int:

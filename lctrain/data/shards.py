@@ -12,7 +12,13 @@ A document never crosses a shard, so any piece of a document is one slice of one
 meta.json (written last) is complete: a dataset that is visible is whole, and an existing one is
 replaced only by a complete new one (never a directory that is not a dataset). Every byte it writes is a function of the documents and the
 metadata alone (no times, no host names), so the same input gives byte-identical files.
-`TokenStore` opens a dataset read-only and checks every shard's size against meta.json.
+`TokenStore` opens a dataset read-only and checks every shard's size against meta.json. It
+records each token shard's identity when it opens the dataset (device, inode, size, mtime_ns)
+and compares it with an `os.stat` before every read touches the memory map: a shard truncated,
+rewritten or replaced under a running job raises DatasetChangedError instead of feeding other
+tokens to training (or, truncated, killing the process with SIGBUS when the map is read). The
+stat costs about 2 us per document piece read; a tiny-recipe step reads about 20 pieces per rank
+(~0.05 ms of a ~0.7 s step). A change between the stat and the copy of the slice is not caught.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+
+from lctrain.data.ingest import DataError
 
 FORMAT = "lctrain-tokens"
 VERSION = 1
@@ -143,6 +151,26 @@ def read_meta(path: str | os.PathLike) -> dict:
     return meta
 
 
+class DatasetChangedError(DataError):
+    """A token shard changed on disk while a job was reading it."""
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What must not change while a shard is read: (device, inode, size, mtime_ns)."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _what_changed(was: tuple[int, int, int, int], now: tuple[int, int, int, int]) -> str:
+    if was[2] != now[2]:
+        how = "truncated" if now[2] < was[2] else "grown"
+        return f"{how}: it held {was[2]} bytes when the job opened it, {now[2]} bytes now"
+    if was[:2] != now[:2]:
+        return (f"replaced by another file of the same size ({was[2]} bytes; inode {was[1]} "
+                f"when the job opened it, {now[1]} now)")
+    return (f"rewritten in place: the same size ({was[2]} bytes), but its modification time "
+            f"moved by {(now[3] - was[3]) / 1e9:+.3f} s since the job opened it")
+
+
 class TokenStore:
     """A preprocessed dataset, read-only: document lengths and token slices from memory maps."""
 
@@ -152,9 +180,13 @@ class TokenStore:
         self.dtype = DTYPES[self.meta["dtype"]]
         self.vocab_size = int(self.meta["vocab_size"])
         self._maps: list[np.memmap | None] = [None] * len(self.meta["shards"])
+        self._files = [str(self.path / shard["tokens"]) for shard in self.meta["shards"]]
+        self._opened: list[tuple[int, int, int, int]] = []
+        """Each token shard's identity when the dataset was opened (checked before reads)."""
         lengths, shard_of, offset = [], [], []
         for i, shard in enumerate(self.meta["shards"]):
-            size = (self.path / shard["tokens"]).stat().st_size
+            self._opened.append(_identity(os.stat(self._files[i])))
+            size = self._opened[-1][2]
             if size != shard["num_tokens"] * self.dtype.itemsize:
                 raise ValueError(f"{self.path / shard['tokens']} holds {size} bytes, meta.json "
                                  f"says {shard['num_tokens']} {self.meta['dtype']} tokens; the "
@@ -181,12 +213,32 @@ class TokenStore:
 
     def _map(self, shard: int) -> np.memmap:
         if self._maps[shard] is None:
-            file = self.path / self.meta["shards"][shard]["tokens"]
-            self._maps[shard] = np.memmap(file, dtype=self.dtype, mode="r")
+            self._maps[shard] = np.memmap(self._files[shard], dtype=self.dtype, mode="r")
         return self._maps[shard]
 
+    def check(self, shard: int) -> None:
+        """Raise DatasetChangedError if token shard `shard` is no longer the file opened (one
+        os.stat; call it before touching the shard's memory map)."""
+        file = self._files[shard]
+        try:
+            now = _identity(os.stat(file))
+        except OSError as e:
+            change = f"gone: {e.strerror}"
+        else:
+            if now == self._opened[shard]:
+                return
+            change = _what_changed(self._opened[shard], now)
+        raise DatasetChangedError(
+            f"token shard {file} changed while this job was reading it ({change}); its tokens "
+            "were not used. A dataset must not change under a running job: write new data with "
+            "`lctrain preprocess` into a new directory (preprocess.output=NEW_DIR) and train on "
+            "that (data.path=NEW_DIR); to resume this run with checkpoint.resume=auto, restore "
+            f"{self.path} as it was")
+
     def read(self, doc: int, start: int, length: int) -> np.ndarray:
-        """Tokens [start, start + length) of document `doc` (a view of the memory map)."""
+        """Tokens [start, start + length) of document `doc` (a view of the memory map), after
+        checking that its shard is unchanged (a truncated map would SIGBUS when read)."""
         assert 0 <= start and start + length <= self.doc_lengths[doc], "outside the document"
-        base = int(self._doc_offset[doc])
-        return self._map(int(self._doc_shard[doc]))[base + start: base + start + length]
+        base, shard = int(self._doc_offset[doc]), int(self._doc_shard[doc])
+        self.check(shard)
+        return self._map(shard)[base + start: base + start + length]

@@ -31,6 +31,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 with --signal, SIGTERM at preemption)."""
 
 
+WATCH_INTERVAL_S = 1.0
+
+
 @dataclass(frozen=True)
 class DistEnv:
     rank: int
@@ -101,7 +104,27 @@ def _send(conn, message: tuple) -> None:
     conn.send_bytes(pickle.dumps(message))
 
 
-def _child(fn, args, rank, nproc, port, threads, backend, timeout_s, conn):
+def die_with_parent(parent_pid: int | None = None) -> bool:
+    """Ask the kernel to SIGKILL this process when its parent dies, however it dies (SIGKILL
+    included): a rank never trains on as an orphan holding its CPUs or GPU. Exits at once if
+    the parent is already gone. False where prctl is not available (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return False
+    if parent_pid is not None and os.getppid() != parent_pid:  # died before the call
+        os._exit(1)
+    return True
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _child(fn, args, rank, nproc, port, threads, backend, timeout_s, conn, parent_pid):
+    die_with_parent(parent_pid)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), LCTRAIN_LAUNCHER="local",
@@ -177,11 +200,15 @@ def _forward_signals(procs: list) -> dict:
 
 def run_ranks(fn: Callable, nproc: int, args: tuple = (), *, start_method: str = "fork",
               threads: int = 1, backend: str | None = "gloo", timeout_s: float | None = None,
-              master_port: int = 0, collective_timeout_s: int = 600) -> list:
+              master_port: int = 0, collective_timeout_s: int = 600,
+              watchdog: Callable[[], tuple[int, str] | None] | None = None) -> list:
     """Run fn(*args) on `nproc` local ranks; return their results in rank order.
 
     backend: process-group backend to initialise in each rank (None: fn does it itself).
+    watchdog: called about every second while ranks run; a (rank, reason) it returns fails the
+    job as that rank's failure (a stall).
     Raises RankFailure for the first rank that fails or, after timeout_s, for a rank still running.
+    Every rank is SIGKILLed by the kernel if this process dies (`die_with_parent`).
     """
     if start_method == "fork" and torch.cuda.is_initialized():
         raise RuntimeError("CUDA is initialised in this process, so ranks forked from it cannot "
@@ -194,7 +221,7 @@ def run_ranks(fn: Callable, nproc: int, args: tuple = (), *, start_method: str =
         parent, child = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_child, name=f"lctrain-rank{rank}",
                         args=(fn, args, rank, nproc, port, threads, backend,
-                              collective_timeout_s, child))
+                              collective_timeout_s, child, os.getpid()))
         p.start()
         child.close()
         procs.append(p)
@@ -209,7 +236,12 @@ def run_ranks(fn: Callable, nproc: int, args: tuple = (), *, start_method: str =
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise RankFailure(min(pending), f"still running after the {timeout_s:g} s timeout")
+            if watchdog is not None:
+                left = WATCH_INTERVAL_S if left is None else min(left, WATCH_INTERVAL_S)
             _collect(pending, conns, procs, results, failures, left)
+            stalled = watchdog() if watchdog is not None and not failures else None
+            if stalled is not None:
+                raise RankFailure(*stalled)
         if failures:
             # Peers of a dead rank fail right after it (connection closed): give them a moment,
             # then blame the earliest failure; a rank that died without a word comes first.

@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from lctrain.models.llama import Llama
 from lctrain.parallel import deepspeed_engine
+from lctrain.training.files import describe_os_error, errnos_in, write_advice, write_synced
 from lctrain.training.optim import resume_scheduler
 
 MANIFEST = "manifest.json"
@@ -88,10 +89,7 @@ def _sha256(path: Path) -> str:
 
 
 def _write_json(path: Path, value: object) -> None:
-    with open(path, "w") as f:
-        json.dump(value, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+    write_synced(path, json.dumps(value, indent=1, sort_keys=True).encode())
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -124,10 +122,13 @@ class SafeReader(dcp.FileSystemReader):
 
 
 def _describe(error: BaseException, rank: int) -> str:
-    """One line per failed rank: DCP's CheckpointException carries every rank's exception."""
+    """One line per failed rank: DCP's CheckpointException carries every rank's exception; an
+    OSError says which file, why, and its errno."""
     if isinstance(error, CheckpointException):
-        return "; ".join(f"rank {r}: {type(e).__name__}: {e}"
-                         for r, (e, _) in sorted(error.failures.items()))
+        return "; ".join(_describe(e, r) for r, (e, _) in sorted(error.failures.items()))
+    if isinstance(error, OSError) and error.errno is not None:
+        where = f"{error.filename}: " if error.filename else ""
+        return f"rank {rank}: {where}{describe_os_error(error)}"
     return f"rank {rank}: {type(error).__name__}: {error}"
 
 
@@ -232,10 +233,16 @@ class Checkpointer:
         or written and committed (sync, or wait=True)."""
         self.wait()  # the previous checkpoint commits first (and raises its error, if any)
         tmp = self.root / f".step-{step:08d}.partial"
+        error = None
         if self.rt.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True, exist_ok=True)
-        self._barrier()
+            try:
+                tmp.mkdir(parents=True, exist_ok=True)
+            except OSError as e:  # a read-only or full checkpoint.dir: every rank stops
+                error = _describe(e, 0)
+        errors = [e for e in self._gather(error) if e]  # also the barrier before writing
+        if errors:
+            self._fail(tmp, step, RuntimeError("; ".join(errors)))
         extra = {"step": step, "tokens": state.tokens, "loader": loader.state_dict(),
                  "layout": self.layout, "format": 1}
         if deepspeed_engine.is_engine(model):  # its own files, written synchronously
@@ -291,7 +298,7 @@ class Checkpointer:
     def _publish(self, tmp: Path, step: int, extra: dict, files: dict) -> None:
         """Rank 0: the remaining files, the manifest last, then the rename that makes it real."""
         _write_json(tmp / STATE, extra)
-        (tmp / "config.yaml").write_text(self.config_yaml)
+        write_synced(tmp / "config.yaml", self.config_yaml.encode())
         engine_files = sorted(str(f.relative_to(tmp)) for f in (tmp / deepspeed_engine.TAG).rglob(
             "*") if f.is_file())
         for name in [n for n in (".metadata", STATE, "config.yaml") if (tmp / n).is_file()] + \
@@ -299,9 +306,17 @@ class Checkpointer:
             files[name] = {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
         _write_json(tmp / MANIFEST, {"step": step, "files": files})
         final = step_dir(self.root, step)
+        aside = self.root / f".{final.name}.replaced.partial"  # removed by the next run if left
         if final.exists():  # a checkpoint of the same step from an earlier attempt
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if aside.exists():  # put the earlier one back: a failed commit replaces nothing
+                os.replace(aside, final)
+            raise
+        shutil.rmtree(aside, ignore_errors=True)
         fd = os.open(self.root, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -313,17 +328,16 @@ class Checkpointer:
         self.log(f"lctrain: checkpoint {final}")
 
     def _fail(self, tmp: Path, step: int, error: BaseException) -> None:
-        if isinstance(error, CheckpointException):
+        if isinstance(error, (CheckpointException, OSError)):
             error = RuntimeError(_describe(error, self.rt.rank))
         if self.rt.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         previous = complete_checkpoints(self.root)
-        kept = f"the previous checkpoint {previous[0]} is intact" if previous else (
-            "no earlier checkpoint exists")
+        kept = (f"the previous checkpoint {previous[0]} is intact (checkpoint.resume=auto "
+                "continues from it)" if previous else "no earlier checkpoint exists")
         raise CheckpointError(
             f"checkpoint of step {step} could not be written to {self.root} ({error}); {kept}. "
-            "Free disk space or fix the permissions of checkpoint.dir, or point checkpoint.dir "
-            "elsewhere") from error
+            f"{write_advice(errnos_in(str(error)), self.root, 'checkpoint.dir')}") from error
 
     def close(self) -> None:
         try:

@@ -26,7 +26,7 @@ from lctrain.data.loader import DataLoader, build_loader
 from lctrain.layout.comm import record_traffic
 from lctrain.layout.stages import split_layers
 from lctrain.models.hf import export_hf, full_parameters
-from lctrain.parallel import deepspeed_engine
+from lctrain.parallel import deepspeed_engine, progress
 from lctrain.parallel.data_parallel import data_parallel_engine, gradient_sync, unwrap
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.pipeline import PipelinedModel
@@ -35,6 +35,7 @@ from lctrain.parallel.tensor import loss_value, vocab_parallel
 from lctrain.planning.memory import param_count
 from lctrain.training.checkpoint import Checkpointer, TrainState
 from lctrain.training.evals import Evaluator, format_table
+from lctrain.training.files import write_atomic
 from lctrain.training.metrics import MetricsLogger, StepMeter
 from lctrain.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from lctrain.training.preemption import PreemptionWatcher
@@ -71,6 +72,7 @@ def _micro_steps(model: nn.Module, micro_batches: list[MicroBatch], loss_scale: 
         return loss_sum
     loss_sum = torch.zeros((), device=rt.device, dtype=torch.float32)
     for i, mb in enumerate(micro_batches):
+        progress.mark(micro_step=i)
         with gradient_sync(model, sync=i == len(micro_batches) - 1):
             loss_sum += forward_backward(model, mb, loss_scale, rt)
     return loss_sum
@@ -131,6 +133,11 @@ def _deepspeed_step(engine: nn.Module, scheduler, micro_batches: list[MicroBatch
     return _step_metrics(loss, lr, grad_norm, tokens, applied and bool(torch.isfinite(loss)))
 
 
+def _launched_by_torchrun(rt: Runtime) -> bool:
+    """Ranks torchrun or srun started (the local launcher watches its ranks itself)."""
+    return rt.world_size > 1 and os.environ.get("LCTRAIN_LAUNCHER") != "local"
+
+
 def _agree_run_dir(run_dir: Path, rt: Runtime) -> Path:
     """Rank 0's run dir: ranks started on different nodes may have resolved ${now:} differently."""
     if rt.world_size == 1:
@@ -172,9 +179,12 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
     rt = setup_distributed(cfg)
     run_dir = _agree_run_dir(Path(run_dir), rt)
     watcher = PreemptionWatcher(run_dir / "STOP", rt.rank)
+    record = progress.ProgressRecord(
+        run_dir, rt.rank, rt.world_size, progress.named_groups(rt.mesh.meshes if rt.mesh else None),
+        stall_s=cfg.launch.stall_s if rt.rank == 0 and _launched_by_torchrun(rt) else 0)
     if rt.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        write_atomic(run_dir / "config.yaml", to_yaml(cfg))  # a failed write keeps the old
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, rt)
     optimizer = build_optimizer(model, cfg.optim)
@@ -197,11 +207,13 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
     checkpointer = Checkpointer(cfg, rt, run_dir, to_yaml(cfg), metrics.info)
     evaluator = Evaluator(cfg, rt)
     history: list[dict] = []
+    outcome = "failed"
     try:
         state = checkpointer.maybe_resume(model, optimizer, scheduler, loader)
         metrics.start(state.step)  # metrics.jsonl keeps each step once
         meter.start()
         for step in range(state.step + 1, cfg.train.steps + 1):
+            progress.mark(step=step, micro_step=0, phase="train")
             out = _timed_step(model, optimizer, scheduler, loader, cfg, rt)
             meter.per_step(out)
             _check_finite(out, step, cfg, metrics)
@@ -209,6 +221,7 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
             out.update(step=step, tokens=state.tokens)
             evaluated = evaluator.should_run(step)
             if evaluated:
+                progress.mark(phase="eval")
                 results = evaluator.run(model)
                 out.update(results)
                 for line in format_table(results, cfg.eval.tasks):
@@ -227,6 +240,7 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
                 break
         checkpointer.wait()
         completed = state.step == cfg.train.steps
+        outcome = "done" if completed else "stopped"
         if completed:
             watcher.completed()
         if cfg.checkpoint.export_hf is not None and completed:
@@ -237,6 +251,7 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
     finally:
         checkpointer.close()
         watcher.restore()
+        record.close(outcome)
         metrics.close()
     return history
 
@@ -245,5 +260,6 @@ def _save(checkpointer: Checkpointer, step: int, model, optimizer, loader, state
           wait: bool) -> float:
     """Checkpoint after `step`; returns the seconds training stood still for it."""
     t0 = time.perf_counter()
+    progress.mark(phase="checkpoint")
     checkpointer.save(step, model, optimizer, loader, state, wait=wait)
     return time.perf_counter() - t0

@@ -24,6 +24,7 @@ Keys a logged step gets besides the loss and timings (docs/parallelism.md §14):
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -43,6 +44,7 @@ from lctrain.config import LctrainConfig, LoggingConfig
 from lctrain.parallel.runtime import Runtime
 from lctrain.planning.flops import datasheet_peak_tflops, mfu, train_flops_per_step
 from lctrain.planning.traffic import step_traffic_bytes
+from lctrain.training.files import RunDirError, describe_os_error, write_advice, write_atomic
 
 WANDB_ID_FILE = "wandb_run_id"
 """The W&B run id in the run dir: a restarted run continues that W&B run."""
@@ -175,18 +177,23 @@ def _scalars(metrics: dict) -> dict[str, float]:
 
 
 class MetricsLogger:
-    """Decides when to log (`should_log`) and writes every logged step everywhere (rank 0 only)."""
+    """Decides when to log (`should_log`) and writes every logged step everywhere (rank 0 only).
+
+    metrics.jsonl never holds a torn line: each row is appended with one os.write of the whole
+    line, and a failed write (full disk, read-only file system) is cut back to the file's size
+    before it and raised as a RunDirError naming the file; training stops rather than go on
+    without its metrics."""
 
     def __init__(self, cfg: LoggingConfig, run_dir: Path, rank: int, total_steps: int,
                  config_dict: dict | None = None):
         self.cfg, self.rank, self.total_steps = cfg, rank, total_steps
         self.enabled = rank == 0
         self.run_dir, self.path = run_dir, run_dir / "metrics.jsonl"
-        self._file = self._progress = self._task = self._wandb = self._tensorboard = None
+        self._fd: int | None = None
+        self._progress = self._task = self._wandb = self._tensorboard = None
         if not self.enabled:
             return
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 (closed in close())
+        self._fd = self._open()
         self.console = Console(file=sys.stdout, soft_wrap=True)
         if cfg.progress and self.console.is_terminal:
             self._progress = Progress(
@@ -206,8 +213,42 @@ class MetricsLogger:
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
         run = wandb.init(project=self.cfg.wandb_project, mode=self.cfg.wandb_mode,
                          dir=str(self.run_dir), config=config_dict, id=run_id, resume="allow")
-        id_file.write_text(run_id + "\n")
+        write_atomic(id_file, run_id + "\n")
         return run
+
+    def _error(self, doing: str, error: OSError, kept: str) -> RunDirError:
+        return RunDirError(
+            f"cannot {doing} {self.path}: {describe_os_error(error)}; {kept}; training stopped. "
+            f"{write_advice({error.errno}, self.run_dir, 'hydra.run.dir')} Then run again with "
+            "checkpoint.resume=auto to continue from the newest complete checkpoint.")
+
+    def _open(self) -> int:
+        """metrics.jsonl opened for appending (created if missing)."""
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise self._error("open", e, "it is unchanged") from e
+
+    def _append(self, step: int, line: bytes) -> None:
+        """One row, whole or not at all: on a failed or short write the file is truncated back
+        to its size before the row, so every line a reader finds parses."""
+        size = os.fstat(self._fd).st_size
+        try:
+            written = os.write(self._fd, line)
+            while written < len(line):  # a short write: the disk filled up within the row
+                more = os.write(self._fd, line[written:])
+                if more <= 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                written += more
+        except OSError as e:
+            try:
+                os.ftruncate(self._fd, size)
+                kept = f"its rows before step {step} are whole (the partial row was removed)"
+            except OSError:
+                kept = (f"its last row (step {step}) may be torn; the next run of this run dir "
+                        "drops it")
+            raise self._error(f"append the row of step {step} to", e, kept) from e
 
     def start(self, step: int) -> None:
         """Before the first step, resumed after `step`: metrics.jsonl keeps each step once (the
@@ -215,9 +256,10 @@ class MetricsLogger:
         TensorBoard likewise discards its events from step + 1 on (`purge_step`)."""
         if not self.enabled:
             return
-        self._file.close()
+        os.close(self._fd)
+        self._fd = None
         self._drop_rows_after(step)
-        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115 (closed in close())
+        self._fd = self._open()
         if self.cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # optional: the tensorboard extra
 
@@ -237,9 +279,7 @@ class MetricsLogger:
                 continue
         if len(keep) == len(lines):
             return
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(keep))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, "".join(keep))
 
     def should_log(self, step: int) -> bool:
         """Step is 1-based; the last step is always logged."""
@@ -249,7 +289,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, **metrics, "time": time.time()}
-        self._file.write(json.dumps(record) + "\n")
+        self._append(step, (json.dumps(record) + "\n").encode())
         status = (f"step {step}/{self.total_steps}  loss {metrics['loss']:.4f}  "
                   f"lr {metrics['lr']:.2e}  gnorm {metrics['grad_norm']:.3f}  "
                   f"{metrics['tokens_per_sec']:,.0f} tok/s")
@@ -281,4 +321,6 @@ class MetricsLogger:
             self._wandb.finish()
         if self._tensorboard is not None:
             self._tensorboard.close()
-        self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
