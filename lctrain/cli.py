@@ -18,8 +18,9 @@ from lctrain.config.paths import recipe_names
 
 COMMANDS = {  # name: (what it does, the flags it takes)
     "train": ("validate, then train (local ranks, torchrun or srun)", {"--cfg"}),
-    "plan": ("validate and print the layout, per-rank shapes, memory and traffic",
-             {"--json", "--cfg"}),
+    "plan": ("validate and print the layout, per-rank shapes, memory and traffic (--calibrate: "
+             "measure this machine's matmul rate and gloo bandwidth into plan.calibration)",
+             {"--json", "--cfg", "--calibrate"}),
     "submit": ("render the sbatch script for slurm.* and submit it (--multirun: one job per "
                "combination of comma-separated values)", {"--dry-run", "--cfg", "--multirun"}),
     "preprocess": ("tokenize data.path with data.tokenizer into preprocess.output, for "
@@ -68,6 +69,9 @@ def _run_command(command: str, overrides: list[str], flags: set[str]) -> int:
     if "--cfg" in flags:  # the resolved configuration, nothing run
         print(to_yaml(composed.cfg), end="")
         return 0
+    if command == "plan" and "--calibrate" in flags:  # its own entry point: no plan printed
+        from lctrain.commands import calibrate
+        return calibrate.run(composed, flags)
     if command == "train":
         from lctrain.commands import train as module
     elif command == "plan":

@@ -29,6 +29,12 @@ def render_text(plan: dict, max_rows: int) -> str:
                if "pipeline" in plan else "") + "):",
         *(f"  {k}: {v:,.3f}" for k, v in plan["memory_gib"].items()),
         *(pipeline_lines(plan["pipeline"]) if "pipeline" in plan else []),
+        *memory_lines(plan["memory_per_rank"]),
+        "", "predicted per rank per step (bytes, as metrics.jsonl logs them):",
+        *(f"  {k}: {v:,.0f}" for k, v in plan["predicted"].items() if k != "cp_collectives"),
+        *(["  cp_collectives:"] + [f"    {k}: {v:,.0f}"
+                                   for k, v in plan["predicted"]["cp_collectives"].items()]
+          if "cp_collectives" in plan["predicted"] else []),
         "", "traffic per rank (elements sent):",
         *(f"  {k}: {v:,.0f}" for k, v in plan["traffic_elements_per_rank"].items()),
         *(["", "model (value, where it came from):"] +
@@ -46,6 +52,15 @@ def render_text(plan: dict, max_rows: int) -> str:
     if plan["notes"]:
         lines += ["", "notes:", *(f"  - {n}" for n in plan["notes"])]
     return "\n".join(lines)
+
+
+def memory_lines(mem: dict) -> list[str]:
+    """One rank's memory item by item, its total and the verdict."""
+    return ["", "memory per rank, itemised (bytes, device):",
+            *(f"  {k}: {v:,.0f}" for k, v in mem["bytes"].items()),
+            f"  {mem['verdict']} in plan.gpu_memory_gib={mem['gpu_memory_gib']:g} "
+            f"(total {mem['total_gib']:,.3f} GiB)",
+            *(f"  - {n}" for n in mem["notes"])]
 
 
 def pipeline_lines(pipe: dict) -> list[str]:

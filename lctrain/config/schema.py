@@ -401,6 +401,22 @@ class PlanConfig:
     """text | json (same as `lctrain plan --json`)."""
     max_rank_rows: int = 64
     """Rank-table rows printed in text format (all rows in json)."""
+    gpu_memory_gib: float = at_least(0.1, 80.0, hint="plan.gpu_memory_gib=80")
+    """Memory of one accelerator, GiB: the plan's FITS / DOES NOT FIT verdict compares each
+    rank's itemised total (allocator allowance included) with it."""
+    device_tflops: float = at_least(1e-9, 989.0, hint="plan.device_tflops=989.0")
+    """Step-time model: peak dense TFLOP/s of one GPU in the run's dtype (989: H100 SXM bf16)."""
+    matmul_efficiency: float = at_least(1e-9, 0.6, hint="plan.matmul_efficiency=0.6")
+    """Step-time model: fraction of plan.device_tflops the matmuls (linear layers) reach."""
+    attention_efficiency: float = at_least(1e-9, 0.4, hint="plan.attention_efficiency=0.4")
+    """Step-time model: fraction of plan.device_tflops the attention kernel reaches."""
+    intra_node_gbps: float = at_least(1e-9, 450.0, hint="plan.intra_node_gbps=450.0")
+    """Step-time model: GB/s one rank sends inside a node (450: H100 NVLink, one direction)."""
+    inter_node_gbps: float = at_least(1e-9, 50.0, hint="plan.inter_node_gbps=50.0")
+    """Step-time model: GB/s one rank sends across nodes (50: one 400 Gb/s InfiniBand NIC)."""
+    calibration: str = "~/.cache/lctrain/calibration.json"
+    """`lctrain plan --calibrate` writes this machine's matmul rate and gloo bandwidth here; the
+    step-time model uses them for CPU runs when the file exists."""
 
 
 @dataclass

@@ -213,7 +213,11 @@ class TokenStore:
 
     def _map(self, shard: int) -> np.memmap:
         if self._maps[shard] is None:
-            self._maps[shard] = np.memmap(self._files[shard], dtype=self.dtype, mode="r")
+            try:
+                self._maps[shard] = np.memmap(self._files[shard], dtype=self.dtype, mode="r")
+            except (ValueError, OSError):
+                self.check(shard)  # changed since the check before this read: say so
+                raise
         return self._maps[shard]
 
     def check(self, shard: int) -> None:

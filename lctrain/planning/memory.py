@@ -79,6 +79,63 @@ def state_bytes_per_rank(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) 
     return weights + master + grads + moments
 
 
+def state_parts(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[str, float]:
+    """`state_bytes_per_rank` itemised: "weights" (fp32 under FSDP/DDP; under DeepSpeed the
+    compute-dtype copy plus the fp32 master partition), "gradients" and "optimizer_state" (the
+    AdamW moments), on the device (offloaded parts count 0)."""
+    d, p = derive(cfg, world_size), cfg.parallel
+    params, n = sum(local_params(cfg, pp_rank)), d.dp * p.cp
+    if p.dp_engine == "fsdp":
+        return {"weights": 4 * params / n, "gradients": 4 * params / n,
+                "optimizer_state": 8 * params / n}
+    if p.dp_engine == "ddp" or n == 1:
+        return {"weights": 4 * params, "gradients": 4 * params, "optimizer_state": 8 * params}
+    ds, a = cfg.deepspeed, (2 if cfg.train.dtype == "bf16" else 4)
+    offload = ds.offload_optimizer == "cpu"
+    weights = 0 if ds.offload_param == "cpu" else a * params / (n if ds.zero_stage == 3 else 1)
+    return {"weights": weights + (0.0 if offload else 4 * params / n),
+            "gradients": 0.0 if offload else 4 * params / (n if ds.zero_stage >= 2 else 1),
+            "optimizer_state": 0.0 if offload else 8 * params / n}
+
+
+def attention_buffer_bytes(cfg: LctrainConfig, world_size: int, batch: int) -> float:
+    """Device bytes a context-parallel attention layer holds for a moment beyond what the block
+    keeps (docs/parallelism.md §16), at its peak, the backward:
+      - ring (and USP's ring over cp_ring ranks): the K/V block arriving while the held one is
+        computed, [B, S/cp_ring, k H_kv/(tp u), d] x 2 in the compute dtype, and the float32
+        accumulators dQ [B, S/cp_ring, H/(tp u), d] and three dK/dV pairs (the rank's own, the
+        one being sent, the one arriving);
+      - all-gather KV: the gradients of the gathered K and V, [B, S, H_kv/tp, d] x 2 in the
+        compute dtype, before their reduce-scatter;
+      - Ulysses' all-to-all buffers are not modelled (0)."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp == 1:
+        return 0.0
+    dv, a = derive(cfg, world_size), dtype_bytes(cfg, world_size)[0]
+    hd, S = m.dim // m.n_heads, cfg.train.seq_len
+    if p.attention == "allgather":
+        return 2 * a * batch * S * m.n_kv_heads // p.tp * hd
+    if p.attention == "ulysses" or dv.cp_ring == 1:
+        return 0.0
+    u, tokens = dv.cp_ulysses, batch * S // dv.cp_ring
+    kv = tokens * m.n_kv_heads * dv.kv_replication // (p.tp * u) * hd
+    q = tokens * m.n_heads // (p.tp * u) * hd
+    return 2 * kv * a + 4 * (q + 3 * 2 * kv)
+
+
+ALLOCATOR_FRACTION = 0.10
+"""The allocator allowance on top of the modelled bytes: 10% of them (the caching allocator's
+block rounding and fragmentation) ..."""
+ALLOCATOR_FIXED_GIB = 1.0
+"""... plus 1 GiB (the CUDA context, NCCL's and the kernels' workspaces: outside any formula)."""
+
+
+def allocator_allowance(modelled_bytes: float) -> float:
+    """Bytes the plan adds to a rank's modelled total: ALLOCATOR_FRACTION of it plus
+    ALLOCATOR_FIXED_GIB GiB (a stated allowance, not a measurement)."""
+    return ALLOCATOR_FRACTION * modelled_bytes + ALLOCATOR_FIXED_GIB * 2**30
+
+
 def gathered_weight_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> float:
     """FSDP's gathered (unsharded) weights at the peak of a step, in bf16 under
     train.dtype=bf16; 0 without FSDP. Without pipelining: the root's (embedding, final norm,

@@ -8,7 +8,10 @@ FSDP's gathered weights, the activations the forward keeps (blocks and head, exa
 measurement in fp32 and bf16; on the host with train.offload_activations) and the backward's
 working set (an estimate). Under pipeline parallelism every pipeline rank has its own figures
 (its stages, the micro-batches they keep in flight, its receive buffers); the headline is the
-rank with the largest total, and "pipeline" holds them stage by stage.
+rank with the largest total, and "pipeline" holds them stage by stage. "memory_per_rank"
+itemises that rank's bytes, adds a stated allocator allowance and gives a FITS / DOES NOT FIT
+verdict against plan.gpu_memory_gib; "predicted" holds the traffic keys `lctrain train` logs,
+byte for byte (docs/parallelism.md §16).
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ from lctrain.config.validation import warnings_for
 from lctrain.layout.stages import bubble_fraction, split_layers, stages_of
 from lctrain.layout.topology import AXES, GROUPS, Topology
 from lctrain.planning.memory import (
+    ALLOCATOR_FIXED_GIB,
+    ALLOCATOR_FRACTION,
+    allocator_allowance,
+    attention_buffer_bytes,
     gathered_weight_bytes,
     in_flight_moments,
     local_params,
@@ -28,12 +35,14 @@ from lctrain.planning.memory import (
     stage_activation_bytes,
     stage_params,
     state_bytes_per_rank,
+    state_parts,
     working_bytes,
 )
 from lctrain.planning.traffic import (
     attention_traffic,
     dp_step_bytes,
     dp_step_traffic,
+    step_traffic_bytes,
     tp_block_traffic,
 )
 
@@ -50,6 +59,62 @@ def attention_traffic_per_layer(cfg: LctrainConfig, world_size: int) -> dict[str
                           batch=cfg.train.micro_batch)
     return {f"{p.attention}_per_layer_fwd": t["forward"],
             f"{p.attention}_per_layer_bwd": t["backward"]}
+
+
+def cp_step_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[str, float]:
+    """Bytes one rank of pipeline rank `pp_rank` sends in the cp group per optimizer step, by
+    collective and direction (docs/parallelism.md §5-8, §16): what `record_traffic` counts and
+    the loop logs as `cp_bytes_sent`. Per layer and micro-batch `attention_traffic`'s elements:
+    all-to-alls (Q, K, V, output; backward dO, dQ, dK, dV) and ring K/V blocks in the compute
+    dtype, the ring's dK/dV accumulators in float32, the all-gather of K/V and the
+    reduce-scatter of their gradients in the compute dtype; "..._recompute" the forward's
+    collectives again in the backward when checkpointing recomputes the attention (selective
+    at cp > 1, full). Times the rank's layers and the step's micro-batches. {} when cp = 1."""
+    d, m, p, t = derive(cfg, world_size), cfg.model, cfg.parallel, cfg.train
+    if p.cp == 1:
+        return {}
+    a = 2 if t.dtype == "bf16" else 4
+    hd = m.dim // m.n_heads
+    dq, dkv = m.dim // p.tp, m.n_kv_heads * hd // p.tp * d.kv_replication
+    total = attention_traffic(p.attention, t.seq_len, dq, dkv, p.cp, d.cp_ulysses,
+                              batch=t.micro_batch)
+    if p.attention == "allgather":
+        parts = {"all_gather_fwd": a * total["forward"],
+                 "reduce_scatter_bwd": a * total["backward"]}
+        forward = ["all_gather_fwd"]
+    else:
+        # the ring's K/V hold the 1/u of the heads the rank keeps after the all-to-all
+        ring = attention_traffic("ring", t.seq_len, 0, dkv / d.cp_ulysses, d.cp_ring, 1,
+                                 batch=t.micro_batch)["forward"]
+        a2a = total["forward"] - ring
+        parts = {"all_to_all_fwd": a * a2a, "all_to_all_bwd": a * a2a} if a2a else {}
+        if ring:
+            parts |= {"ring_kv_fwd": a * ring, "ring_kv_bwd": a * ring, "ring_grad_bwd": 4 * ring}
+        forward = [k for k in parts if k.endswith("_fwd")]
+    if t.activation_checkpointing != "none":
+        parts |= {k.replace("_fwd", "_recompute"): parts[k] for k in forward}
+    times = sum(len(split_layers(cfg)[s]) for s in stages_of(cfg, pp_rank))
+    return {k: v * times * d.grad_accum for k, v in parts.items()}
+
+
+def predicted_traffic(cfg: LctrainConfig, world_size: int) -> dict:
+    """The traffic keys `lctrain train` logs for this layout, predicted (bytes per rank per
+    optimizer step): `cp_bytes_sent` (always) and `traffic/cp` (cp > 1), rank 0's (the rank
+    that logs); for groups of more than one rank `traffic/tp`, `traffic/pp`, `traffic/dp`
+    (`step_traffic_bytes`); "cp_collectives", `cp_step_bytes`' breakdown, and under pipelining "cp_first_step_extra":
+    what the first step sends besides, in the forward on placeholders by which the schedule
+    learns the stages' shapes (one micro-batch through the rank's stages)."""
+    cp = cp_step_bytes(cfg, world_size)
+    out: dict = {"cp_bytes_sent": sum(cp.values(), 0.0)}  # logged at every cp, 0 at cp = 1
+    if cp:
+        out["traffic/cp"] = out["cp_bytes_sent"]
+    out |= {f"traffic/{g}": v for g, v in step_traffic_bytes(cfg, world_size).items()}
+    if cp:
+        out["cp_collectives"] = cp
+    if cp and cfg.parallel.pp > 1:  # torch's schedule learns the stages' shapes by a forward
+        accum = derive(cfg, world_size).grad_accum
+        out["cp_first_step_extra"] = sum(v for k, v in cp.items() if k.endswith("_fwd")) / accum
+    return out
 
 
 def rank_memory(cfg: LctrainConfig, world_size: int, pp_rank: int) -> dict:
@@ -78,7 +143,28 @@ def rank_memory(cfg: LctrainConfig, world_size: int, pp_rank: int) -> dict:
                                                           pp_rank)
     total = sum(v for k, v in parts.items() if k != "activations_on_host")
     return {"stages": stages, "in_flight": list(in_flight), "activations": activations,
-            "bytes": parts | {"total_estimate": total}}
+            "bytes": parts | {"total_estimate": total},
+            "itemised": itemised_memory(cfg, world_size, pp_rank, parts)}
+
+
+def itemised_memory(cfg: LctrainConfig, world_size: int, pp_rank: int, parts: dict) -> dict:
+    """One rank's device bytes item by item (`rank_memory`'s parts, the state split into
+    weights, gradients and optimizer state, plus `attention_buffer_bytes`), the allocator
+    allowance (`allocator_allowance`), the total, and the verdict against plan.gpu_memory_gib:
+    FITS when the total is at most that many GiB."""
+    items = state_parts(cfg, world_size, pp_rank) | {
+        k: v for k, v in parts.items() if k not in ("weights_grads_adam", "activations_on_host")}
+    items["attention_buffers"] = attention_buffer_bytes(cfg, world_size, cfg.train.micro_batch)
+    modelled = sum(items.values())
+    allowance = allocator_allowance(modelled)
+    total = modelled + allowance
+    capacity = cfg.plan.gpu_memory_gib * GIB
+    return {"bytes": items | {"modelled": modelled, "allocator_allowance": allowance,
+                              "total": total},
+            "activations_on_host_bytes": parts["activations_on_host"],
+            "gpu_memory_gib": cfg.plan.gpu_memory_gib, "total_gib": total / GIB,
+            "verdict": "FITS" if total <= capacity else "DOES NOT FIT",
+            "notes": memory_notes(cfg)}
 
 
 def pipeline_table(cfg: LctrainConfig, world_size: int, ranks: list[dict]) -> dict:
@@ -160,6 +246,8 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
         },
         "memory_gib": {"params_total_billion": n_params / 1e9}
                       | {k: v / GIB for k, v in worst["bytes"].items()},
+        "memory_per_rank": worst["itemised"],
+        "predicted": predicted_traffic(cfg, world_size),
         "traffic_elements_per_rank": {
             **traffic,
             "tp_per_layer_fwd": tp_block_traffic(tokens, m.dim, p.tp),
@@ -176,3 +264,19 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
     if p.pp > 1:
         plan["pipeline"] = pipeline_table(cfg, world_size, ranks)
     return plan
+
+
+def memory_notes(cfg: LctrainConfig) -> list[str]:
+    """What memory_per_rank counts: the allocator rule, where the logits and loss buffers are,
+    and what is not modelled."""
+    a = cfg.parallel.attention if cfg.parallel.cp > 1 else "local"
+    notes = [f"allocator_allowance = {ALLOCATOR_FRACTION:.0%} of the modelled bytes + "
+             f"{ALLOCATOR_FIXED_GIB:g} GiB (caching allocator, CUDA context, NCCL and kernel "
+             "workspaces); the verdict compares the total with plan.gpu_memory_gib",
+             "logits and loss buffers: in activations_kept (the log-softmax) and "
+             "backward_working_set (the larger of one block's backward and the loss head's)"]
+    if a in ("ulysses", "usp"):
+        notes.append("not modelled: Ulysses' all-to-all buffers")
+    if cfg.parallel.dp_engine == "deepspeed":
+        notes.append("not modelled: DeepSpeed's buckets and communication buffers")
+    return notes
