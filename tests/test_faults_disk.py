@@ -337,7 +337,9 @@ def test_a_shard_truncated_during_training_stops_it(tmp_path):
         on_ranks(_train, 2, cfg, str(run), _truncate_after_first_step(shard))
     assert f"token shard {shard} changed while this job was reading it (truncated" in \
         str(failure.value)
-    assert [r["step"] for r in _rows(run / "metrics.jsonl")] == [1]
+    # rank 1 may meet the change in step 1 already (rank 0 truncates after its own read)
+    metrics = run / "metrics.jsonl"
+    assert metrics.read_text() == "" or [r["step"] for r in _rows(metrics)] == [1]
 
 
 def test_the_shard_check_costs_little_per_read(tmp_path):
