@@ -7,6 +7,7 @@ their own."""
 import pytest
 
 from bench.faults import agent_sigkill, parent_sigkill, rank_sigstop
+from lctrain.parallel.launch import run_ranks
 from lctrain.parallel.progress import diagnose, stall_report
 
 TIMEOUT_S = 6
@@ -62,3 +63,38 @@ def test_diagnosis_blames_the_rank_that_did_not_arrive_not_its_victims():
     even = [record(k, 5, {"cp": 40, "dp": 10}, groups=groups[k]) for k in range(4)]
     assert diagnose(even, now=1000.0)[0] == []
     assert "no rank is behind" in stall_report(even, "test", now=1000.0)
+
+
+def _wait_in_a_subgroup(seconds: float):
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from lctrain.layout.topology import Topology
+    from lctrain.parallel.runtime import build_mesh
+
+    mesh = build_mesh(Topology(pp=1, dp=2, cp_ring=2, cp_ulysses=1, tp=1), "cpu")
+    timeouts = {name: m.get_group()._get_backend(torch.device("cpu")).options._timeout
+                .total_seconds() for name, m in mesh.meshes.items()}
+    if dist.get_rank() == 1:  # never joins its cp_ring group's collective
+        time.sleep(seconds)
+        return timeouts, None
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=mesh.group("cp_ring"))
+    except RuntimeError:
+        return timeouts, time.monotonic() - t0
+    return timeouts, None
+
+
+def test_every_subgroup_keeps_the_collective_timeout():
+    """torch gives a group made without options a 30-minute timeout: the mesh's groups (cp_ring
+    [0, 1] here, not the whole world) must keep launch.timeout_s, or a stopped peer holds the
+    others for half an hour."""
+    results = run_ranks(_wait_in_a_subgroup, 4, (6.0,), start_method="fork", threads=1,
+                        backend="gloo", timeout_s=60, collective_timeout_s=2)
+    for timeouts, _ in results:
+        assert set(timeouts.values()) == {2.0}, timeouts
+    assert results[0][1] is not None and results[0][1] < 4, results[0]  # rank 0 gave up in time
+    assert results[2][1] is None and results[3][1] is None  # their group [2, 3] was complete

@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -174,8 +175,12 @@ def _collect(pending: set, conns: list, procs: list, results: dict, failures: li
 
 
 def _stop(procs: list) -> None:
+    """SIGTERM every live rank (5 s to finish), SIGKILL the rest; a stopped rank (SIGSTOP) cannot
+    act on SIGTERM, so it is SIGKILLed at once."""
     for p in procs:
-        if p.is_alive():
+        if p.is_alive() and _stopped(p.pid):
+            p.kill()
+        elif p.is_alive():
             p.terminate()
     deadline = time.monotonic() + 5
     for p in procs:
@@ -183,6 +188,13 @@ def _stop(procs: list) -> None:
         if p.is_alive():
             p.kill()
             p.join()
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except OSError:
+        return False
 
 
 def _forward_signals(procs: list) -> dict:

@@ -36,13 +36,38 @@ class ParallelMesh:
 
 
 def build_mesh(topology: Topology, device_type: str) -> ParallelMesh:
-    """The 5-D DeviceMesh and its flattened groups (collective: call on all ranks, once)."""
-    root = init_device_mesh(device_type, topology.shape, mesh_dim_names=AXES)
+    """The 5-D DeviceMesh and its flattened groups (collective: call on all ranks, once). Every
+    group keeps the default group's collective timeout (launch.timeout_s)."""
+    options = group_options(device_type)
+    root = init_device_mesh(device_type, topology.shape, mesh_dim_names=AXES,
+                            backend_override=dict.fromkeys(AXES, options))
     meshes = {axis: root[axis] for axis in AXES}
     for name, (axes, _) in GROUPS.items():
         if len(axes) > 1:
-            meshes[name] = root[axes]._flatten(name)
+            meshes[name] = root[axes]._flatten(name, backend_override=options)
     return ParallelMesh(root, meshes)
+
+
+def group_timeout() -> datetime.timedelta:
+    """The default group's collective timeout (init_process_group's, i.e. launch.timeout_s)."""
+    default = dist.distributed_c10d._get_default_group()
+    return default._get_backend(torch.device("cpu")).options._timeout
+
+
+def group_options(device_type: str):
+    """Backend options for a subgroup carrying `group_timeout()`. torch gives a group made
+    without them its own 30-minute default, so a rank that never joins a collective of a
+    subgroup (a stopped or hung peer) would hold the others for half an hour, whatever
+    launch.timeout_s says."""
+    timeout = group_timeout()
+    if device_type == "cuda" and "nccl" in dist.get_backend():
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = timeout
+        return options
+    from torch._C._distributed_c10d import Backend
+
+    return Backend.Options("gloo", timeout)
 
 
 def cp_groups(topology: Topology, mesh: ParallelMesh | None, rank: int) -> CPGroups:

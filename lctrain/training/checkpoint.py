@@ -27,6 +27,7 @@ is a function of the step (lctrain.training.optim.lr_at), so it resumes exactly 
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import io
 import json
@@ -200,8 +201,9 @@ class Checkpointer:
         if cfg.parallel.dp_engine == "deepspeed":
             self.layout["zero_stage"] = cfg.deepspeed.zero_stage
         # checkpoint collectives get their own group: a background save must never interleave
-        # with the training step's collectives on the default group
-        self.pg = dist.new_group(backend="gloo") if rt.world_size > 1 else None
+        # with the training step's collectives on the default group; it keeps launch.timeout_s
+        self.pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(
+            seconds=cfg.launch.timeout_s)) if rt.world_size > 1 else None
         self._executor = ThreadPoolExecutor(1, "lctrain-ckpt") if c.async_save else None
         self._pending: Future | None = None
         if rt.rank == 0 and self.root.is_dir():
