@@ -1,6 +1,8 @@
 """The step-time model (lctrain.planning.timing, docs/parallelism.md §15) against hand-computed
-values, group placement on nodes, the ring overlap bounds, the bubble, and a calibration
-round-trip through the file `lctrain plan --calibrate` writes."""
+values: compute, recompute (checkpointing, tiling), latency per collective call, fixed costs
+per layout feature, data-parallel bytes where lctrain logs none, group placement on nodes, the
+ring overlap bounds, the bubble; and a calibration round-trip through the file
+`lctrain plan --calibrate` writes."""
 
 from __future__ import annotations
 
@@ -12,14 +14,17 @@ import pytest
 from lctrain.commands.calibrate import calibrate
 from lctrain.config.validation import validate
 from lctrain.layout.topology import Topology
+from lctrain.planning.memory import local_params
 from lctrain.planning.timing import (
     Hardware,
-    cp_step_bytes,
+    collective_calls,
+    cp_group_bytes,
+    dp_bytes,
     group_bandwidth_gbps,
     hardware_for,
     predict_step_time,
 )
-from lctrain.planning.traffic import step_traffic_bytes
+from lctrain.planning.traffic import cp_step_bytes, step_traffic_bytes
 from tests.helpers import tiny_config
 
 # tiny_config's model: D 64, 4 heads of 16 (2 KV), ffn 96, 2 blocks, vocab 128; S 32, 4 sequences
@@ -110,8 +115,9 @@ def test_ulysses_all_to_all_is_never_hidden_and_usp_splits_its_groups():
     assert "cp_ring" not in t.comm_s and t.comm_s["cp_ulysses"] > 0
     assert t.exposed_comm_s == pytest.approx(sum(t.comm_s.values()))
     usp = tiny_config(parallel={"cp": 4, "attention": "usp", "ulysses_degree": 2, "dp": 1})
-    parts = cp_step_bytes(usp, 4)
+    parts = cp_group_bytes(usp, 4)
     assert set(parts) == {"cp_ring", "cp_ulysses"}
+    assert sum(parts.values()) == pytest.approx(sum(cp_step_bytes(usp, 4).values()))
     # forward + backward elements x 2 blocks x 4 accumulation steps x 4 bytes
     ring_fwd = (2 - 1) * 2 * (32 / 2) * (2 * 16) / 2  # R=2, K and V of the KV heads' half
     assert parts["cp_ring"] == pytest.approx((ring_fwd + 2 * ring_fwd) * 2 * 4 * 4)
@@ -125,15 +131,86 @@ def test_the_bubble_stretches_a_pipelined_step_by_its_fraction():
     assert t.total_s == pytest.approx((t.compute_s + t.exposed_comm_s) / (1 - fraction))
 
 
+def test_checkpointing_and_tiling_add_the_forward_they_run_again():
+    forward_block = 2 * BLOCK + 2 * 32 * 64  # matmuls + causal attention, per token
+    attention_fwd = 2 * 32 * 64
+    per_rank = TOKENS / 1e9  # tokens on the one rank at 1 GFLOP/s
+    plain = predict_step_time(tiny_config(), 1, hardware())
+    assert plain.recompute_s == 0
+    full = predict_step_time(tiny_config(train={"activation_checkpointing": "full"}), 1,
+                             hardware())
+    assert full.recompute_s == pytest.approx(2 * forward_block * per_rank)
+    assert full.compute_s == pytest.approx(plain.compute_s + full.recompute_s)
+    # selective recomputes only elementwise work at cp = 1, the attention at cp > 1
+    selective = {"activation_checkpointing": "selective"}
+    assert predict_step_time(tiny_config(train=selective), 1, hardware()).recompute_s == 0
+    cp2 = tiny_config(train=selective, parallel={"cp": 2, "dp": 1})
+    assert predict_step_time(cp2, 2, hardware()).recompute_s == pytest.approx(
+        2 * attention_fwd * per_rank / 2)
+    tiled = tiny_config(train={"loss_chunk": 8, "mlp_chunk": 8})
+    output_fwd, mlp_fwd = 2 * 64 * 128 + 5 * 128, 2 * 3 * 64 * 96
+    assert predict_step_time(tiled, 1, hardware()).recompute_s == pytest.approx(
+        (output_fwd + 2 * mlp_fwd) * per_rank)
+
+
+def test_each_collective_call_pays_the_latency():
+    cfg = tiny_config(parallel={"tp": 2, "sp": True, "dp": 1})  # 4 micro-steps of 2 blocks
+    assert collective_calls(cfg, 2) == {"tp": 8 * 2 * 4}
+    slow = predict_step_time(cfg, 2, hardware(latency_s=1e-3))
+    assert slow.comm_s["tp"] - predict_step_time(cfg, 2, hardware()).comm_s["tp"] == \
+        pytest.approx(64e-3)
+    ring = tiny_config(parallel={"cp": 4, "attention": "ring", "dp": 1},
+                       train={"activation_checkpointing": "full"})
+    assert collective_calls(ring, 4) == {"cp_ring": 3 * 4 * 2 * 4}  # R-1 x (fwd, 2 bwd, again)
+    pp = tiny_config(parallel={"pp": 2, "dp": 1})
+    assert collective_calls(pp, 2) == {"pp": 4 * 1 * 4}
+
+
+def test_fixed_costs_add_up_by_feature():
+    costs = {"single": (1.0, 10.0), "base": (2.0, 20.0), "tp": (5.0, 30.0),
+             "ring": (3.0, 25.0), "ulysses": (4.0, 20.0)}
+    hw = hardware(device_tflops=1e9, intra_node_gbps=1e12, fixed_costs=costs)
+    one = predict_step_time(tiny_config(), 1, hw)  # 2 blocks, 4 micro-steps
+    assert one.overhead_s == pytest.approx((1.0 * 2 + 10.0) * 4)
+    tp = predict_step_time(tiny_config(parallel={"tp": 2, "sp": True, "dp": 1}), 2, hw)
+    assert tp.overhead_s == pytest.approx((5.0 * 2 + 30.0) * 4)
+    # USP over a ring of 2 and Ulysses 2: base + the ring's extra x (R - 1) + Ulysses' extra
+    usp = tiny_config(parallel={"cp": 4, "attention": "usp", "ulysses_degree": 2, "dp": 1})
+    block, rest = 2.0 + 1.0 + 2.0, 20.0 + 5.0 + 0.0
+    assert predict_step_time(usp, 4, hw).overhead_s == pytest.approx((block * 2 + rest) * 4)
+    assert predict_step_time(tiny_config(), 1, hardware()).overhead_s == 0  # plan.*: none
+
+
+def test_data_parallel_bytes_where_lctrain_logs_none():
+    # pipelining: FSDP gathers a stage's weights once per step, not once per micro-step
+    pp = tiny_config(parallel={"pp": 2, "dp": 2})
+    assert "dp" not in step_traffic_bytes(pp, 4)
+    blocks, root = max((local_params(pp, r) for r in range(2)), key=lambda x: 2 * x[0] + x[1])
+    gathered, reduced = (2 - 1) / 2 * (2 * blocks + root), (2 - 1) / 2 * (blocks + root)
+    assert dp_bytes(pp, 4) == pytest.approx(4 * (gathered + reduced))
+    # DeepSpeed: ZeRO-1/2 move DDP's all-reduce volume, ZeRO-3 FSDP's gathers too
+    zero = {s: tiny_config(parallel={"dp": 2, "dp_engine": "deepspeed"},
+                           deepspeed={"zero_stage": s}) for s in (2, 3)}
+    ddp = tiny_config(parallel={"dp": 2, "dp_engine": "ddp"})
+    fsdp = tiny_config(parallel={"dp": 2})
+    assert dp_bytes(zero[2], 2) == step_traffic_bytes(ddp, 2)["dp"]
+    assert dp_bytes(zero[3], 2) == step_traffic_bytes(fsdp, 2)["dp"]
+
+
 def test_calibration_round_trip(tmp_path):
     path = tmp_path / "cache" / "lctrain" / "calibration.json"
-    written = calibrate(path, nbytes=1 << 16, repeats=2)
+    model = tiny_config().model
+    written = calibrate(path, model, 32, {"base": {"dp": 2}}, nbytes=1 << 16, repeats=2)
     assert json.loads(path.read_text()) == written
     assert written["matmul_tflops"] > 0 and written["gloo_gbps"] > 0 and written["cores"] >= 1
+    assert written["latency_s"] > 0 and set(written["fixed_costs"]) == {"base"}
+    assert written["fixed_costs_for"] == {"model": dataclasses.asdict(model), "seq_len": 32}
     cfg = tiny_config(plan={"calibration": str(path)}, train={"device": "cpu"})
     hw = hardware_for(cfg, gpu_available=True)
-    assert (hw.device_tflops, hw.intra_node_gbps, hw.inter_node_gbps, hw.source) == (
-        written["matmul_tflops"], written["gloo_gbps"], written["gloo_gbps"], str(path))
+    assert (hw.device_tflops, hw.intra_node_gbps, hw.inter_node_gbps, hw.latency_s,
+            hw.fixed_costs, hw.source) == (
+        written["matmul_tflops"], written["gloo_gbps"], written["gloo_gbps"],
+        written["latency_s"], {"base": tuple(written["fixed_costs"]["base"])}, str(path))
     auto = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device="auto"))
     assert hardware_for(auto, gpu_available=False) == hw
     assert hardware_for(auto, gpu_available=True).device_tflops == cfg.plan.device_tflops

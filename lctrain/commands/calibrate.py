@@ -1,33 +1,45 @@
-"""`lctrain plan --calibrate`: measure this machine's fp32 matmul rate and the gloo bandwidth
-between two local ranks, print them, and write them to plan.calibration, which the step-time
-model (`lctrain.planning.timing`) uses for CPU runs (docs/parallelism.md §15)."""
+"""`lctrain plan --calibrate`: measure this machine's fp32 matmul rate, the gloo bandwidth and
+latency between two local ranks, and the fixed costs of lctrain's training step (per block and
+micro-batch, per step: what the FLOPs and bytes leave out), print them, and write them to
+plan.calibration, which the step-time model (`lctrain.planning.timing`) uses for CPU runs
+(docs/parallelism.md §15)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import json
+import math
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from lctrain.config import LctrainConfig, ModelConfig
 from lctrain.config.compose import Composed
 from lctrain.parallel.launch import run_ranks
-from lctrain.planning.timing import calibration_path
+from lctrain.planning.timing import (
+    FIXED_COST_LAYOUTS,
+    calibration_path,
+    hardware_from_calibration,
+    predict_step_time,
+)
 from lctrain.training.files import write_atomic
+from lctrain.training.loop import train
 from lctrain.training.metrics import measure_matmul_tflops
 
 
-def _measure(nbytes: int, repeats: int) -> tuple[float, float]:
-    """On each of 2 ranks at once (1 thread each, as training runs): (matmul TFLOP/s, seconds
-    of one one-way send of `nbytes`, the median of `repeats` round trips / 2)."""
-    rate = measure_matmul_tflops()
-    buf = torch.zeros(nbytes // 4)
+def _one_way_seconds(buf: torch.Tensor, repeats: int) -> float:
+    """Seconds of one one-way send of `buf` to the other rank: the median of `repeats` round
+    trips / 2 (the first round trip sets up the connection: not timed)."""
     peer = 1 - dist.get_rank()
     times = []
-    for i in range(repeats + 1):  # the first round trip sets up the connection: not timed
+    for i in range(repeats + 1):
         dist.barrier()
         t0 = time.perf_counter()
         if dist.get_rank() == 0:
@@ -38,27 +50,104 @@ def _measure(nbytes: int, repeats: int) -> tuple[float, float]:
             dist.send(buf, peer)
         if i:
             times.append((time.perf_counter() - t0) / 2)
-    return rate, statistics.median(times)
+    return statistics.median(times)
 
 
-def calibrate(path: Path, nbytes: int = 4 << 20, repeats: int = 5) -> dict:
-    """Measure and write the calibration JSON (parents created); returns what it wrote."""
+def _measure(nbytes: int, repeats: int) -> tuple[float, float, float]:
+    """On each of 2 ranks at once (1 thread each, as training runs): (matmul TFLOP/s, seconds
+    of one one-way send of `nbytes`, of a 4-byte one: the latency)."""
+    rate = measure_matmul_tflops()
+    return (rate, _one_way_seconds(torch.zeros(nbytes // 4), repeats),
+            _one_way_seconds(torch.zeros(1), 4 * repeats))
+
+
+OVERHEAD_LAYERS = (2, 4)
+"""Model depths of the two timed training runs per layout: the difference is blocks, the rest
+is per micro-batch."""
+
+
+def overhead_config(model: ModelConfig, seq_len: int, parallel: dict, layers: int,
+                    steps: int = 6) -> LctrainConfig:
+    """`model` at depth `layers` trained in the layout `parallel` (parallel.* overrides) on
+    sequences of `seq_len`, fp32, 4 micro-batches of 1 per step and rank."""
+    cfg = LctrainConfig()
+    cfg.model = dataclasses.replace(model, n_layers=layers)
+    cfg.parallel = dataclasses.replace(cfg.parallel, **{"dp": 1, **parallel})
+    cfg.train = dataclasses.replace(cfg.train, steps=steps, seq_len=seq_len, micro_batch=1,
+                                    global_batch=4 * cfg.parallel.dp, device="cpu",
+                                    activation_checkpointing="none")
+    cfg.eval = dataclasses.replace(cfg.eval, every=0)
+    cfg.logging = dataclasses.replace(cfg.logging, progress=False, log_every=steps)
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, every=0)
+    return cfg
+
+
+def _quiet_train(cfg: LctrainConfig, run_dir: str) -> list[dict]:
+    with contextlib.redirect_stdout(io.StringIO()):
+        return train(cfg, run_dir)
+
+
+def _measured_step_s(cfg: LctrainConfig, world: int) -> float:
+    """The median step time of a training run (its log not printed), the first step (caches,
+    FSDP's first gathers) left out."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        history = run_ranks(_quiet_train, world, (cfg, run_dir), timeout_s=300)[0]
+    return statistics.median(h["step_time"] for h in history[1:])
+
+
+def fixed_costs(data: dict, model: ModelConfig, seq_len: int,
+                layouts: dict[str, dict]) -> dict[str, list[float]]:
+    """(seconds per block and micro-batch, seconds per micro-batch besides the blocks) each
+    layout costs beyond its FLOPs, bytes and calls: two training runs that differ only in
+    depth, each minus what the model predicts from the measured rate, bandwidth and latency;
+    the depth's share is per block, the rest per micro-batch."""
+    hw = hardware_from_calibration(data)
+    out = {}
+    for name, parallel in layouts.items():
+        rest = []
+        for layers in OVERHEAD_LAYERS:
+            cfg = overhead_config(model, seq_len, parallel, layers)
+            world = math.prod(parallel.get(k, 1) for k in ("dp", "tp", "cp", "pp"))
+            rest.append(_measured_step_s(cfg, world) - predict_step_time(cfg, world, hw).total_s)
+        pp = parallel.get("pp", 1)
+        block = (rest[1] - rest[0]) / ((OVERHEAD_LAYERS[1] - OVERHEAD_LAYERS[0]) // pp * 4)
+        out[name] = [block, rest[0] / 4 - block * (OVERHEAD_LAYERS[0] // pp)]
+    return out
+
+
+def calibrate(path: Path, model: ModelConfig | None = None, seq_len: int = 256,
+              layouts: dict[str, dict] = FIXED_COST_LAYOUTS, nbytes: int = 4 << 20,
+              repeats: int = 5) -> dict:
+    """Measure and write the calibration JSON (parents created); returns what it wrote. The
+    fixed costs are those of `model`'s blocks (default: the tiny preset) on `seq_len` tokens:
+    on a CPU they depend on the shapes (memory-bound elementwise work grows with them), so
+    calibrate with the model and sequence length to be predicted."""
+    model = model or ModelConfig()
     results = run_ranks(_measure, 2, (nbytes, repeats), timeout_s=120)
-    seconds = statistics.mean(s for _, s in results)
-    data = {"matmul_tflops": statistics.mean(r for r, _ in results),
-            "gloo_gbps": nbytes / seconds / 1e9, "cores": os.cpu_count() or 1,
-            "message_bytes": nbytes, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                  time.gmtime())}
+    data = {"matmul_tflops": statistics.mean(r[0] for r in results),
+            "gloo_gbps": nbytes / statistics.mean(r[1] for r in results) / 1e9,
+            "latency_s": statistics.mean(r[2] for r in results),
+            "cores": os.cpu_count() or 1, "message_bytes": nbytes}
+    data["fixed_costs"] = fixed_costs(data, model, seq_len, layouts)
+    data["fixed_costs_for"] = {"model": dataclasses.asdict(model), "seq_len": seq_len}
+    data["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(data, indent=1) + "\n", setting="plan.calibration")
     return data
 
 
 def run(composed: Composed, flags: set[str]) -> int:
-    path = calibration_path(composed.cfg)
-    data = calibrate(path)
+    cfg = composed.cfg
+    path = calibration_path(cfg)
+    data = calibrate(path, cfg.model, cfg.train.seq_len)
     print(f"fp32 matmul, 1 thread per rank, 2 ranks at once: {data['matmul_tflops']:.4g} TFLOP/s")
     print(f"gloo send/recv of {data['message_bytes']:,} bytes between 2 local ranks: "
           f"{data['gloo_gbps']:.3g} GB/s")
+    print(f"gloo latency (a 4-byte send): {data['latency_s'] * 1e6:.0f} us")
+    print(f"fixed costs per micro-batch of 1 x {cfg.train.seq_len} tokens, model.dim="
+          f"{cfg.model.dim} (ms per block / besides the blocks):")
+    for name, (block, rest) in data["fixed_costs"].items():
+        print(f"  {name:<10} {block * 1e3:8.2f} {rest * 1e3:8.2f}   parallel.* "
+              + " ".join(f"{k}={v}" for k, v in FIXED_COST_LAYOUTS[name].items()))
     print(f"{data['cores']} CPU cores; written to {path}")
     return 0

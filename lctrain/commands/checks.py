@@ -20,9 +20,21 @@ def preflight(cfg: LctrainConfig, world_size: int) -> list[str]:
     problems = validate(cfg, world_size)
     if field_problems(cfg, blocking_only=True):  # the data rules read these sizes and names
         return problems
-    problems += data_problems(cfg)
+    problems += input_problems(cfg)
     if cfg.parallel.dp_engine == "deepspeed":
         problems += deepspeed_engine.environment_problems(cfg)
+    return problems
+
+
+def search_preflight(cfg: LctrainConfig) -> list[str]:
+    """`preflight` for a layout search: everything but the layout rules (which each searched
+    layout passes on its own): the fields, the data and the starting weights."""
+    return field_problems(cfg) or input_problems(cfg)
+
+
+def input_problems(cfg: LctrainConfig) -> list[str]:
+    """The data `cfg` names and the Hugging Face directory it starts from."""
+    problems = data_problems(cfg)
     init = cfg.model.init_from
     if init is not None and os.path.isdir(init):
         problems += check_hf_dir(init, cfg.model)

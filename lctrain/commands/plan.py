@@ -1,17 +1,25 @@
 """`lctrain plan`: validate a layout for its world size and print its plan (per-rank shapes,
-memory, traffic, groups, rank table) as text or JSON, without a process or a device."""
+memory, traffic, step time, groups, rank table) as text or JSON, without a process or a
+device; with plan.search=true, rank every layout for the Slurm allocation instead."""
 
 from __future__ import annotations
 
 import json
 import sys
 
-from lctrain.commands.checks import preflight
+from lctrain.commands.checks import preflight, search_preflight
 from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.compose import Composed
 from lctrain.config.derived import slurm_world
 from lctrain.layout.topology import AXES
 from lctrain.planning.plan import build_plan
+from lctrain.planning.search import SearchResult, search
+from lctrain.planning.timing import (
+    Hardware,
+    calibration_path,
+    hardware_for,
+    step_time_summary,
+)
 
 
 def render_text(plan: dict, max_rows: int) -> str:
@@ -35,6 +43,7 @@ def render_text(plan: dict, max_rows: int) -> str:
         *(["  cp_collectives:"] + [f"    {k}: {v:,.0f}"
                                    for k, v in plan["predicted"]["cp_collectives"].items()]
           if "cp_collectives" in plan["predicted"] else []),
+        *step_time_lines(plan["step_time"]),
         "", "traffic per rank (elements sent):",
         *(f"  {k}: {v:,.0f}" for k, v in plan["traffic_elements_per_rank"].items()),
         *(["", "model (value, where it came from):"] +
@@ -52,6 +61,18 @@ def render_text(plan: dict, max_rows: int) -> str:
     if plan["notes"]:
         lines += ["", "notes:", *(f"  - {n}" for n in plan["notes"])]
     return "\n".join(lines)
+
+
+def step_time_lines(t: dict) -> list[str]:
+    """The predicted step: its terms, tokens/s and MFU."""
+    comm = ", ".join(f"{g} {v:.3g}" for g, v in t["comm_s"].items())
+    return ["", f"predicted step time (docs/parallelism.md §15; hardware: {t['hardware']}):",
+            f"  {t['total_s']:.4g} s = compute {t['compute_s']:.4g} (recompute "
+            f"{t['recompute_s']:.3g}) + exposed communication {t['exposed_comm_s']:.3g}"
+            + (f" (of {comm})" if comm else "")
+            + f" + fixed costs {t['fixed_costs_s']:.3g} + bubble {t['bubble_s']:.3g}",
+            f"  {t['tokens_per_s_per_rank']:,.0f} tokens/s per rank, {t['tokens_per_s']:,.0f} "
+            f"in all, MFU {t['mfu']:.1%}"]
 
 
 def memory_lines(mem: dict) -> list[str]:
@@ -101,18 +122,97 @@ def world_note(cfg: LctrainConfig, world: int) -> list[str]:
     return []
 
 
+def plan_hardware(cfg: LctrainConfig) -> tuple[Hardware, list[str]]:
+    """The step-time model's hardware for the run this config describes: GPUs when
+    slurm.gpus_per_node > 0 (plan.*), else this CPU's calibration (plan.calibration); a note
+    when a CPU run has no calibration."""
+    gpu = cfg.slurm.gpus_per_node > 0 and cfg.train.device != "cpu"
+    hw = hardware_for(cfg, gpu_available=gpu)
+    if not gpu and hw.source == "plan.*":
+        return hw, [f"a CPU run, but no calibration at {calibration_path(cfg)}: the step time "
+                    "uses plan.* (a GPU's numbers); run `lctrain plan --calibrate` first"]
+    return hw, []
+
+
+def search_table(result: SearchResult, cfg: LctrainConfig, hw: Hardware) -> str:
+    """The plan.search answer: what was searched, then the best plan.top layouts, each with the
+    overrides that select it."""
+    s = cfg.slurm
+    lines = [f"searched {result.layouts:,} valid layouts of {result.world_size} ranks "
+             f"(slurm.nodes={s.nodes} x slurm.gpus_per_node={s.gpus_per_node}) for "
+             f"train.seq_len={cfg.train.seq_len:,}, train.global_batch={cfg.train.global_batch}: "
+             f"{result.evaluated:,} checkpointing/tiling variants sized, {result.too_big:,} "
+             f"layouts fit in none, {len(result.ranked):,} fit plan.gpu_memory_gib="
+             f"{cfg.plan.gpu_memory_gib:g}; hardware {hw.source}"]
+    if not result.ranked:
+        return "\n".join(lines + ["no layout fits: more nodes, a shorter train.seq_len, or a "
+                                   "larger plan.gpu_memory_gib"])
+    row = "{:>4} {:>12} {:>8} {:>6} {:>7}  {}"
+    lines += ["", "(under each layout: the overrides that select it, on top of this command's)",
+              row.format("rank", "tokens/s/GPU", "step s", "MFU", "GiB", "layout")]
+    for i, c in enumerate(result.ranked[:cfg.plan.top], 1):
+        o = c.overrides
+        cp = (f"cp{o['parallel.cp']} {o['parallel.attention']}"
+              + (f"(u{o['parallel.ulysses_degree']})" if o["parallel.attention"] == "usp" else "")
+              if o["parallel.cp"] > 1 else "cp1")
+        pp = (f"pp{o['parallel.pp']} {o['parallel.pp_schedule']}" if o["parallel.pp"] > 1
+              else "pp1")
+        engine = o["parallel.dp_engine"] + (f"-z{o['deepspeed.zero_stage']}"
+                                            if "deepspeed.zero_stage" in o else "")
+        tiles = " tiled" if o["train.loss_chunk"] else ""
+        layout = (f"tp{o['parallel.tp']}{'+sp' if o['parallel.sp'] else ''} {cp} {pp} "
+                  f"dp{o['parallel.dp']} {engine} ac={o['train.activation_checkpointing']}"
+                  f"{tiles}")
+        lines.append(row.format(i, f"{c.step.tokens_per_s_per_rank:,.0f}",
+                                f"{c.step.total_s:.3g}", f"{c.step.mfu:.1%}",
+                                f"{c.memory_gib:.1f}", layout))
+        lines.append(f"{'':>42}{c.command_line(cfg)}")
+    return "\n".join(lines)
+
+
+def search_json(result: SearchResult, cfg: LctrainConfig, hw: Hardware) -> dict:
+    return {"world_size": result.world_size, "layouts": result.layouts,
+            "evaluated": result.evaluated, "too_big": result.too_big,
+            "fitting": len(result.ranked), "hardware": hw.source,
+            "top": [{"overrides": c.overrides, "command_line": c.command_line(cfg),
+                     "tokens_per_s_per_rank": c.step.tokens_per_s_per_rank,
+                     "step_s": c.step.total_s, "mfu": c.step.mfu, "memory_gib": c.memory_gib}
+                    for c in result.ranked[:cfg.plan.top]]}
+
+
+def run_search(cfg: LctrainConfig, as_json: bool) -> int:
+    problems = search_preflight(cfg)
+    if problems:
+        raise ConfigError(problems)
+    hw, notes = plan_hardware(cfg)
+    result = search(cfg, slurm_world(cfg), hw)
+    if as_json:
+        json.dump(search_json(result, cfg, hw) | {"notes": notes}, sys.stdout, indent=1)
+        print()
+    else:
+        print(search_table(result, cfg, hw))
+        for note in notes:
+            print(f"note: {note}")
+    return 0
+
+
 def run(composed: Composed, flags: set[str]) -> int:
     cfg: LctrainConfig = composed.cfg
+    as_json = "--json" in flags or cfg.plan.format == "json"
+    if cfg.plan.search:
+        return run_search(cfg, as_json)
     world = plan_world_size(cfg)
     problems = preflight(cfg, world)
     if problems:
         raise ConfigError(problems)
     plan = build_plan(cfg, world)
+    hw, hw_notes = plan_hardware(cfg)
+    plan["step_time"] = step_time_summary(cfg, world, hw)
     plan["model"] = {name: {"value": getattr(cfg.model, name),
                             "origin": composed.origins.get(name, "default")}
                      for name in composed.origins}
-    plan["notes"] = composed.notes + world_note(cfg, world) + plan["notes"]
-    if "--json" in flags or cfg.plan.format == "json":
+    plan["notes"] = composed.notes + world_note(cfg, world) + hw_notes + plan["notes"]
+    if as_json:
         json.dump(plan, sys.stdout, indent=1)
         print()
     else:

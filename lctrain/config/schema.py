@@ -415,8 +415,16 @@ class PlanConfig:
     inter_node_gbps: float = at_least(1e-9, 50.0, hint="plan.inter_node_gbps=50.0")
     """Step-time model: GB/s one rank sends across nodes (50: one 400 Gb/s InfiniBand NIC)."""
     calibration: str = "~/.cache/lctrain/calibration.json"
-    """`lctrain plan --calibrate` writes this machine's matmul rate and gloo bandwidth here; the
-    step-time model uses them for CPU runs when the file exists."""
+    """`lctrain plan --calibrate` writes this machine's matmul rate, gloo bandwidth and latency
+    and the training step's fixed costs here; the step-time model uses them for CPU runs
+    (train.device=cpu, or slurm.gpus_per_node=0) when the file exists."""
+    search: bool = False
+    """Instead of one plan: enumerate every valid layout (tp, sp, cp, attention, Ulysses degree,
+    pp, schedule, dp, engine, checkpointing, tiling) for slurm.nodes x slurm.gpus_per_node
+    ranks, drop those that do not fit plan.gpu_memory_gib, rank the rest by predicted
+    tokens/s and print the best plan.top with the overrides that select each."""
+    top: int = at_least(1, 10, hint="plan.top=10")
+    """Rows of the plan.search table."""
 
 
 @dataclass

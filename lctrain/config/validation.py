@@ -358,8 +358,18 @@ def validate(cfg: LctrainConfig, world_size: int) -> list[str]:
              + _logging(cfg))
     if problems:  # the rules below divide by these sizes or branch on these names
         return problems + later if world_size >= 1 else problems
+    return layout_problems(cfg, world_size, later)
+
+
+def layout_problems(cfg: LctrainConfig, world_size: int, later: list[str] | None = None
+                    ) -> list[str]:
+    """The rules between fields (world size, heads, context, pipeline, batch, CUDA) of a config
+    whose fields each hold an allowed value (`validate` checks them first; a layout search that
+    only changes sizes and names to allowed values calls this alone)."""
+    if later is None:
+        later = _scalars(cfg) + _logging(cfg)
     world = _world(cfg, world_size)
-    problems += (world + _heads(cfg) + _context(cfg) + _pipeline(cfg) + later + _evals(cfg))
+    problems = world + _heads(cfg) + _context(cfg) + _pipeline(cfg) + later + _evals(cfg)
     if cfg.train.device == "cuda":  # train.device=auto is resolved where the run starts
         problems += cuda_problems(cfg)
     if not world:

@@ -87,8 +87,10 @@ def rank_stages(pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]
 
 
 def stage_rank(stage: int, pp: int, virtual: int, schedule: str) -> int:
-    """The pipeline rank that runs `stage`."""
-    return next(r for r in range(pp) if stage in rank_stages(r, pp, virtual, schedule))
+    """The pipeline rank that runs `stage` (the inverse of `rank_stages`)."""
+    if schedule == "zbv":
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
 
 
 def stages_of(cfg: LctrainConfig, pp_rank: int) -> list[int]:

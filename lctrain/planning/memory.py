@@ -10,10 +10,17 @@ arithmetic on a config: no process, device or tensor.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 
 from lctrain.config import LctrainConfig, ModelConfig, derive
-from lctrain.layout.stages import block_params, rank_of, rank_stages, split_layers, stages_of
+from lctrain.layout.stages import (
+    block_params,
+    rank_of,
+    rank_stages,
+    split_layers,
+    stage_count,
+    stages_of,
+)
 
 STATE_BYTES_PER_PARAM = 16
 """fp32 master weight, its gradient and the two AdamW moments."""
@@ -281,8 +288,8 @@ def working_bytes(cfg: LctrainConfig, world_size: int, batch: int,
     s = p.tp if (p.sp and p.tp > 1) else 1
     recompute = 0.0
     if t.activation_checkpointing != "none":
-        plain = copy.deepcopy(cfg)
-        plain.train.activation_checkpointing = "none"
+        plain = dataclasses.replace(cfg, train=dataclasses.replace(
+            t, activation_checkpointing="none"))
         recompute = (activation_formula(plain, world_size, batch)
                      - activation_formula(cfg, world_size, batch))
     block = recompute + 2 * 4 * n * m.dim / s
@@ -366,7 +373,7 @@ def _receives(cfg: LctrainConfig, stage: int, step: int) -> bool:
     """Whether `stage` receives from its neighbour `stage + step` (-1: activations, 1:
     gradients): the neighbour exists and runs on another pipeline rank."""
     neighbour = stage + step
-    if not 0 <= neighbour < len(split_layers(cfg)):
+    if not 0 <= neighbour < stage_count(cfg):
         return False
     return rank_of(cfg, neighbour) != rank_of(cfg, stage)
 

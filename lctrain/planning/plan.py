@@ -40,6 +40,7 @@ from lctrain.planning.memory import (
 )
 from lctrain.planning.traffic import (
     attention_traffic,
+    cp_step_bytes,
     dp_step_bytes,
     dp_step_traffic,
     step_traffic_bytes,
@@ -59,42 +60,6 @@ def attention_traffic_per_layer(cfg: LctrainConfig, world_size: int) -> dict[str
                           batch=cfg.train.micro_batch)
     return {f"{p.attention}_per_layer_fwd": t["forward"],
             f"{p.attention}_per_layer_bwd": t["backward"]}
-
-
-def cp_step_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[str, float]:
-    """Bytes one rank of pipeline rank `pp_rank` sends in the cp group per optimizer step, by
-    collective and direction (docs/parallelism.md §5-8, §16): what `record_traffic` counts and
-    the loop logs as `cp_bytes_sent`. Per layer and micro-batch `attention_traffic`'s elements:
-    all-to-alls (Q, K, V, output; backward dO, dQ, dK, dV) and ring K/V blocks in the compute
-    dtype, the ring's dK/dV accumulators in float32, the all-gather of K/V and the
-    reduce-scatter of their gradients in the compute dtype; "..._recompute" the forward's
-    collectives again in the backward when checkpointing recomputes the attention (selective
-    at cp > 1, full). Times the rank's layers and the step's micro-batches. {} when cp = 1."""
-    d, m, p, t = derive(cfg, world_size), cfg.model, cfg.parallel, cfg.train
-    if p.cp == 1:
-        return {}
-    a = 2 if t.dtype == "bf16" else 4
-    hd = m.dim // m.n_heads
-    dq, dkv = m.dim // p.tp, m.n_kv_heads * hd // p.tp * d.kv_replication
-    total = attention_traffic(p.attention, t.seq_len, dq, dkv, p.cp, d.cp_ulysses,
-                              batch=t.micro_batch)
-    if p.attention == "allgather":
-        parts = {"all_gather_fwd": a * total["forward"],
-                 "reduce_scatter_bwd": a * total["backward"]}
-        forward = ["all_gather_fwd"]
-    else:
-        # the ring's K/V hold the 1/u of the heads the rank keeps after the all-to-all
-        ring = attention_traffic("ring", t.seq_len, 0, dkv / d.cp_ulysses, d.cp_ring, 1,
-                                 batch=t.micro_batch)["forward"]
-        a2a = total["forward"] - ring
-        parts = {"all_to_all_fwd": a * a2a, "all_to_all_bwd": a * a2a} if a2a else {}
-        if ring:
-            parts |= {"ring_kv_fwd": a * ring, "ring_kv_bwd": a * ring, "ring_grad_bwd": 4 * ring}
-        forward = [k for k in parts if k.endswith("_fwd")]
-    if t.activation_checkpointing != "none":
-        parts |= {k.replace("_fwd", "_recompute"): parts[k] for k in forward}
-    times = sum(len(split_layers(cfg)[s]) for s in stages_of(cfg, pp_rank))
-    return {k: v * times * d.grad_accum for k, v in parts.items()}
 
 
 def predicted_traffic(cfg: LctrainConfig, world_size: int) -> dict:

@@ -3,7 +3,9 @@ backward), one block's TP/SP collectives, one step of FSDP. Derived in docs/para
 §2 and §5-9; `lctrain plan` predicts with these, and tests and bench/attention.py compare them
 with what `lctrain.layout.comm.record_traffic` measures. `step_traffic_bytes` adds them up into
 the bytes one rank sends per step in the groups whose collectives lctrain does not issue itself
-(TP, pipeline, data parallelism), which the training loop logs (docs/parallelism.md §14).
+(TP, pipeline, data parallelism), which the training loop logs (docs/parallelism.md §14);
+`cp_step_bytes` the context-parallel attention's per step, collective by collective, as
+`record_traffic` counts them (§16).
 
 L: global sequence (one sample), d = H * head_dim and d_kv = H_kv * r * head_dim per TP rank
 (r = KV replication), P = cp, u = Ulysses degree, R = ring degree = P / u.
@@ -133,3 +135,39 @@ def _tp_step_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int) -> float:
     compute += end if len(stages) - 1 in mine else 0
     fp32 = end if 0 in mine else 0
     return d.grad_accum * (_compute_bytes(cfg) * compute + 4 * fp32)
+
+
+def cp_step_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[str, float]:
+    """Bytes one rank of pipeline rank `pp_rank` sends in the cp group per optimizer step, by
+    collective and direction (docs/parallelism.md §5-8, §16): what `record_traffic` counts and
+    the loop logs as `cp_bytes_sent`. Per layer and micro-batch `attention_traffic`'s elements:
+    all-to-alls (Q, K, V, output; backward dO, dQ, dK, dV) and ring K/V blocks in the compute
+    dtype, the ring's dK/dV accumulators in float32, the all-gather of K/V and the
+    reduce-scatter of their gradients in the compute dtype; "..._recompute" the forward's
+    collectives again in the backward when checkpointing recomputes the attention (selective
+    at cp > 1, full). Times the rank's layers and the step's micro-batches. {} when cp = 1."""
+    d, m, p, t = derive(cfg, world_size), cfg.model, cfg.parallel, cfg.train
+    if p.cp == 1:
+        return {}
+    a = 2 if t.dtype == "bf16" else 4
+    hd = m.dim // m.n_heads
+    dq, dkv = m.dim // p.tp, m.n_kv_heads * hd // p.tp * d.kv_replication
+    total = attention_traffic(p.attention, t.seq_len, dq, dkv, p.cp, d.cp_ulysses,
+                              batch=t.micro_batch)
+    if p.attention == "allgather":
+        parts = {"all_gather_fwd": a * total["forward"],
+                 "reduce_scatter_bwd": a * total["backward"]}
+        forward = ["all_gather_fwd"]
+    else:
+        # the ring's K/V hold the 1/u of the heads the rank keeps after the all-to-all
+        ring = attention_traffic("ring", t.seq_len, 0, dkv / d.cp_ulysses, d.cp_ring, 1,
+                                 batch=t.micro_batch)["forward"]
+        a2a = total["forward"] - ring
+        parts = {"all_to_all_fwd": a * a2a, "all_to_all_bwd": a * a2a} if a2a else {}
+        if ring:
+            parts |= {"ring_kv_fwd": a * ring, "ring_kv_bwd": a * ring, "ring_grad_bwd": 4 * ring}
+        forward = [k for k in parts if k.endswith("_fwd")]
+    if t.activation_checkpointing != "none":
+        parts |= {k.replace("_fwd", "_recompute"): parts[k] for k in forward}
+    times = sum(len(split_layers(cfg)[s]) for s in stages_of(cfg, pp_rank))
+    return {k: v * times * d.grad_accum for k, v in parts.items()}

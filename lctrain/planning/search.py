@@ -1,0 +1,155 @@
+"""`plan.search`: every valid layout of a model for a world size, ranked by predicted tokens/s.
+
+For each (tp, sp, cp, attention, Ulysses degree, pp, schedule, dp, engine) that passes the
+layout rules (`validate`), the checkpointing mode and tiling with the most predicted tokens/s
+among those that fit `plan.gpu_memory_gib` (the plan's itemised total with its allocator
+allowance, on the pipeline rank with the most) is kept; layouts where none fits are dropped.
+What is searched and what is not is in docs/parallelism.md §17. Pure arithmetic on configs:
+thousands of candidates per second, no process or device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from lctrain.config import LctrainConfig, derive
+from lctrain.config.validation import layout_problems
+from lctrain.planning.plan import rank_memory
+from lctrain.planning.timing import Hardware, StepTime, predict_step_time
+
+SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2),
+             ("zbv", 2))
+"""(parallel.pp_schedule, parallel.pp_virtual_stages) tried at pp > 1."""
+ENGINES = (("fsdp", None), ("ddp", None), ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3))
+"""(parallel.dp_engine, deepspeed.zero_stage) tried (DeepSpeed without offload)."""
+CHECKPOINTING = ("none", "selective", "full")
+TILE_CHUNKS = 8
+"""With tiling on, train.loss_chunk and train.mlp_chunk cut a rank's sequence into this many
+chunks."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    overrides: dict[str, object]
+    """The command-line overrides (key -> value) that select this layout."""
+    step: StepTime
+    memory_gib: float
+    """The itemised total of the pipeline rank with the most, allocator allowance included."""
+
+    def command_line(self, cfg: LctrainConfig | None = None) -> str:
+        """The overrides as command-line arguments; given `cfg`, only those that change it
+        (parallel.dp always: the searched world fixes it)."""
+        def changes(key: str, value: object) -> bool:
+            section, name = key.split(".")
+            return key == "parallel.dp" or getattr(getattr(cfg, section), name) != value
+
+        return " ".join(f"{k}={_value(v)}" for k, v in self.overrides.items()
+                        if cfg is None or changes(k, v))
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    world_size: int
+    ranked: list[Candidate]
+    """Fitting candidates, most predicted tokens/s first (less memory first on a tie)."""
+    layouts: int
+    """Layouts (before checkpointing and tiling) that pass the layout rules."""
+    evaluated: int
+    """Configurations (layouts x checkpointing x tiling) whose memory was predicted."""
+    too_big: int
+    """Valid layouts that fit in no checkpointing mode or tiling."""
+
+
+def _value(v: object) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return str(v).lower()
+    return str(v)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def attentions(cp: int) -> list[tuple[str, int]]:
+    """(parallel.attention, parallel.ulysses_degree) for `cp` ranks: ring, Ulysses, all-gather
+    KV and USP at every Ulysses degree strictly between 1 and cp."""
+    if cp == 1:
+        return [("ring", 1)]
+    return [("ring", 1), ("ulysses", 1), ("allgather", 1),
+            *(("usp", u) for u in divisors(cp) if 1 < u < cp)]
+
+
+def layouts(cfg: LctrainConfig, world_size: int, ranks_per_node: int):
+    """parallel.* and deepspeed.* overrides of every layout of `world_size` ranks with tp
+    inside a node (`ranks_per_node`; 0: one node) and SP whenever tp > 1 (without it TP sends
+    the same bytes and computes the same, and keeps more activations: it never ranks
+    higher)."""
+    node = ranks_per_node or world_size
+    for tp in divisors(world_size):
+        if tp > node or cfg.model.n_heads % tp:
+            continue
+        for cp in divisors(world_size // tp):
+            for pp in divisors(world_size // (tp * cp)):
+                if pp > cfg.model.n_layers:
+                    continue
+                dp = world_size // (tp * cp * pp)
+                schedules = SCHEDULES if pp > 1 else (("1f1b", 1),)
+                for sp, (attention, u), (schedule, v), (engine, stage) in itertools.product(
+                        (tp > 1,), attentions(cp), schedules,
+                        ENGINES):
+                    parallel = {"tp": tp, "sp": sp, "cp": cp, "attention": attention,
+                                "ulysses_degree": u, "pp": pp, "pp_schedule": schedule,
+                                "pp_virtual_stages": v, "pp_layers": None, "dp": dp,
+                                "dp_engine": engine}
+                    yield parallel, ({} if stage is None else {"zero_stage": stage})
+
+
+def _with(cfg: LctrainConfig, parallel: dict, deepspeed: dict, train: dict) -> LctrainConfig:
+    return dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, **parallel),
+        deepspeed=dataclasses.replace(cfg.deepspeed, **deepspeed),
+        train=dataclasses.replace(cfg.train, **train))
+
+
+def memory_gib(cfg: LctrainConfig, world_size: int) -> float:
+    return max(rank_memory(cfg, world_size, r)["itemised"]["total_gib"]
+               for r in range(cfg.parallel.pp))
+
+
+def search(cfg: LctrainConfig, world_size: int, hw: Hardware) -> SearchResult:
+    """Every layout of `world_size` ranks for `cfg`'s model, batch and sequence, ranked."""
+    ranked, valid, evaluated, too_big = [], 0, 0, 0
+    for parallel, deepspeed in layouts(cfg, world_size, hw.ranks_per_node):
+        plain = {"activation_checkpointing": "none", "loss_chunk": 0, "mlp_chunk": 0}
+        if layout_problems(_with(cfg, parallel, deepspeed, plain), world_size):
+            continue
+        valid += 1
+        chunk = max(1, derive(cfg, world_size).local_seq_len // TILE_CHUNKS)
+        tiled = {"loss_chunk": chunk, "mlp_chunk": chunk}
+        # the layout rules read the chunks, not the checkpointing mode: one check for each
+        tiles = [0] + ([chunk] if not layout_problems(_with(cfg, parallel, deepspeed, tiled),
+                                                world_size) else [])
+        best = None
+        for mode, tile in itertools.product(CHECKPOINTING, tiles):
+            train = {"activation_checkpointing": mode, "loss_chunk": tile, "mlp_chunk": tile}
+            candidate_cfg = _with(cfg, parallel, deepspeed, train)
+            evaluated += 1
+            gib = memory_gib(candidate_cfg, world_size)
+            if gib > cfg.plan.gpu_memory_gib:
+                continue
+            step = predict_step_time(candidate_cfg, world_size, hw)
+            if best is None or step.total_s < best.step.total_s:
+                overrides = {f"parallel.{k}": v for k, v in parallel.items()}
+                overrides |= {f"deepspeed.{k}": v for k, v in deepspeed.items()}
+                overrides |= {f"train.{k}": v for k, v in train.items()}
+                best = Candidate(overrides, step, gib)
+        if best is None:
+            too_big += 1
+        else:
+            ranked.append(best)
+    ranked.sort(key=lambda c: (c.step.total_s, c.memory_gib))
+    return SearchResult(world_size, ranked, valid, evaluated, too_big)
