@@ -5,6 +5,7 @@ accumulation, the Ulysses and Ring degrees and KV replication. Never written bac
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 from lctrain.config.schema import LctrainConfig, ParallelConfig
 
@@ -28,18 +29,25 @@ class Derived:
 
 def derive(cfg: LctrainConfig, world_size: int) -> Derived:
     """Derived values of a config that `validate` accepted for this world size."""
-    p, t = cfg.parallel, cfg.train
-    dp = p.dp if p.dp != -1 else world_size // (p.tp * p.cp * p.pp)
-    cp_ulysses = ulysses_degree(p)
+    p, t, m = cfg.parallel, cfg.train, cfg.model
+    return _derive(world_size, p.dp, p.tp, p.cp, p.pp, ulysses_degree(p), t.global_batch,
+                   t.micro_batch, t.seq_len, m.n_heads, m.n_kv_heads)
+
+
+@cache  # pure in its arguments; a layout search asks for the same ones many times
+def _derive(world_size: int, dp: int, tp: int, cp: int, pp: int, cp_ulysses: int,
+            global_batch: int, micro_batch: int, seq_len: int, n_heads: int,
+            n_kv_heads: int) -> Derived:
+    dp = dp if dp != -1 else world_size // (tp * cp * pp)
     return Derived(
         world_size=world_size,
         dp=dp,
         cp_ulysses=cp_ulysses,
-        cp_ring=p.cp // cp_ulysses,
-        grad_accum=t.global_batch // (t.micro_batch * dp),
-        kv_replication=kv_replication(cfg.model.n_heads, cfg.model.n_kv_heads, p.tp, cp_ulysses) or 1,
-        local_seq_len=t.seq_len // p.cp,
-        tokens_per_step=t.global_batch * t.seq_len,
+        cp_ring=cp // cp_ulysses,
+        grad_accum=global_batch // (micro_batch * dp),
+        kv_replication=kv_replication(n_heads, n_kv_heads, tp, cp_ulysses) or 1,
+        local_seq_len=seq_len // cp,
+        tokens_per_step=global_batch * seq_len,
     )
 
 
@@ -77,6 +85,7 @@ def ulysses_degree(p: ParallelConfig) -> int:
     return 1
 
 
+@cache
 def kv_replication(n_heads: int, n_kv_heads: int, tp: int, cp_ulysses: int) -> int | None:
     """Smallest r so that r * (local kv heads) splits over Ulysses and still groups the q heads.
 

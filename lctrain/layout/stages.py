@@ -41,13 +41,15 @@ def stage_count(cfg: LctrainConfig) -> int:
 
 def split_layers(cfg: LctrainConfig) -> list[list[int]]:
     """Global layer ids of every stage, in pipeline order (parallel.pp_layers, or balanced)."""
-    n, explicit = stage_count(cfg), cfg.parallel.pp_layers
-    counts = list(explicit) if explicit else balanced_counts(cfg.model, cfg.train.seq_len, n)
-    out, start = [], 0
-    for c in counts:
-        out.append(list(range(start, start + c)))
-        start += c
-    return out
+    explicit = cfg.parallel.pp_layers
+    counts = explicit or balanced_counts(cfg.model, cfg.train.seq_len, stage_count(cfg))
+    return [list(layers) for layers in _layer_ids(tuple(counts))]
+
+
+@cache
+def _layer_ids(counts: tuple[int, ...]) -> tuple[range, ...]:
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return tuple(range(start, start + c) for start, c in zip(starts, counts))
 
 
 def balanced_counts(m: ModelConfig, seq_len: int, stages: int) -> list[int]:

@@ -1,9 +1,11 @@
 """`plan.search`: every valid layout of a model for a world size, ranked by predicted tokens/s.
 
 For each (tp, sp, cp, attention, Ulysses degree, pp, schedule, dp, engine) that passes the
-layout rules (`validate`), the checkpointing mode and tiling with the most predicted tokens/s
-among those that fit `plan.gpu_memory_gib` (the plan's itemised total with its allocator
-allowance, on the pipeline rank with the most) is kept; layouts where none fits are dropped.
+layout rules (`layout_problems`), the checkpointing mode and tiling with the most predicted
+tokens/s among those that fit `plan.gpu_memory_gib` (the plan's itemised total with its
+allocator allowance, on the pipeline rank with the most) is kept; layouts where none fits are
+dropped. Without checkpointing or tiling nothing is recomputed, so when that fits no other
+variant is tried.
 What is searched and what is not is in docs/parallelism.md §17. Pure arithmetic on configs:
 thousands of candidates per second, no process or device.
 """
@@ -19,9 +21,10 @@ from lctrain.config.validation import layout_problems
 from lctrain.planning.plan import rank_memory
 from lctrain.planning.timing import Hardware, StepTime, predict_step_time
 
-SCHEDULES = (("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2),
-             ("zbv", 2))
-"""(parallel.pp_schedule, parallel.pp_virtual_stages) tried at pp > 1."""
+SCHEDULES = (("1f1b", 1), ("gpipe", 1), *(("interleaved_1f1b", v) for v in (1, 2, 4)),
+             *(("zero_bubble", v) for v in (1, 2, 4)), ("zbv", 2))
+"""(parallel.pp_schedule, parallel.pp_virtual_stages) tried at pp > 1: the looped schedules
+at 1, 2 and 4 stages per rank."""
 ENGINES = (("fsdp", None), ("ddp", None), ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3))
 """(parallel.dp_engine, deepspeed.zero_stage) tried (DeepSpeed without offload)."""
 CHECKPOINTING = ("none", "selective", "full")
@@ -147,6 +150,8 @@ def search(cfg: LctrainConfig, world_size: int, hw: Hardware) -> SearchResult:
                 overrides |= {f"deepspeed.{k}": v for k, v in deepspeed.items()}
                 overrides |= {f"train.{k}": v for k, v in train.items()}
                 best = Candidate(overrides, step, gib)
+            if mode == "none" and not tile:  # nothing recomputed: no variant is faster
+                break
         if best is None:
             too_big += 1
         else:
