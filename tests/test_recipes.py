@@ -23,6 +23,7 @@ from lctrain.config.compose import compose
 from lctrain.config.paths import recipe_names, recipes_dir
 from lctrain.data.shards import ShardWriter
 from lctrain.planning.plan import build_plan
+from lctrain.planning.timing import hardware_from_plan, step_time_summary
 
 H100_GIB = 79.6  # what an H100 80 GB reports (81,559 MiB)
 HEADROOM = 0.9  # of it for the plan's estimate: the CUDA context, NCCL buffers, fragmentation
@@ -123,6 +124,11 @@ def test_recipe_validates_for_its_world_and_fits_its_gpu(recipe, inputs):
     assert peak == pytest.approx(header_gib(recipe), abs=5e-4), "update the recipe's header"
     if target.gpu_gib is not None:
         assert peak <= HEADROOM * target.gpu_gib
+        # the header quotes the plan's predicted step (plan.*: H100 numbers)
+        t = step_time_summary(cfg, world, hardware_from_plan(cfg))
+        header = (recipes_dir() / f"{recipe}.yaml").read_text()
+        assert f"predicts {t['total_s']:.3f} s per step, {t['tokens_per_s_per_rank']:,.0f} " \
+               "tokens/s per GPU" in header, "update the recipe's header"
     # tp x cp_ulysses stays inside a node (NVLink): no note says a group spans nodes
     assert not [n for n in plan["notes"] if "span nodes" in n]
 
