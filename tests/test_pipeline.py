@@ -136,13 +136,13 @@ def test_every_schedule_and_layout_matches_one_process(world, tmp_path):
 def test_stage_split_and_owners():
     cfg = tiny_config(model={"n_layers": 8}, parallel={"pp": 2, "pp_virtual_stages": 2,
                                                           "pp_schedule": "interleaved_1f1b"})
-    assert split_layers(cfg) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert split_layers(cfg) == ((0, 1), (2, 3), (4, 5), (6, 7))
     assert rank_stages(0, 2, 2, "interleaved_1f1b") == [0, 2]
     assert rank_stages(0, 2, 2, "zbv") == [0, 3]
     assert [stage_rank(s, 2, 2, "zbv") for s in range(4)] == [0, 1, 1, 0]
     explicit = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
                                                                      pp_layers=[1, 3, 3, 1]))
-    assert split_layers(explicit) == [[0], [1, 2, 3], [4, 5, 6], [7]]
+    assert split_layers(explicit) == ((0,), (1, 2, 3), (4, 5, 6), (7,))
 
 
 def test_balanced_split_counts_the_output_layer():

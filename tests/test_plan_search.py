@@ -7,6 +7,7 @@ step time."""
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from lctrain.commands.init_from import resolve_model
 from lctrain.config import derive
 from lctrain.config.compose import compose
 from lctrain.config.validation import validate
+from lctrain.planning import search as search_module
 from lctrain.planning.plan import build_plan
 from lctrain.planning.search import search
 from lctrain.planning.timing import hardware_from_plan, step_time_summary
@@ -106,6 +108,28 @@ def test_what_does_not_fit_is_dropped():
     # a layout fits with checkpointing or tiling where it does not without
     assert any(c.overrides["train.activation_checkpointing"] != "none"
                or c.overrides["train.loss_chunk"] for c in tight.ranked)
+
+
+def test_forked_workers_rank_what_one_process_ranks(monkeypatch):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU core: the search never forks workers")
+    cfg = tiny_config(train={"global_batch": 32, "micro_batch": 1, "seq_len": 256},
+                      model={"n_layers": 8})
+    cfg.plan.gpu_memory_gib = 1.0038  # some fit only with checkpointing or tiling, some in none
+    results = {}
+    for name, threshold in (("one", 10**9), ("forked", 1)):
+        monkeypatch.setattr(search_module, "PARALLEL_FROM", threshold)
+        results[name] = search(cfg, 16, hardware_from_plan(cfg))
+    one, forked = results["one"], results["forked"]
+    assert (forked.layouts, forked.evaluated, forked.too_big) == (
+        one.layouts, one.evaluated, one.too_big)
+    assert [c.overrides for c in forked.ranked] == [c.overrides for c in one.ranked]
+    assert [c.step.total_s for c in forked.ranked] == [c.step.total_s for c in one.ranked]
+    # tiling cuts each layout's own sequence per rank into 8 chunks
+    tiled = [c for c in one.ranked if c.overrides["train.loss_chunk"]]
+    assert tiled and one.too_big
+    for c in tiled:
+        assert c.overrides["train.loss_chunk"] == 256 // c.overrides["parallel.cp"] // 8
 
 
 def test_the_winner_of_a_cpu_search_trains(tmp_path, capsys):

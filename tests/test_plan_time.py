@@ -67,8 +67,14 @@ def test_each_kernel_class_runs_at_its_efficiency():
 
 def test_more_ranks_than_cores_share_the_calibrated_rate():
     cfg = tiny_config(parallel={"dp": 4, "dp_engine": "ddp"})
-    alone, shared = (predict_step_time(cfg, 4, hardware(cores=c)) for c in (0, 2))
+    costs = {"single": (1.0, 2.0), "base": (3.0, 4.0)}
+    alone, shared = (predict_step_time(cfg, 4, hardware(cores=c, fixed_costs=costs))
+                     for c in (0, 2))
+    # compute, communication and fixed costs alike: all of it is CPU work on a shared core
     assert shared.compute_s == pytest.approx(2 * alone.compute_s)
+    assert shared.comm_s["dp"] == pytest.approx(2 * alone.comm_s["dp"])
+    assert shared.overhead_s == pytest.approx(2 * alone.overhead_s) == pytest.approx(2 * 10.0)
+    assert shared.total_s == pytest.approx(2 * alone.total_s)
 
 
 def test_a_group_is_intra_node_only_when_all_its_ranks_share_a_node():
@@ -179,6 +185,16 @@ def test_fixed_costs_add_up_by_feature():
     block, rest = 2.0 + 1.0 + 2.0, 20.0 + 5.0 + 0.0
     assert predict_step_time(usp, 4, hw).overhead_s == pytest.approx((block * 2 + rest) * 4)
     assert predict_step_time(tiny_config(), 1, hardware()).overhead_s == 0  # plan.*: none
+    # DDP's extra is against base; a checkpointing mode's against single, on any engine
+    costs |= {"ddp": (1.5, 12.0), "full": (4.0, 11.0)}
+    hw = hardware(device_tflops=1e9, intra_node_gbps=1e12, fixed_costs=costs)
+    ddp_full = tiny_config(parallel={"dp": 2, "dp_engine": "ddp"},
+                           train={"activation_checkpointing": "full"})
+    block, rest = 2.0 + (1.5 - 2.0) + (4.0 - 1.0), 20.0 + (12.0 - 20.0) + (11.0 - 10.0)
+    assert predict_step_time(ddp_full, 2, hw).overhead_s == pytest.approx((block * 2 + rest) * 2)
+    one_full = dataclasses.replace(ddp_full, parallel=dataclasses.replace(ddp_full.parallel,
+                                                                          dp=1))
+    assert predict_step_time(one_full, 1, hw).overhead_s == pytest.approx((4.0 * 2 + 11.0) * 4)
 
 
 def test_data_parallel_bytes_where_lctrain_logs_none():

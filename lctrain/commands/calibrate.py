@@ -25,6 +25,7 @@ from lctrain.config.compose import Composed
 from lctrain.parallel.launch import run_ranks
 from lctrain.planning.timing import (
     FIXED_COST_LAYOUTS,
+    TRAIN_KEYS,
     calibration_path,
     hardware_from_calibration,
     predict_step_time,
@@ -66,16 +67,19 @@ OVERHEAD_LAYERS = (2, 4)
 is per micro-batch."""
 
 
-def overhead_config(model: ModelConfig, seq_len: int, parallel: dict, layers: int,
+def overhead_config(model: ModelConfig, seq_len: int, layout: dict, layers: int,
                     steps: int = 6) -> LctrainConfig:
-    """`model` at depth `layers` trained in the layout `parallel` (parallel.* overrides) on
-    sequences of `seq_len`, fp32, 4 micro-batches of 1 per step and rank."""
+    """`model` at depth `layers` trained in `layout` (a FIXED_COST_LAYOUTS value) on sequences
+    of `seq_len`, fp32, 4 micro-batches of 1 per step and rank."""
+    parallel = {k: v for k, v in layout.items() if k not in TRAIN_KEYS}
+    train_keys = {k: v for k, v in layout.items() if k in TRAIN_KEYS}
     cfg = LctrainConfig()
     cfg.model = dataclasses.replace(model, n_layers=layers)
     cfg.parallel = dataclasses.replace(cfg.parallel, **{"dp": 1, **parallel})
-    cfg.train = dataclasses.replace(cfg.train, steps=steps, seq_len=seq_len, micro_batch=1,
-                                    global_batch=4 * cfg.parallel.dp, device="cpu",
-                                    activation_checkpointing="none")
+    cfg.train = dataclasses.replace(cfg.train, **{
+        "steps": steps, "seq_len": seq_len, "micro_batch": 1,
+        "global_batch": 4 * cfg.parallel.dp, "device": "cpu",
+        "activation_checkpointing": "none", **train_keys})
     cfg.eval = dataclasses.replace(cfg.eval, every=0)
     cfg.logging = dataclasses.replace(cfg.logging, progress=False, log_every=steps)
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, every=0)
@@ -103,13 +107,13 @@ def fixed_costs(data: dict, model: ModelConfig, seq_len: int,
     the depth's share is per block, the rest per micro-batch."""
     hw = hardware_from_calibration(data)
     out = {}
-    for name, parallel in layouts.items():
+    for name, layout in layouts.items():
         rest = []
         for layers in OVERHEAD_LAYERS:
-            cfg = overhead_config(model, seq_len, parallel, layers)
-            world = math.prod(parallel.get(k, 1) for k in ("dp", "tp", "cp", "pp"))
+            cfg = overhead_config(model, seq_len, layout, layers)
+            world = math.prod(layout.get(k, 1) for k in ("dp", "tp", "cp", "pp"))
             rest.append(_measured_step_s(cfg, world) - predict_step_time(cfg, world, hw).total_s)
-        pp = parallel.get("pp", 1)
+        pp = layout.get("pp", 1)
         block = (rest[1] - rest[0]) / ((OVERHEAD_LAYERS[1] - OVERHEAD_LAYERS[0]) // pp * 4)
         out[name] = [block, rest[0] / 4 - block * (OVERHEAD_LAYERS[0] // pp)]
     return out
@@ -147,7 +151,8 @@ def run(composed: Composed, flags: set[str]) -> int:
     print(f"fixed costs per micro-batch of 1 x {cfg.train.seq_len} tokens, model.dim="
           f"{cfg.model.dim} (ms per block / besides the blocks):")
     for name, (block, rest) in data["fixed_costs"].items():
-        print(f"  {name:<10} {block * 1e3:8.2f} {rest * 1e3:8.2f}   parallel.* "
-              + " ".join(f"{k}={v}" for k, v in FIXED_COST_LAYOUTS[name].items()))
+        print(f"  {name:<10} {block * 1e3:8.2f} {rest * 1e3:8.2f}   " + " ".join(
+            f"{'train' if k in TRAIN_KEYS else 'parallel'}.{k}={v}"
+            for k, v in FIXED_COST_LAYOUTS[name].items()))
     print(f"{data['cores']} CPU cores; written to {path}")
     return 0

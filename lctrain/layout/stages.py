@@ -39,17 +39,22 @@ def stage_count(cfg: LctrainConfig) -> int:
     return cfg.parallel.pp * cfg.parallel.pp_virtual_stages
 
 
-def split_layers(cfg: LctrainConfig) -> list[list[int]]:
+def split_layers(cfg: LctrainConfig) -> tuple[tuple[int, ...], ...]:
     """Global layer ids of every stage, in pipeline order (parallel.pp_layers, or balanced)."""
-    explicit = cfg.parallel.pp_layers
-    counts = explicit or balanced_counts(cfg.model, cfg.train.seq_len, stage_count(cfg))
-    return [list(layers) for layers in _layer_ids(tuple(counts))]
+    m, explicit = cfg.model, cfg.parallel.pp_layers
+    return _split(tuple(explicit) if explicit else None, stage_count(cfg), cfg.train.seq_len,
+                  m.dim, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, m.n_layers)
 
 
-@cache
-def _layer_ids(counts: tuple[int, ...]) -> tuple[range, ...]:
+@cache  # pure in its arguments (the shape fields layer_costs reads); a layout search asks often
+def _split(explicit: tuple[int, ...] | None, stages: int, seq_len: int, dim: int, n_heads: int,
+           n_kv_heads: int, ffn_dim: int, vocab_size: int,
+           n_layers: int) -> tuple[tuple[int, ...], ...]:
+    model = ModelConfig(dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim,
+                        vocab_size=vocab_size, n_layers=n_layers)
+    counts = explicit or balanced_counts(model, seq_len, stages)
     starts = [sum(counts[:i]) for i in range(len(counts))]
-    return tuple(range(start, start + c) for start, c in zip(starts, counts))
+    return tuple(tuple(range(start, start + c)) for start, c in zip(starts, counts))
 
 
 def balanced_counts(m: ModelConfig, seq_len: int, stages: int) -> list[int]:

@@ -11,6 +11,7 @@ arithmetic on a config: no process, device or tensor.
 from __future__ import annotations
 
 import dataclasses
+from functools import cache
 
 from lctrain.config import LctrainConfig, ModelConfig, derive
 from lctrain.layout.stages import (
@@ -69,9 +70,11 @@ def state_bytes_per_rank(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) 
     (docs/parallelism.md §9, §12)."""
     d, p = derive(cfg, world_size), cfg.parallel
     params, n = sum(local_params(cfg, pp_rank)), d.dp * p.cp
+    if n == 1:
+        return sum(state_parts(cfg, world_size, pp_rank).values())
     if p.dp_engine == "fsdp":
         return STATE_BYTES_PER_PARAM * params / n
-    if p.dp_engine == "ddp" or n == 1:
+    if p.dp_engine == "ddp":
         return STATE_BYTES_PER_PARAM * params
     # DeepSpeed, as bench/engines.py measures it: the model's weights (whole under ZeRO-1/2, a
     # 1/n partition under ZeRO-3) in the compute dtype plus an fp32 master partition; gradients
@@ -89,14 +92,19 @@ def state_bytes_per_rank(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) 
 def state_parts(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[str, float]:
     """`state_bytes_per_rank` itemised: "weights" (fp32 under FSDP/DDP; under DeepSpeed the
     compute-dtype copy plus the fp32 master partition), "gradients" and "optimizer_state" (the
-    AdamW moments), on the device (offloaded parts count 0)."""
-    d, p = derive(cfg, world_size), cfg.parallel
+    AdamW moments), on the device (offloaded parts count 0). Without a data-parallel engine
+    (one rank of dp x cp) under TP, the vocab-parallel embedding's gradient is the whole table
+    on every TP rank (torch's row-wise embedding returns it replicated; FSDP would reshard it)."""
+    d, p, m = derive(cfg, world_size), cfg.parallel, cfg.model
     params, n = sum(local_params(cfg, pp_rank)), d.dp * p.cp
-    if p.dp_engine == "fsdp":
+    if p.dp_engine == "fsdp" and n > 1:
         return {"weights": 4 * params / n, "gradients": 4 * params / n,
                 "optimizer_state": 8 * params / n}
     if p.dp_engine == "ddp" or n == 1:
-        return {"weights": 4 * params, "gradients": 4 * params, "optimizer_state": 8 * params}
+        whole_embedding = (n == 1 and p.tp > 1 and 0 in stages_of(cfg, pp_rank))
+        extra = 4 * m.vocab_size * m.dim * (p.tp - 1) // p.tp if whole_embedding else 0
+        return {"weights": 4 * params, "gradients": 4 * params + extra,
+                "optimizer_state": 8 * params}
     ds, a = cfg.deepspeed, (2 if cfg.train.dtype == "bf16" else 4)
     offload = ds.offload_optimizer == "cpu"
     weights = 0 if ds.offload_param == "cpu" else a * params / (n if ds.zero_stage == 3 else 1)
@@ -301,8 +309,9 @@ def working_bytes(cfg: LctrainConfig, world_size: int, batch: int,
     return max(block, head) if loss_head else block
 
 
+@cache  # pure in its arguments; a layout search asks for the same ones many times
 def in_flight_moments(schedule: str, pp: int, microbatches: int, virtual: int,
-                      pp_rank: int) -> list[tuple[int, ...]]:
+                      pp_rank: int) -> tuple[tuple[int, ...], ...]:
     """Micro-batches whose activations each stage of pipeline rank `pp_rank` keeps (in
     `rank_stages` order) each time, from its warm-up's end on, the rank has just run a forward:
     its peak is one of them. Activations live from a micro-batch's forward to its backward, to
@@ -310,13 +319,13 @@ def in_flight_moments(schedule: str, pp: int, microbatches: int, virtual: int,
     graph for W: `stage_backward_input`), in the orders torch 2.13's schedules build."""
     p, m, v, r = pp, microbatches, virtual, pp_rank
     if p == 1:  # no pipeline: one micro-batch at a time through the whole model
-        return [(1,) * len(rank_stages(0, 1, v, schedule))]
+        return ((1,) * len(rank_stages(0, 1, v, schedule)),)
     if schedule == "gpipe":  # every forward before the first backward (docs/parallelism.md §13)
-        return [(m,)]
+        return ((m,),)
     if schedule == "1f1b":  # p - r warm-up forwards, then a backward after each forward (§13)
-        return [(min(m, p - r),)]
+        return ((min(m, p - r),),)
     if schedule == "zbv":  # 2p: at the first forward of stage 2p-1-r, then at each of stage r
-        return [(2 * p - r - 1, r + 1), (2 * p - r, r)]
+        return ((2 * p - r - 1, r + 1), (2 * p - r, r))
     # interleaved: w = (v-1) q + 2 (p-1-r) warm-up chunk forwards, q micro-batches per round,
     # then a forward and a backward per op: w + 1 at each moment; zero bubble: (p-1-r) and each
     # W r ops behind its backward: (v-1) q + p. The k-th forward runs chunk (k // q) mod v, the
@@ -329,11 +338,12 @@ def in_flight_moments(schedule: str, pp: int, microbatches: int, virtual: int,
         cycles, rest = divmod(n, q * v)
         return cycles * q + min(q, max(0, rest - j * q))
 
-    return [tuple(on_chunk(k + 1, j) - on_chunk(max(0, k - warmup - lag), v - 1 - j)
-                  for j in range(v)) for k in range(min(warmup, m * v - 1), m * v)]
+    return tuple(tuple(on_chunk(k + 1, j) - on_chunk(max(0, k - warmup - lag), v - 1 - j)
+                       for j in range(v)) for k in range(min(warmup, m * v - 1), m * v))
 
 
-def peak_in_flight(moments: list[tuple[int, ...]], stage_bytes: list[float]) -> tuple[int, ...]:
+def peak_in_flight(moments: tuple[tuple[int, ...], ...],
+                   stage_bytes: list[float]) -> tuple[int, ...]:
     """The moment of `in_flight_moments` that keeps the most bytes, one micro-batch keeping
     `stage_bytes` on each stage (the first such moment)."""
     return max(moments, key=lambda counts: sum(c * b for c, b in zip(counts, stage_bytes)))

@@ -6,14 +6,17 @@ tokens/s among those that fit `plan.gpu_memory_gib` (the plan's itemised total w
 allocator allowance, on the pipeline rank with the most) is kept; layouts where none fits are
 dropped. Without checkpointing or tiling nothing is recomputed, so when that fits no other
 variant is tried.
-What is searched and what is not is in docs/parallelism.md §17. Pure arithmetic on configs:
-thousands of candidates per second, no process or device.
+What is searched and what is not is in docs/parallelism.md §17. Pure arithmetic on configs, no
+device: thousands of candidates per second per core, the layouts shared among forked workers
+(one per core) when there are many.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import multiprocessing
+import os
 from dataclasses import dataclass
 
 from lctrain.config import LctrainConfig, derive
@@ -123,24 +126,39 @@ def memory_gib(cfg: LctrainConfig, world_size: int) -> float:
                for r in range(cfg.parallel.pp))
 
 
-def search(cfg: LctrainConfig, world_size: int, hw: Hardware) -> SearchResult:
-    """Every layout of `world_size` ranks for `cfg`'s model, batch and sequence, ranked."""
-    ranked, valid, evaluated, too_big = [], 0, 0, 0
-    for parallel, deepspeed in layouts(cfg, world_size, hw.ranks_per_node):
-        plain = {"activation_checkpointing": "none", "loss_chunk": 0, "mlp_chunk": 0}
-        if layout_problems(_with(cfg, parallel, deepspeed, plain), world_size):
+@dataclass
+class _Part:
+    """What one worker finds among its share of the layouts: (enumeration index, candidate)
+    pairs and the counts of SearchResult."""
+    ranked: list[tuple[int, Candidate]] = dataclasses.field(default_factory=list)
+    layouts: int = 0
+    evaluated: int = 0
+    too_big: int = 0
+
+
+def _search_part(cfg: LctrainConfig, world_size: int, hw: Hardware,
+                 share: list[tuple[int, dict, dict]]) -> _Part:
+    """The best fitting variant of each valid layout in `share` ((index, parallel.*,
+    deepspeed.*) overrides)."""
+    part = _Part()
+    plain = {"activation_checkpointing": "none", "loss_chunk": 0, "mlp_chunk": 0}
+    for index, parallel, deepspeed in share:
+        layout_cfg = _with(cfg, parallel, deepspeed, plain)
+        if layout_problems(layout_cfg, world_size):
             continue
-        valid += 1
-        chunk = max(1, derive(cfg, world_size).local_seq_len // TILE_CHUNKS)
+        part.layouts += 1
+        chunk = max(1, derive(layout_cfg, world_size).local_seq_len // TILE_CHUNKS)
         tiled = {"loss_chunk": chunk, "mlp_chunk": chunk}
         # the layout rules read the chunks, not the checkpointing mode: one check for each
-        tiles = [0] + ([chunk] if not layout_problems(_with(cfg, parallel, deepspeed, tiled),
-                                                world_size) else [])
+        tiles = [0] + ([chunk] if not layout_problems(
+            dataclasses.replace(layout_cfg, train=dataclasses.replace(cfg.train, **tiled)),
+            world_size) else [])
         best = None
         for mode, tile in itertools.product(CHECKPOINTING, tiles):
             train = {"activation_checkpointing": mode, "loss_chunk": tile, "mlp_chunk": tile}
-            candidate_cfg = _with(cfg, parallel, deepspeed, train)
-            evaluated += 1
+            candidate_cfg = dataclasses.replace(layout_cfg,
+                                                train=dataclasses.replace(cfg.train, **train))
+            part.evaluated += 1
             gib = memory_gib(candidate_cfg, world_size)
             if gib > cfg.plan.gpu_memory_gib:
                 continue
@@ -153,8 +171,30 @@ def search(cfg: LctrainConfig, world_size: int, hw: Hardware) -> SearchResult:
             if mode == "none" and not tile:  # nothing recomputed: no variant is faster
                 break
         if best is None:
-            too_big += 1
+            part.too_big += 1
         else:
-            ranked.append(best)
-    ranked.sort(key=lambda c: (c.step.total_s, c.memory_gib))
-    return SearchResult(world_size, ranked, valid, evaluated, too_big)
+            part.ranked.append((index, best))
+    return part
+
+
+PARALLEL_FROM = 256
+"""Layouts to enumerate before the search shares them among forked workers (one per CPU core
+this process may use, at most 8): below it a worker's start costs more than it saves."""
+
+
+def search(cfg: LctrainConfig, world_size: int, hw: Hardware) -> SearchResult:
+    """Every layout of `world_size` ranks for `cfg`'s model, batch and sequence, ranked (ties in
+    predicted step time and memory keep the enumeration order)."""
+    share = [(i, parallel, deepspeed) for i, (parallel, deepspeed)
+             in enumerate(layouts(cfg, world_size, hw.ranks_per_node))]
+    workers = min(8, len(os.sched_getaffinity(0)))
+    if workers > 1 and len(share) >= PARALLEL_FROM:
+        with multiprocessing.get_context("fork").Pool(workers) as pool:
+            parts = pool.starmap(_search_part, [(cfg, world_size, hw, share[w::workers])
+                                                for w in range(workers)])
+    else:
+        parts = [_search_part(cfg, world_size, hw, share)]
+    found = sorted((pair for part in parts for pair in part.ranked),
+                   key=lambda pair: (pair[1].step.total_s, pair[1].memory_gib, pair[0]))
+    return SearchResult(world_size, [c for _, c in found], sum(p.layouts for p in parts),
+                        sum(p.evaluated for p in parts), sum(p.too_big for p in parts))

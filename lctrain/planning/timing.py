@@ -43,7 +43,7 @@ class Hardware:
     """Ranks sharing a node (0: all ranks on one node)."""
     cores: int = 0
     """CPU cores the ranks share (a calibrated CPU): more ranks than cores divides each rank's
-    rate by ranks / cores. 0: every rank has its own device."""
+    rate, bandwidth and fixed costs by ranks / cores. 0: every rank has its own device."""
     latency_s: float = 0.0
     """Seconds of one collective call besides its bytes (0 for plan.*: a GPU step at long
     context makes a few thousand calls of ~10 us, under 1% of it)."""
@@ -197,31 +197,43 @@ FIXED_COST_LAYOUTS: dict[str, dict] = {
     "ulysses": {"cp": 2, "attention": "ulysses", "dp": 1},
     "allgather": {"cp": 2, "attention": "allgather", "dp": 1},
     "pp": {"pp": 2, "dp": 1},
+    "ddp": {"dp": 2, "dp_engine": "ddp"},
+    "selective": {"activation_checkpointing": "selective"},
+    "full": {"activation_checkpointing": "full"},
 }
-"""The layouts (parallel.* overrides) whose fixed costs `lctrain plan --calibrate` measures:
-"single" one process, "base" 2-rank data parallelism (FSDP), the others one feature each on
-2 ranks."""
+"""The layouts whose fixed costs `lctrain plan --calibrate` measures (parallel.* overrides,
+and train.activation_checkpointing): "single" one process, "base" 2-rank data parallelism
+(FSDP), the others one feature each on 2 ranks, but the checkpointing modes: one process
+each (what they add is work of the rank, the same beside any engine)."""
+SINGLE_RANK_FEATURES = ("selective", "full")
+"""Fixed-cost features measured against "single", not "base"."""
+TRAIN_KEYS = ("activation_checkpointing",)
+"""The keys of FIXED_COST_LAYOUTS that are train.* settings."""
 
 
 def fixed_seconds(cfg: LctrainConfig, world_size: int, hw: Hardware) -> float:
     """The step's fixed costs on the busiest rank: per block and micro-batch, "base" plus the
-    extra of each feature the layout uses (the ring's x (R - 1), its exchanges per block),
+    extra of each feature the layout uses (the ring's x (R - 1), its exchanges per block; DDP's
+    against FSDP; a checkpointing mode's against one process without it),
     times the rank's blocks; per micro-batch besides the blocks (the embedding, the loss head,
     the loader, and the optimizer step's share), "base" plus the same extras; both times the
     rank's micro-steps."""
     if not hw.fixed_costs:
         return 0.0
-    p, d = cfg.parallel, derive(cfg, world_size)
+    p, d, mode = cfg.parallel, derive(cfg, world_size), cfg.train.activation_checkpointing
     used = {"base": 1.0, "tp": float(p.tp > 1), "pp": float(p.pp > 1),
             "allgather": float(p.cp > 1 and p.attention == "allgather"),
             "ring": float(d.cp_ring - 1) if p.cp > 1 and p.attention != "allgather" else 0.0,
-            "ulysses": float(d.cp_ulysses > 1)}
-    base_block, base_rest = hw.fixed_costs["base" if world_size > 1 else "single"]
-    block, rest = base_block, base_rest
+            "ulysses": float(d.cp_ulysses > 1),
+            "ddp": float(p.dp_engine == "ddp" and d.dp * p.cp > 1),
+            "selective": float(mode == "selective"), "full": float(mode == "full")}
+    base = "base" if world_size > 1 else "single"
+    block, rest = hw.fixed_costs[base]
     for name, times in used.items():
         if name != "base" and times and name in hw.fixed_costs:
-            block += times * (hw.fixed_costs[name][0] - base_block)
-            rest += times * (hw.fixed_costs[name][1] - base_rest)
+            ref = hw.fixed_costs["single" if name in SINGLE_RANK_FEATURES else base]
+            block += times * (hw.fixed_costs[name][0] - ref[0])
+            rest += times * (hw.fixed_costs[name][1] - ref[1])
     blocks = max(sum(len(split_layers(cfg)[s]) for s in stages_of(cfg, k)) for k in range(p.pp))
     return (max(0.0, block) * blocks + max(0.0, rest)) * d.grad_accum
 
@@ -266,13 +278,17 @@ def predict_step_time(cfg: LctrainConfig, world_size: int, hw: Hardware) -> Step
     if d.dp * p.cp > 1:
         nbytes["dp"] = dp_bytes(cfg, world_size)
     calls = collective_calls(cfg, world_size)
-    comm = {g: b / (group_bandwidth_gbps(topology, "dp_cp" if g == "dp" else g, hw) * 1e9)
-            + calls.get(g, 0) * hw.latency_s for g, b in nbytes.items() if b > 0}
+    # ranks sharing too few cores (compute_seconds divides the rate) also copy gloo's bytes and
+    # run the fixed costs on a share of a core
+    share = world_size / hw.cores if hw.cores and world_size > hw.cores else 1.0
+    comm = {g: share * (b / (group_bandwidth_gbps(topology, "dp_cp" if g == "dp" else g, hw)
+                             * 1e9) + calls.get(g, 0) * hw.latency_s)
+            for g, b in nbytes.items() if b > 0}
     ring = comm.get("cp_ring", 0.0)
     r = topology.cp_ring
     # each of the R - 1 transfers runs behind the attention of one of the R blocks
     exposed = sum(comm.values()) - ring + max(0.0, ring - attention_s * (r - 1) / r)
-    overhead = fixed_seconds(cfg, world_size, hw)
+    overhead = share * fixed_seconds(cfg, world_size, hw)
     compute = matmul_s + attention_s + recompute_s
     busy = compute + exposed + overhead
     fraction = bubble_fraction(p.pp_schedule, p.pp, d.grad_accum, p.pp_virtual_stages)
