@@ -7,6 +7,7 @@ their own."""
 import pytest
 
 from bench.faults import agent_sigkill, parent_sigkill, rank_sigstop
+from lctrain.commands.status import rank_rows
 from lctrain.parallel.launch import run_ranks
 from lctrain.parallel.progress import diagnose, stall_report
 
@@ -63,6 +64,22 @@ def test_diagnosis_blames_the_rank_that_did_not_arrive_not_its_victims():
     even = [record(k, 5, {"cp": 40, "dp": 10}, groups=groups[k]) for k in range(4)]
     assert diagnose(even, now=1000.0)[0] == []
     assert "no rank is behind" in stall_report(even, "test", now=1000.0)
+
+
+def test_status_names_no_rank_behind_while_every_rank_advances():
+    groups = {0: {"cp": [0, 1]}, 1: {"cp": [0, 1]}}
+    skewed = [record(0, 5, {"cp": 41}, groups=groups[0]),  # a collective in flight
+              record(1, 5, {"cp": 40}, groups=groups[1], advanced_ago=0.5)]
+    rows = rank_rows(skewed, now=1000.0)
+    assert rows[0] == ("ranks", "2 progress records; all advancing (the last advance of the "
+                                "slowest rank 0.5 s ago)")
+    assert not any("behind" in value or "waiting" in value for _, value in rows)
+    stalled = [skewed[0], record(1, 5, {"cp": 40}, groups=groups[1], advanced_ago=30)]
+    rows = rank_rows(stalled, now=1000.0)
+    assert rows[0] == ("ranks", "2 progress records; behind: 1")
+    assert rows[-1][1].startswith("behind: rank 1")
+    done = [record(k, 12, {"cp": 50}, phase="done", groups=groups[k]) for k in (0, 1)]
+    assert rank_rows(done, now=1000.0) == []
 
 
 def _wait_in_a_subgroup(seconds: float):

@@ -24,4 +24,6 @@ def test_gpu_check_dry_run(tmp_path):
     assert report["summary"]["FAIL"] == 0 and report["summary"]["dry_run"] is True
     kernels = next(c for c in report["checks"] if c["name"] == "kernels")
     assert any(case["documents"] for case in kernels["cases"])  # the varlen path ran
+    step = next(c for c in report["checks"] if c["name"] == "step_8b")
+    assert step["plan_step_s"] > 0 and step["plan_modelled_gib"] > 0  # the plan beside it
     assert "summary: 9 passed, 0 failed, 0 skipped" in done.stdout

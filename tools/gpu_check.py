@@ -12,7 +12,8 @@ device; the tiny model trained 20 steps on CUDA in bf16 against the CPU in fp32;
 checkpointing's activation bytes on CUDA against the formula; activation offload and the tiled
 loss and MLP (gradients as the plain path's, less device memory); lctrain's attention against a
 bare flash-attn call (goal: at most 5% slower); one training step of a Llama-3-8B-shaped model
-with 2 layers at 64K tokens (tokens/s, MFU); and the host-to-device batch copy.
+with 2 layers at 64K tokens (tokens/s, MFU, and beside them the step time and memory
+`lctrain plan` predicts for that run); and the host-to-device batch copy.
 
 --dry-run runs the same code on the CPU with tiny sizes and the plain-torch varlen kernel in
 place of flash-attn, so that a change that breaks the script shows before a GPU is lent.
@@ -48,6 +49,8 @@ from lctrain.parallel.memory import (  # noqa: E402
 )
 from lctrain.parallel.runtime import setup_distributed  # noqa: E402
 from lctrain.planning.memory import activation_formula  # noqa: E402
+from lctrain.planning.plan import rank_memory  # noqa: E402
+from lctrain.planning.timing import hardware_for, predict_step_time  # noqa: E402
 from lctrain.training import loop  # noqa: E402
 
 H200_BF16_PEAK = 989e12
@@ -370,11 +373,21 @@ def check_step_8b(ctx: Context, run_root: Path) -> dict:
         tokens_per_s = s / seconds
         mfu = tokens_per_s * llama8b_flops_per_token(cfg.model, s) / H200_BF16_PEAK
         peak = torch.cuda.max_memory_allocated() / 2**30 if ctx.device.type == "cuda" else None
+        # what `lctrain plan` predicts for this very run (plan.* H100 defaults on the GPU)
+        planned_s = predict_step_time(cfg, 1, hardware_for(
+            cfg, gpu_available=ctx.device.type == "cuda")).total_s
+        modelled = rank_memory(cfg, 1, 0)["itemised"]["bytes"]["modelled"] / 2**30
         return {"status": "PASS", "seq_len": s, "tokens_per_s": round(tokens_per_s, 1),
                 "mfu": round(mfu, 4), "peak_gib": peak and round(peak, 1), "errors": errors,
+                "plan_step_s": float(f"{planned_s:.4g}"), "step_s": float(f"{seconds:.4g}"),
+                "plan_over_measured_time": float(f"{planned_s / seconds:.3g}"),
+                "plan_modelled_gib": float(f"{modelled:.4g}"),
+                "plan_over_measured_memory": peak and float(f"{modelled / peak:.3g}"),
                 "detail": f"seq {s}: {tokens_per_s:,.0f} tokens/s, MFU {100 * mfu:.1f}% "
                           f"(of {H200_BF16_PEAK / 1e12:.0f} TFLOP/s)"
-                          + (f", peak {peak:.1f} GiB" if peak else "")}
+                          + (f", peak {peak:.1f} GiB" if peak else "")
+                          + f"; lctrain plan: {planned_s:.4g} s per step "
+                          f"({planned_s / seconds:.2f} x measured), {modelled:.4g} GiB modelled"}
     return {"status": "FAIL", "detail": "; ".join(errors), "errors": errors}
 
 

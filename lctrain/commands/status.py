@@ -99,15 +99,31 @@ def describe(run_dir: Path) -> list[tuple[str, str]]:
     rows.append(("checkpoint", f"{found[0]} ({_ago(time.time() - found[0].stat().st_mtime)})"
                  if found else f"none complete in {root}"))
     rows.append(("lock", lock_row(run_dir)))
-    records = read_records(run_dir)
-    if any(r["phase"] not in ("done", "stopped") for r in records):  # live, or ended badly
-        behind, lines = diagnose(records)
-        rows.append(("ranks", f"{len(records)} progress records; behind: "
-                     f"{', '.join(map(str, behind)) or 'none'}"))
-        rows += [("", line) for line in lines]
+    rows += rank_rows(read_records(run_dir), time.time())
     if (run_dir / "STOP").exists():
         rows.append(("stop file", f"{run_dir / 'STOP'}: training stops after its current step"))
     return rows
+
+
+ADVANCING_S = 10.0
+"""A live job whose every rank entered a collective or a step within this many seconds is
+advancing: who waits for whom at that instant is the ordinary skew of collectives in flight,
+not a stall, so no rank is named behind."""
+
+
+def rank_rows(records: list[dict], now: float) -> list[tuple[str, str]]:
+    """The ranks' progress table of a job that is live or ended badly (none when every rank
+    finished or stopped), and unless every rank is advancing, who is behind and where."""
+    if not any(r["phase"] not in ("done", "stopped") for r in records):
+        return []
+    behind, lines = diagnose(records, now)
+    slowest = max(now - r["advanced_at"] for r in records)
+    if slowest <= ADVANCING_S:
+        table = lines[:len(records) + 1]  # the waits a snapshot catches are collectives in flight
+        return [("ranks", f"{len(records)} progress records; all advancing (the last advance "
+                 f"of the slowest rank {slowest:.1f} s ago)"), *(("", line) for line in table)]
+    return [("ranks", f"{len(records)} progress records; behind: "
+             f"{', '.join(map(str, behind)) or 'none'}"), *(("", line) for line in lines)]
 
 
 def lock_row(run_dir: Path) -> str:
