@@ -89,10 +89,13 @@ def tokens_per_s(cfg: LctrainConfig, world: int) -> float:
 
 def implied_attention_efficiency(cfg: LctrainConfig, world: int, published: float) -> float:
     """The plan.attention_efficiency at which lctrain's model predicts `published` tokens/s per
-    GPU (bisection; tokens/s grow with it), or 0 when even 0.001 predicts more."""
+    GPU (bisection; tokens/s grow with it): 0 when even 0.001 predicts more, 1 when even 1
+    predicts fewer (the gap is then not the attention's)."""
     low, high = 0.001, 1.0
     if tokens_per_s(with_plan(cfg, attention_efficiency=low), world) > published:
         return 0.0
+    if tokens_per_s(with_plan(cfg, attention_efficiency=high), world) < published:
+        return 1.0
     for _ in range(30):
         mid = (low + high) / 2
         fast = tokens_per_s(with_plan(cfg, attention_efficiency=mid), world) > published
