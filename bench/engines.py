@@ -108,7 +108,7 @@ SHARDED = {  # name -> the categories sharded over dp (the rest replicated)
 OFFLOADED = {"zero3_offload": ("weights", "grads", "optimizer")}
 """name -> the categories the formula puts in host memory."""
 BYTES_PER_PARAM = {"weights": 4, "grads": 4, "optimizer": 8}
-"""lctrain.planning.memory.STATE_BYTES_PER_PARAM = 16, split."""
+"""lctrain.planning.memory.state_parts under FSDP and DDP: 16 bytes per parameter, split."""
 INSTANTS = ("reduce", "step", "after")
 
 

@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lctrain.commands.calibrate import calibrate  # noqa: E402
 from lctrain.config import LctrainConfig  # noqa: E402
+from lctrain.config.derived import local_world_size  # noqa: E402
 from lctrain.config.validation import validate  # noqa: E402
 from lctrain.parallel.launch import run_ranks  # noqa: E402
 from lctrain.parallel.memory import build_measured_model, measure_activations  # noqa: E402
@@ -94,11 +95,6 @@ TIME_LAYOUTS = {  # 1 or 2 ranks (one per core), none of them a calibration run'
 }
 
 
-def world_of(cfg: LctrainConfig) -> int:
-    p = cfg.parallel
-    return p.tp * p.cp * p.pp * p.dp
-
-
 def make_cfg(name: str, steps: int, seq_len: int, global_batch: int,
              calibration: Path | str = "") -> LctrainConfig:
     """The tiny preset (lctrain's default ModelConfig, fp32) in layout `name` (of LAYOUTS or
@@ -112,7 +108,7 @@ def make_cfg(name: str, steps: int, seq_len: int, global_batch: int,
     cfg.logging = dataclasses.replace(cfg.logging, progress=False, log_every=1)
     if calibration:
         cfg.plan = dataclasses.replace(cfg.plan, calibration=str(calibration))
-    problems = validate(cfg, world_of(cfg))
+    problems = validate(cfg, local_world_size(cfg))
     assert not problems, f"{name}: {problems}"
     return cfg
 
@@ -178,7 +174,7 @@ def measure_layouts(cfgs: list[LctrainConfig], run_dirs: list[str]) -> list[dict
 
 
 def predicted_activations(cfg: LctrainConfig) -> float:
-    act_cfg, batch, world = _activation_cfg(cfg), cfg.train.micro_batch, world_of(cfg)
+    act_cfg, batch, world = _activation_cfg(cfg), cfg.train.micro_batch, local_world_size(cfg)
     return (act_cfg.model.n_layers * activation_formula(act_cfg, world, batch)
             + head_activation_formula(act_cfg, world, batch) + planning_bytes(act_cfg, batch))
 
@@ -186,7 +182,7 @@ def predicted_activations(cfg: LctrainConfig) -> float:
 def compare(name: str, cfg: LctrainConfig, run_dir: str, ranks: list[dict],
             timed: bool) -> dict:
     """One row: each quantity measured, predicted and their ratio."""
-    world = world_of(cfg)
+    world = local_world_size(cfg)
     plan = build_plan(cfg, world)["predicted"]
     rows = [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl")]
     logged = {k: v for k, v in rows[-1].items() if k in TRAFFIC_KEYS}
@@ -213,8 +209,8 @@ def run(names: list[str], steps: int, seq_len: int, global_batch: int,
     """Every layout in `names`, those of one world size in one spawn of that many ranks."""
     cfgs = {n: make_cfg(n, steps, seq_len, global_batch, calibration) for n in names}
     rows = {}
-    for world in sorted({world_of(cfg) for cfg in cfgs.values()}):
-        group = [n for n in names if world_of(cfgs[n]) == world]
+    for world in sorted({local_world_size(cfg) for cfg in cfgs.values()}):
+        group = [n for n in names if local_world_size(cfgs[n]) == world]
         run_dirs = [str(Path(work_dir) / n) for n in group]
         per_rank = run_ranks(measure_layouts, world, ([cfgs[n] for n in group], run_dirs),
                              timeout_s=1800)

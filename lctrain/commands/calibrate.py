@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import io
 import json
-import math
 import os
 import statistics
 import tempfile
@@ -22,6 +21,7 @@ import torch.distributed as dist
 
 from lctrain.config import LctrainConfig, ModelConfig
 from lctrain.config.compose import Composed
+from lctrain.config.derived import local_world_size
 from lctrain.parallel.launch import run_ranks
 from lctrain.planning.timing import (
     FIXED_COST_LAYOUTS,
@@ -111,7 +111,7 @@ def fixed_costs(data: dict, model: ModelConfig, seq_len: int,
         rest = []
         for layers in OVERHEAD_LAYERS:
             cfg = overhead_config(model, seq_len, layout, layers)
-            world = math.prod(layout.get(k, 1) for k in ("dp", "tp", "cp", "pp"))
+            world = local_world_size(cfg)
             rest.append(_measured_step_s(cfg, world) - predict_step_time(cfg, world, hw).total_s)
         pp = layout.get("pp", 1)
         block = (rest[1] - rest[0]) / ((OVERHEAD_LAYERS[1] - OVERHEAD_LAYERS[0]) // pp * 4)

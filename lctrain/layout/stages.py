@@ -29,10 +29,15 @@ def layer_costs(m: ModelConfig, seq_len: int) -> tuple[float, list[float], float
     """(embedding, [each block], output layer + loss): forward + backward FLOPs per token, 3x the
     forward's. A block's forward is 2 FLOPs per weight plus causal attention, 2 S d_model
     (QK^T and PV over S/2 keys on average); the output layer 2 D V plus the softmax (~5 V)."""
+    embedding, block, output = _unit_costs(m, seq_len)
+    return embedding, [block] * m.n_layers, output
+
+
+def _unit_costs(m: ModelConfig, seq_len: int) -> tuple[float, float, float]:
+    """`layer_costs` with one block's cost (every block costs the same)."""
     block = 3 * (2 * block_params(m) + 2 * seq_len * m.dim)
     output = 3 * (2 * m.dim * m.vocab_size + 5 * m.vocab_size)
-    embedding = 3 * m.dim
-    return embedding, [block] * m.n_layers, output
+    return 3 * m.dim, block, output
 
 
 def stage_count(cfg: LctrainConfig) -> int:
@@ -41,18 +46,16 @@ def stage_count(cfg: LctrainConfig) -> int:
 
 def split_layers(cfg: LctrainConfig) -> tuple[tuple[int, ...], ...]:
     """Global layer ids of every stage, in pipeline order (parallel.pp_layers, or balanced)."""
-    m, explicit = cfg.model, cfg.parallel.pp_layers
-    return _split(tuple(explicit) if explicit else None, stage_count(cfg), cfg.train.seq_len,
-                  m.dim, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size, m.n_layers)
+    explicit = cfg.parallel.pp_layers
+    if explicit:
+        return _layer_ids(tuple(explicit))
+    m = cfg.model  # (balanced_counts, without the copy to a list: a search asks very often)
+    return _layer_ids(_best_split(m.n_layers, stage_count(cfg),
+                                  *_unit_costs(m, cfg.train.seq_len)))
 
 
-@cache  # pure in its arguments (the shape fields layer_costs reads); a layout search asks often
-def _split(explicit: tuple[int, ...] | None, stages: int, seq_len: int, dim: int, n_heads: int,
-           n_kv_heads: int, ffn_dim: int, vocab_size: int,
-           n_layers: int) -> tuple[tuple[int, ...], ...]:
-    model = ModelConfig(dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim,
-                        vocab_size=vocab_size, n_layers=n_layers)
-    counts = explicit or balanced_counts(model, seq_len, stages)
+@cache  # a layout search asks for the same split many times
+def _layer_ids(counts: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
     starts = [sum(counts[:i]) for i in range(len(counts))]
     return tuple(tuple(range(start, start + c)) for start, c in zip(starts, counts))
 
@@ -61,8 +64,7 @@ def balanced_counts(m: ModelConfig, seq_len: int, stages: int) -> list[int]:
     """Layers per stage (each at least one) minimising the largest stage cost, the embedding
     counted in the first stage and the output layer in the last; ties go to earlier stages
     holding fewer layers (the first stage also keeps its micro-batches in flight longest)."""
-    embedding, blocks, output = layer_costs(m, seq_len)
-    return list(_best_split(len(blocks), stages, embedding, blocks[0], output))
+    return list(_best_split(m.n_layers, stages, *_unit_costs(m, seq_len)))
 
 
 @cache

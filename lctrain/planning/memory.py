@@ -23,9 +23,6 @@ from lctrain.layout.stages import (
     stages_of,
 )
 
-STATE_BYTES_PER_PARAM = 16
-"""fp32 master weight, its gradient and the two AdamW moments."""
-
 
 def param_count(m: ModelConfig) -> int:
     """Parameters of the Llama of `m` (a tied output layer counted once)."""
@@ -64,37 +61,20 @@ def stage_params(cfg: LctrainConfig, stage: int) -> int:
 
 def state_bytes_per_rank(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> float:
     """Weights, gradients and AdamW moments one rank of pipeline rank `pp_rank` keeps on its
-    device: TP and PP split the model; FSDP also shards it over dp x cp, DDP replicates it there;
-    DeepSpeed's ZeRO-1 shards the AdamW moments, ZeRO-2 the gradients too, ZeRO-3 the weights
-    too, keeps an fp32 master partition besides, and offloaded parts live on the host
-    (docs/parallelism.md §9, §12)."""
-    d, p = derive(cfg, world_size), cfg.parallel
-    params, n = sum(local_params(cfg, pp_rank)), d.dp * p.cp
-    if n == 1:
-        return sum(state_parts(cfg, world_size, pp_rank).values())
-    if p.dp_engine == "fsdp":
-        return STATE_BYTES_PER_PARAM * params / n
-    if p.dp_engine == "ddp":
-        return STATE_BYTES_PER_PARAM * params
-    # DeepSpeed, as bench/engines.py measures it: the model's weights (whole under ZeRO-1/2, a
-    # 1/n partition under ZeRO-3) in the compute dtype plus an fp32 master partition; gradients
-    # whole under ZeRO-1, a partition under ZeRO-2/3, reduced into the host with the optimizer
-    # state when it is offloaded; the reduce bucket (deepspeed reduce_bucket_size) on top
-    ds, a, host = cfg.deepspeed, (2 if cfg.train.dtype == "bf16" else 4), 0.0
-    offload = ds.offload_optimizer == "cpu"
-    weights = 0 if ds.offload_param == "cpu" else a * params / (n if ds.zero_stage == 3 else 1)
-    master = host if offload else 4 * params / n
-    grads = host if offload else 4 * params / (n if ds.zero_stage >= 2 else 1)
-    moments = host if offload else 8 * params / n
-    return weights + master + grads + moments
+    device: the sum of `state_parts` (docs/parallelism.md §9, §12)."""
+    return sum(state_parts(cfg, world_size, pp_rank).values())
 
 
 def state_parts(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[str, float]:
-    """`state_bytes_per_rank` itemised: "weights" (fp32 under FSDP/DDP; under DeepSpeed the
-    compute-dtype copy plus the fp32 master partition), "gradients" and "optimizer_state" (the
-    AdamW moments), on the device (offloaded parts count 0). Without a data-parallel engine
-    (one rank of dp x cp) under TP, the vocab-parallel embedding's gradient is the whole table
-    on every TP rank (torch's row-wise embedding returns it replicated; FSDP would reshard it)."""
+    """The state one rank keeps on its device, itemised: "weights", "gradients" and
+    "optimizer_state" (the AdamW moments). TP and PP split the model; FSDP shards all three
+    over dp x cp (4 + 4 + 8 bytes per parameter), DDP replicates them there. DeepSpeed, as
+    bench/engines.py measures it: the model's weights in the compute dtype (whole under
+    ZeRO-1/2, a 1/n partition under ZeRO-3) plus an fp32 master partition; gradients whole under
+    ZeRO-1, a partition under ZeRO-2/3; parts offloaded to the host count 0. Without a
+    data-parallel engine (one rank of dp x cp) under TP, the vocab-parallel embedding's gradient
+    is the whole table on every TP rank (torch's row-wise embedding returns it replicated; FSDP
+    would reshard it)."""
     d, p, m = derive(cfg, world_size), cfg.parallel, cfg.model
     params, n = sum(local_params(cfg, pp_rank)), d.dp * p.cp
     if p.dp_engine == "fsdp" and n > 1:

@@ -249,8 +249,6 @@ def compute_seconds(cfg: LctrainConfig, world_size: int,
     attention_per_token = 3 * 2 * cfg.train.seq_len * cfg.model.dim * len(blocks)
     tokens = derive(cfg, world_size).tokens_per_step / world_size
     rate = hw.device_tflops * 1e12
-    if hw.cores and world_size > hw.cores:
-        rate *= hw.cores / world_size
     matmul = (embedding + sum(blocks) + output - attention_per_token) * tokens
     attention = attention_per_token * tokens
     t, m = cfg.train, cfg.model
@@ -272,15 +270,15 @@ def predict_step_time(cfg: LctrainConfig, world_size: int, hw: Hardware) -> Step
     """The step-time model of docs/parallelism.md §15."""
     topology = Topology.from_config(cfg, world_size)
     d, p = derive(cfg, world_size), cfg.parallel
-    matmul_s, attention_s, recompute_s = compute_seconds(cfg, world_size, hw)
+    # ranks sharing too few cores run everything (compute, gloo's copies, the fixed costs) on a
+    # share of a core
+    share = world_size / hw.cores if hw.cores and world_size > hw.cores else 1.0
+    matmul_s, attention_s, recompute_s = (share * t for t in compute_seconds(cfg, world_size, hw))
     nbytes = {**step_traffic_bytes(cfg, world_size), **cp_group_bytes(cfg, world_size)}
     nbytes.pop("dp", None)
     if d.dp * p.cp > 1:
         nbytes["dp"] = dp_bytes(cfg, world_size)
     calls = collective_calls(cfg, world_size)
-    # ranks sharing too few cores (compute_seconds divides the rate) also copy gloo's bytes and
-    # run the fixed costs on a share of a core
-    share = world_size / hw.cores if hw.cores and world_size > hw.cores else 1.0
     comm = {g: share * (b / (group_bandwidth_gbps(topology, "dp_cp" if g == "dp" else g, hw)
                              * 1e9) + calls.get(g, 0) * hw.latency_s)
             for g, b in nbytes.items() if b > 0}
