@@ -17,6 +17,7 @@ from lctrain.attention import ContextParallelAttention, CPGroups
 from lctrain.attention.calls import Block, kernel_calls
 from lctrain.attention.kernels import KernelOptions, reference_attention
 from lctrain.attention.local import local_attention
+from lctrain.attention.varlen_reference import register_cpu_flash_ops
 from lctrain.layout import sequence
 from lctrain.layout.comm import record_traffic
 from lctrain.layout.topology import Topology
@@ -63,7 +64,7 @@ def check_case(case: dict, cache: dict) -> None:
 
     ins = [local(x.to(dtype)).requires_grad_() for x in (q, k, v)]
     attn = ContextParallelAttention(algo, g, S, lb, causal=causal, kv_replication=rep,
-                                    options=KernelOptions(backend=case.get("backend")))
+                                    options=KernelOptions(backend=case.get("backend", "auto")))
     with record_traffic() as fwd:
         out, lse = attn.attention(*ins, docs)
     with record_traffic() as bwd:
@@ -88,12 +89,15 @@ def check_case(case: dict, cache: dict) -> None:
     for direction, rec in (("forward", fwd), ("backward", bwd)):
         assert rec.total(tag=algo) == want[direction], (direction, dict(rec.elements), want, case)
     assert sum(fwd.bytes.values()) == want["forward"] * itemsize
-    # backward: Ring's travelling dK/dV accumulators are float32, everything else the input dtype
-    ring_grads = (want["backward"] - want["forward"]) if algo in ("ring", "usp") else 0
+    # backward: Ring's travelling dK/dV accumulators and all-gather's reduce-scattered dK/dV are
+    # float32, everything else the input dtype
+    ring_grads = {"ring": want["backward"] - want["forward"], "usp": want["backward"] -
+                  want["forward"], "allgather": want["backward"]}.get(algo, 0)
     assert sum(bwd.bytes.values()) == (want["backward"] - ring_grads) * itemsize + ring_grads * 4
 
 
 def run_cases(cases: list[dict]) -> int:
+    register_cpu_flash_ops()
     cache: dict = {}
     for case in cases:
         check_case(case, cache)
@@ -138,6 +142,12 @@ def cases_for(world: int) -> list[dict]:
                             H=2 * world, Hkv=world, hd=8, rep=1, dtype=torch.float32, lb=lb,
                             causal=True, docs=[5, 4 * world + 3, 8 * world - 8],
                             backend="reference"))
+        # torch's flash-attention ops (the default CUDA backend without flash-attn), through
+        # their CPU implementation that enforces the CUDA op's argument rules: dense and varlen
+        for docs in (None, [5, 4 * world + 3, 8 * world - 8]):
+            out.append(dict(algorithm=algo, ring=ring, ulysses=uly, B=2, S=6 * 2 * world,
+                            H=2 * world, Hkv=world, hd=8, rep=1, dtype=torch.bfloat16,
+                            lb="zigzag", causal=True, docs=docs, backend="torch"))
     return out
 
 

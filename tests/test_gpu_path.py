@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from lctrain import cli
-from lctrain.attention import ContextParallelAttention
+from lctrain.attention import ContextParallelAttention, cuda_kernels
+from lctrain.attention.kernels import KernelOptions
 from lctrain.commands import train as train_command
 from lctrain.config.validation import validate
 from lctrain.data.batch import micro_batch_from_tokens
@@ -63,14 +64,53 @@ def _nothing():
     return None
 
 
-def test_missing_flash_attn_is_a_config_error_with_the_install(monkeypatch, capsys):
-    monkeypatch.setattr(launch, "cuda_devices", lambda: 2)
-    monkeypatch.setattr(launch, "run_ranks", None)
+@pytest.mark.parametrize("layout", [
+    ["parallel.cp=2", "parallel.attention=ring"], ["parallel.cp=2", "parallel.attention=ulysses"],
+    ["parallel.cp=2", "parallel.attention=allgather"],
+    ["parallel.cp=4", "parallel.attention=usp", "parallel.ulysses_degree=2"],
+    ["parallel.cp=1", "train.deterministic=true"]])
+def test_cuda_layouts_validate_without_flash_attn(monkeypatch, tmp_path, layout):
+    """A stock CUDA torch (no flash-attn): every cp layout, packed documents and deterministic
+    attention validate and start, on torch's built-in flash kernels (train.attention_kernel=auto)."""
+    started = {}
+    monkeypatch.setattr(launch, "cuda_devices", lambda: 4)
+    monkeypatch.setattr(cuda_kernels, "flash_attn_installed", lambda: False)
+    monkeypatch.setattr(launch, "run_ranks", lambda fn, nproc, args, **kw: started.update(
+        nproc=nproc, cfg=args[0]))
+    monkeypatch.setattr(loop, "train", lambda cfg, run_dir: started.update(nproc=1, cfg=cfg))
     with pytest.raises(SystemExit) as exc:
-        cli.main(["train", *CLI, "parallel.cp=2", "parallel.dp=1", "train.dtype=bf16"])
+        cli.main(["train", *CLI, *layout, "parallel.dp=1", "data.document_masking=true",
+                  "train.dtype=bf16", "train.device=cuda", f"hydra.run.dir={tmp_path}"])
+    assert exc.value.code == 0 and started["nproc"] == started["cfg"].parallel.cp
+    assert KernelOptions(started["cfg"].train.attention_kernel).backend_for(
+        torch.device("cuda")) == "torch"
+
+
+def test_debug_gpu_recipe_validates_without_flash_attn(monkeypatch, tmp_path):
+    monkeypatch.setattr(launch, "cuda_devices", lambda: 1)
+    monkeypatch.setattr(cuda_kernels, "flash_attn_installed", lambda: False)
+    monkeypatch.setattr(loop, "train", lambda cfg, run_dir: [])
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["train", "+recipe=debug-gpu", f"hydra.run.dir={tmp_path}"])
+    assert exc.value.code == 0
+
+
+def test_kernel_names_are_checked_against_the_device(monkeypatch, capsys):
+    monkeypatch.setattr(launch, "cuda_devices", lambda: 2)
+    monkeypatch.setattr(cuda_kernels, "flash_attn_installed", lambda: False)
+    monkeypatch.setattr(launch, "run_ranks", None)
+    with pytest.raises(SystemExit) as exc:  # flash-attn named but absent: the install, exit 2
+        cli.main(["train", *CLI, "parallel.cp=2", "parallel.dp=1", "train.dtype=bf16",
+                  "train.attention_kernel=flash_attn"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "flash-attn is not installed" in err
-    assert "--no-build-isolation" in err
+    assert "--no-build-isolation" in err and "train.attention_kernel=torch" in err
+    cfg = tiny_config(train={"attention_kernel": "torch", "device": "cpu"})
+    (problem,) = validate(cfg, cfg.parallel.cp)
+    assert "train.attention_kernel=torch runs on CUDA only" in problem
+    cfg = tiny_config(train={"attention_kernel": "reference", "device": "cuda", "dtype": "bf16"})
+    (problem,) = validate(cfg, cfg.parallel.cp)
+    assert "train.attention_kernel=reference runs on the CPU only" in problem
 
 
 def _train_and_evaluate_under_the_device_check(cfg, run_dir):
@@ -110,6 +150,10 @@ def test_selective_checkpointing_keeps_the_cuda_attention_ops():
                "_scaled_dot_product_cudnn_attention",
                "_scaled_dot_product_flash_attention_for_cpu"):
         assert getattr(torch.ops.aten, op).default in kept, op
+    torch_ops = cuda_kernels.forward_ops("torch")  # what the torch backend's forward calls
+    assert torch_ops == {torch.ops.aten._flash_attention_forward.default}
+    assert torch_ops <= saved_ops("selective", 1, torch_ops)
+    assert not torch_ops & saved_ops("selective", 2, torch_ops)  # cp > 1: core recomputed
 
 
 def test_deterministic_reaches_the_kernels_and_documents_stay_on_the_host():

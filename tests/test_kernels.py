@@ -3,13 +3,21 @@ micro-batch with documents), the varlen packing covers every call exactly once p
 flash-attn's conventions (lse = +inf for rows that see no key, bottom-right causal alignment)
 are what the plain-torch varlen kernel reproduces and what the merge expects after mapping."""
 
+import pytest
 import torch
 
-from lctrain.attention import ContextParallelAttention, CPGroups
+from lctrain.attention import ContextParallelAttention, CPGroups, cuda_kernels
 from lctrain.attention import calls as calls_module
 from lctrain.attention.calls import Block, kernel_calls
-from lctrain.attention.kernels import KernelOptions, _no_key_lse, merge_into, new_accumulators
-from lctrain.attention.varlen_reference import varlen_forward
+from lctrain.attention.cuda_kernels import no_key_lse as _no_key_lse
+from lctrain.attention.kernels import (
+    KernelOptions,
+    merge_into,
+    new_accumulators,
+    reference_attention,
+)
+from lctrain.attention.local import local_attention
+from lctrain.attention.varlen_reference import register_cpu_flash_ops, varlen_forward
 from lctrain.layout import sequence
 
 
@@ -75,7 +83,106 @@ def test_no_key_rows_follow_flash_conventions_and_merge_as_minus_inf():
     torch.testing.assert_close(out_acc[0, 3:], out[3:])
 
 
-def test_kernel_options_pick_the_backend_by_device():
+def test_kernel_options_pick_the_backend_by_device(monkeypatch):
     assert KernelOptions().backend_for(torch.device("cpu")) == "cpu"
-    assert KernelOptions().backend_for(torch.device("cuda")) == "flash"
-    assert KernelOptions(backend="reference").backend_for(torch.device("cuda")) == "reference"
+    monkeypatch.setattr(cuda_kernels, "flash_attn_installed", lambda: False)
+    assert KernelOptions().backend_for(torch.device("cuda")) == "torch"  # a stock torch install
+    monkeypatch.setattr(cuda_kernels, "flash_attn_installed", lambda: True)
+    assert KernelOptions().backend_for(torch.device("cuda")) == "flash_attn"
+    assert KernelOptions(backend="torch").backend_for(torch.device("cuda")) == "torch"
+
+
+class _Recorder:
+    """Wraps torch's flash ops to record the layout of every call the torch backend makes."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        for name in ("_flash_attention_forward", "_flash_attention_backward"):
+            op = getattr(torch.ops.aten, name)
+            monkeypatch.setattr(torch.ops.aten, name, self._wrap(name, op), raising=False)
+
+    def _wrap(self, name, op):
+        def call(*args, **kwargs):
+            result = op(*args, **kwargs)
+            self.calls.append((name, args, kwargs, result))
+            return result
+        return call
+
+
+@pytest.mark.parametrize("heads", [(6, 6), (6, 2), (6, 1)])
+def test_torch_backend_calls_torch_flash_ops_with_their_layouts(monkeypatch, heads):
+    """The torch backend's calls go through aten._flash_attention_forward / _backward (given a
+    CPU implementation that enforces the CUDA op's argument rules and computes with the varlen
+    reference): dense [B, S, H, d] calls with lse [B, H, S], packed documents as [total, H, d]
+    with int32 cum_seq and lse [H, total], GQA/MQA head counts passed as they are; the results
+    match the float64 masked reference."""
+    register_cpu_flash_ops()
+    rec = _Recorder(monkeypatch)
+    h, hkv = heads
+    s, gen = 40, torch.Generator().manual_seed(h * 10 + hkv)
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor([7, 25, 8]))
+    for docs, causal in ((None, True), (None, False), (torch.stack([ids, ids.roll(11)]), True),
+                         (torch.stack([ids, ids.roll(3)]), False)):
+        rec.calls.clear()
+        qkv = [torch.randn(2, s, n, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+               for n in (h, hkv, hkv)]
+        block = Block(torch.arange(s), docs)
+        out, lse = local_attention(*qkv, block, block, causal=causal, scale=0.3,
+                                   options=KernelOptions(backend="torch"))
+        grads = torch.autograd.grad(out.sum(), qkv)
+        ref_out, ref_lse = reference_attention(*qkv, block, block, causal, 0.3)
+        ref_grads = torch.autograd.grad(ref_out.sum(), qkv)
+        torch.testing.assert_close(out, ref_out)
+        torch.testing.assert_close(lse, ref_lse)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r)
+        names = [c[0] for c in rec.calls]
+        assert "_flash_attention_forward" in names and "_flash_attention_backward" in names
+        for name, args, kwargs, result in rec.calls:
+            q, k = args[0 if "forward" in name else 1], args[1 if "forward" in name else 2]
+            cu_q = args[3 if "forward" in name else 6]
+            assert (q.shape[-2], k.shape[-2]) == (h, hkv) and kwargs["scale"] == 0.3
+            if docs is None:  # one dense call covers the sequence
+                assert cu_q is None and q.shape == (2, s, h, 8)
+                if "forward" in name:
+                    assert result[1].shape == (2, h, s)
+            else:
+                assert q.dim() == 3 and cu_q.dtype == torch.int32 and int(cu_q[-1]) == len(q)
+                lse_arg = result[1] if "forward" in name else args[5]
+                assert lse_arg.shape == (h, len(q))
+
+
+def test_torch_backend_deterministic_sets_torchs_switch_around_the_backward_only(monkeypatch):
+    register_cpu_flash_ops()
+    seen = []
+    op = torch.ops.aten._flash_attention_backward
+
+    def spy(*args, **kwargs):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return op(*args, **kwargs)
+
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", spy, raising=False)
+    qkv = [torch.randn(1, 16, 2, 8, requires_grad=True) for _ in range(3)]
+    block = Block(torch.arange(16))
+    for deterministic in (True, False):
+        out, _ = local_attention(*qkv, block, block, causal=True, scale=0.3,
+                                 options=KernelOptions("torch", deterministic=deterministic))
+        out.sum().backward()
+        assert not torch.are_deterministic_algorithms_enabled()  # restored after the call
+    assert seen == [True, False]
+
+
+def test_torch_flash_contract_rejects_what_the_cuda_op_rejects():
+    register_cpu_flash_ops()
+    q = torch.randn(1, 8, 4, 8)
+    fwd = torch.ops.aten._flash_attention_forward
+    with pytest.raises(RuntimeError, match="GQA: 3 kv heads divide 4"):
+        fwd(q, torch.randn(1, 8, 3, 8), torch.randn(1, 8, 3, 8), None, None, 8, 8, 0.0, True,
+            False, scale=0.3)
+    with pytest.raises(RuntimeError, match="cum_seq_q is int32"):
+        flat = q.view(8, 4, 8)
+        cu = torch.tensor([0, 8])
+        fwd(flat, flat, flat, cu, cu, 8, 8, 0.0, True, False, scale=0.3)
+    with pytest.raises(RuntimeError, match="head dim 12"):
+        x = torch.randn(1, 8, 4, 12)
+        fwd(x, x, x, None, None, 8, 8, 0.0, True, False, scale=0.3)

@@ -1,16 +1,17 @@
 """The attention kernels and the (out, lse) merge: planned calls (calls.py) executed on a device.
 
-Backends: `cpu` (PyTorch's CPU flash-attention op, one call per KernelCall); `flash` (CUDA:
-flash-attn >= 2.7, dense calls without documents, and with packed documents one variable-length
-call per kind and block pair instead of one call per document); `reference` (the varlen path
-with a plain-torch varlen kernel that follows flash-attn's conventions: what tests run on the CPU
-to check the varlen packing, index maps and lse handling that `flash` uses on a GPU). Results
-merge into float32 accumulators with one numerically stable (out, lse) merge
-(docs/parallelism.md §4).
+Backends (train.attention_kernel; `auto` picks by device): `cpu` (PyTorch's CPU flash-attention
+op, one call per KernelCall); `torch` (CUDA: PyTorch's own flash-attention ops, no extra package)
+and `flash_attn` (CUDA: the flash-attn package), both dense without documents and, with packed
+documents, one variable-length call per kind and block pair instead of one call per document
+(cuda_kernels.py); `reference` (the varlen path with a plain-torch varlen kernel that follows
+flash attention's conventions: what tests run on the CPU to check the varlen packing, index maps
+and lse handling the CUDA backends use). Results merge into float32 accumulators with one
+numerically stable (out, lse) merge (docs/parallelism.md §4).
 
 Tensors are [B, S, H, d] (H_kv heads for k and v: GQA is native in the kernels); lse is
-[B, H, S] float32. A query row with no visible key has lse = -inf and output 0 (flash-attn
-reports such rows with lse = +inf: mapped).
+[B, H, S] float32. A query row with no visible key has lse = -inf and output 0 (the CUDA kernels
+report such rows with lse = +inf: mapped).
 """
 
 from __future__ import annotations
@@ -20,41 +21,40 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lctrain.attention import cuda_kernels as cuda
 from lctrain.attention.calls import ALL_ROWS, Block, VarlenGroup
 from lctrain.attention.varlen_reference import varlen_backward, varlen_forward
 
 _NEG_INF = float("-inf")
-BACKENDS = ("cpu", "flash", "reference")
+BACKENDS = ("cpu", "torch", "flash_attn", "reference")
+CUDA_BACKENDS = ("torch", "flash_attn")
+"""Backends whose kernels run on CUDA only; `cpu` and `reference` run on the CPU only."""
+
+
+def auto_backend(device_type: str) -> str:
+    """`auto`: flash-attn on CUDA when it is installed, else torch's own kernels; cpu on the
+    CPU."""
+    if device_type != "cuda":
+        return "cpu"
+    return "flash_attn" if cuda.flash_attn_installed() else "torch"
 
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """How the kernels run: backend None picks by device (cuda: flash, else cpu); deterministic
-    asks flash-attn for its deterministic backward (train.deterministic)."""
+    """How the kernels run: the backend (`auto`: by device, see auto_backend), and whether the
+    CUDA backward is deterministic (train.deterministic)."""
 
-    backend: str | None = None
+    backend: str = "auto"
     deterministic: bool = False
 
     def backend_for(self, device: torch.device) -> str:
-        if self.backend is not None:
-            assert self.backend in BACKENDS, self.backend
-            return self.backend
-        return "flash" if device.type == "cuda" else "cpu"
+        if self.backend == "auto":
+            return auto_backend(device.type)
+        assert self.backend in BACKENDS, self.backend
+        return self.backend
 
 
 DEFAULT_KERNEL = KernelOptions()
-
-FLASH_INSTALL = ("pip install flash-attn --no-build-isolation (after torch; or the prebuilt wheel "
-                 "matching your torch, CUDA and Python from the flash-attention releases)")
-
-
-def flash_attn_interface():
-    """flash-attn's kernel module (the optional `gpu` extra), or a clear error."""
-    try:
-        from flash_attn import flash_attn_interface  # lazy: optional extra, CUDA only
-    except ImportError as e:
-        raise RuntimeError(f"attention on CUDA needs flash-attn >= 2.7: {FLASH_INSTALL}") from e
-    return flash_attn_interface
 
 
 def acc_dtype(x: Tensor) -> torch.dtype:
@@ -107,58 +107,25 @@ def _cpu_bwd(dout, q, k, v, out, lse, causal, scale, options):
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
-def _flash_fwd(q, k, v, causal, scale, options):
-    out, lse, *_ = flash_attn_interface()._flash_attn_forward(
-        q, k, v, 0.0, scale, causal=causal, window_size_left=-1, window_size_right=-1,
-        softcap=0.0, alibi_slopes=None, return_softmax=False)
-    return out, _no_key_lse(lse)
-
-
-def _flash_bwd(dout, q, k, v, out, lse, causal, scale, options):
-    dout, q, k, v, out = (x.contiguous() for x in (dout, q, k, v, out))
-    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
-    flash_attn_interface()._flash_attn_backward(
-        dout, q, k, v, out, lse.contiguous(), dq, dk, dv, 0.0, scale, causal, -1, -1, 0.0, None,
-        options.deterministic)
-    return dq, dk, dv
-
-
-def _no_key_lse(lse: Tensor) -> Tensor:
-    """flash-attn's lse for rows that saw no key is +inf; lctrain's merge expects -inf."""
-    return torch.where(lse == float("inf"), _NEG_INF, lse)
-
-
 # ---- varlen kernels: one call per kind covers every document of a block pair -----------------
-
-def _flash_varlen_fwd(q, k, v, group: VarlenGroup, cu_q, cu_k, scale, options):
-    out, lse, *_ = flash_attn_interface()._flash_attn_varlen_forward(
-        q, k, v, cu_q, cu_k, group.max_q, group.max_k, 0.0, scale, causal=group.causal,
-        window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-        return_softmax=False)
-    return out, _no_key_lse(lse)
-
-
-def _flash_varlen_bwd(dout, q, k, v, out, lse, group: VarlenGroup, cu_q, cu_k, scale, options):
-    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
-    flash_attn_interface()._flash_attn_varlen_backward(
-        dout, q, k, v, out, lse.contiguous(), dq, dk, dv, cu_q, cu_k, group.max_q, group.max_k,
-        0.0, scale, group.causal, -1, -1, 0.0, None, options.deterministic)
-    return dq, dk, dv
-
 
 def _reference_varlen_fwd(q, k, v, group: VarlenGroup, cu_q, cu_k, scale, options):
     out, lse = varlen_forward(q, k, v, cu_q, cu_k, scale, group.causal)
-    return out, _no_key_lse(lse)
+    return out, cuda.no_key_lse(lse)
 
 
 def _reference_varlen_bwd(dout, q, k, v, out, lse, group, cu_q, cu_k, scale, options):
     return varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, scale, group.causal)
 
 
-_DENSE = {"cpu": (_cpu_fwd, _cpu_bwd), "flash": (_flash_fwd, _flash_bwd),
-          "reference": (_cpu_fwd, _cpu_bwd)}
-_VARLEN = {"flash": (_flash_varlen_fwd, _flash_varlen_bwd),
-           "reference": (_reference_varlen_fwd, _reference_varlen_bwd)}
+_DENSE = {"cpu": (_cpu_fwd, _cpu_bwd), "reference": (_cpu_fwd, _cpu_bwd),
+          "torch": (cuda.torch_forward, cuda.torch_backward),
+          "flash_attn": (cuda.flash_forward, cuda.flash_backward)}
+_VARLEN = {"reference": (_reference_varlen_fwd, _reference_varlen_bwd),
+           "torch": (cuda.torch_varlen_forward, cuda.torch_varlen_backward),
+           "flash_attn": (cuda.flash_varlen_forward, cuda.flash_varlen_backward)}
+"""The kernel registry: backend -> (forward, backward) for dense calls and for packed
+(variable-length) calls; a backend without a varlen entry runs documents call by call."""
 
 
 def _packed(qb: Block, kb: Block, causal: bool, backend: str) -> list[VarlenGroup] | None:

@@ -35,12 +35,16 @@ def block_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal:
 
 
 def block_backward(dout, q, k, v, out, lse, qb: Block, kb: Block, causal: bool, scale: float,
-                   options: KernelOptions):
+                   options: KernelOptions, keep_acc: bool = False):
+    """(dq, dk, dv) in the inputs' dtypes; with keep_acc, in the float32 accumulators (when more
+    than one kernel call contributes) for a caller that sums them further across ranks."""
     whole = attend_whole_backward(dout, q, k, v, out, lse, qb, kb, causal, scale, options)
     if whole is not None:
         return whole
     dq, dk, dv = (torch.zeros(x.shape, dtype=acc_dtype(x), device=x.device) for x in (q, k, v))
     attend_backward(dout, q, k, v, out, lse, qb, kb, causal, scale, dq, dk, dv, options)
+    if keep_acc:
+        return dq, dk, dv
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

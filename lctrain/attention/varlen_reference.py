@@ -72,3 +72,117 @@ def varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
         dk[ks] = dk_full.view(dk_full.shape[0], -1, rep, dk_full.shape[-1]).sum(2)
         dv[ks] = dv_full.view(dv_full.shape[0], -1, rep, dv_full.shape[-1]).sum(2)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ---- torch's flash-attention ops on the CPU, for tests and the GPU check's dry run ----------
+
+HEAD_DIM_MAX = 256
+"""The largest head dim flash attention's kernels take (a multiple of 8)."""
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise RuntimeError(f"torch flash-attention contract: {what}")
+
+
+def _check_operands(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None,
+                    cu_k: Tensor | None, max_q: int, max_k: int) -> None:
+    """The argument rules of `aten._flash_attention_forward` on CUDA, checked on the CPU."""
+    dense = cu_q is None
+    _check((cu_k is None) == dense, "cum_seq_q and cum_seq_k are both given or both None")
+    _check(q.dim() == (4 if dense else 3), f"q is [B, S, H, d] dense or [total, H, d] varlen; "
+                                           f"got {tuple(q.shape)} (varlen: {not dense})")
+    _check(k.shape == v.shape and k.dim() == q.dim(), f"k {tuple(k.shape)} == v {tuple(v.shape)}")
+    _check(q.dtype == k.dtype == v.dtype, "q, k, v share a dtype")
+    _check(all(x.stride(-1) == 1 for x in (q, k, v)), "q, k, v have a contiguous last dim")
+    h, hkv, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    _check(k.shape[-1] == d and d % 8 == 0 and d <= HEAD_DIM_MAX,
+           f"head dim {d} (k: {k.shape[-1]}) is a multiple of 8 up to {HEAD_DIM_MAX}")
+    _check(h % hkv == 0, f"GQA: {hkv} kv heads divide {h} query heads")
+    if dense:
+        _check(q.shape[0] == k.shape[0] and (max_q, max_k) == (q.shape[1], k.shape[1]),
+               f"dense: batch and max_q/max_k {(max_q, max_k)} match q {tuple(q.shape)}, "
+               f"k {tuple(k.shape)}")
+        return
+    for cu, x, m, name in ((cu_q, q, max_q, "cum_seq_q"), (cu_k, k, max_k, "cum_seq_k")):
+        _check(cu.dtype == torch.int32 and cu.dim() == 1 and cu.device == q.device,
+               f"{name} is int32 [n + 1] on q's device; got {cu.dtype} {tuple(cu.shape)} on "
+               f"{cu.device}")
+        lengths = cu.diff()
+        _check(int(cu[0]) == 0 and int(cu[-1]) == x.shape[0] and bool((lengths >= 0).all()),
+               f"{name} runs from 0 to {x.shape[0]}, non-decreasing; got {cu.tolist()}")
+        _check(int(lengths.max()) <= m, f"max for {name} ({m}) >= its longest sequence")
+    _check(len(cu_q) == len(cu_k), "cum_seq_q and cum_seq_k count the same sequences")
+
+
+def _as_varlen(x: Tensor) -> tuple[Tensor, Tensor]:
+    """[B, S, ...] -> ([B * S, ...], cum_seq [B + 1]): dense calls as equal-length sequences."""
+    b, s = x.shape[:2]
+    return x.reshape(b * s, *x.shape[2:]), torch.arange(0, b * s + 1, s, dtype=torch.int32)
+
+
+def cpu_flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                      is_causal, return_debug_mask, *, scale=None, window_size_left=None,
+                      window_size_right=None, seqused_k=None, alibi_slopes=None,
+                      block_table=None, num_splits=None):
+    """`aten._flash_attention_forward` on the CPU: the CUDA op's argument rules, outputs and
+    layouts (lse [B, H, Sq] dense, [H, total_q] varlen; +inf for rows that see no key),
+    computed by the varlen reference."""
+    _check_operands(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k)
+    _check(dropout_p == 0.0 and not return_debug_mask and alibi_slopes is None
+           and seqused_k is None and block_table is None, "lctrain uses no dropout, debug "
+           "mask, alibi, seqused_k or paged kv")
+    _check(window_size_left in (None, -1) and window_size_right in (None, -1), "no window")
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    if cum_seq_q is None:
+        b, sq, h = query.shape[:3]
+        (q, cu_q), (k, cu_k), (v, _) = _as_varlen(query), _as_varlen(key), _as_varlen(value)
+        out, lse = varlen_forward(q, k, v, cu_q, cu_k, scale, is_causal)
+        out, lse = out.view(query.shape), lse.view(h, b, sq).transpose(0, 1).contiguous()
+    else:
+        out, lse = varlen_forward(query, key, value, cum_seq_q, cum_seq_k, scale, is_causal)
+    rng_state = torch.zeros(2, dtype=torch.uint64)
+    return out, lse, rng_state, torch.empty(0, dtype=torch.uint64), torch.empty(0, dtype=query.dtype)
+
+
+def cpu_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
+                       max_k, dropout_p, is_causal, rng_state, unused, *, scale=None,
+                       window_size_left=None, window_size_right=None):
+    """`aten._flash_attention_backward` on the CPU: checks the merged (out, lse) it is given
+    against the forward's layouts, then the varlen reference's backward."""
+    dense = cum_seq_q is None
+    _check_operands(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k)
+    _check(grad_out.shape == out.shape == query.shape and grad_out.stride(-1) == 1,
+           f"dout {tuple(grad_out.shape)} and out {tuple(out.shape)} shaped like q")
+    h, rows = query.shape[-2], query.shape[:-2]
+    want = (rows[0], h, rows[1]) if dense else (h, rows[0])
+    lse_dtype = _acc(query)  # float32; float64 only for the CPU's reference-grade runs
+    _check(logsumexp.dtype == lse_dtype and tuple(logsumexp.shape) == want
+           and logsumexp.is_contiguous(), f"lse is {lse_dtype} {want}, contiguous; got "
+           f"{logsumexp.dtype} {tuple(logsumexp.shape)}")
+    _check(dropout_p == 0.0 and isinstance(rng_state, Tensor), "no dropout; an rng_state tensor")
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    if not dense:
+        return varlen_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
+                               scale, is_causal)
+    b, sq = rows
+    (q, cu_q), (k, cu_k), (v, _) = _as_varlen(query), _as_varlen(key), _as_varlen(value)
+    lse = logsumexp.transpose(0, 1).reshape(h, b * sq)
+    dq, dk, dv = varlen_backward(_as_varlen(grad_out)[0], q, k, v, _as_varlen(out)[0], lse, cu_q,
+                                 cu_k, scale, is_causal)
+    return dq.view(query.shape), dk.view(key.shape), dv.view(value.shape)
+
+
+_CPU_FLASH_LIBRARY: list = []
+
+
+def register_cpu_flash_ops() -> None:
+    """Give `aten._flash_attention_forward` / `_backward` a CPU implementation (the two functions
+    above), so the `torch` backend's real calls, dispatched through the ops' own schemas, run
+    and are checked on a machine without CUDA. Once per process (forked ranks inherit it)."""
+    if _CPU_FLASH_LIBRARY:
+        return
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_flash_attention_forward", cpu_flash_forward, "CPU")
+    lib.impl("_flash_attention_backward", cpu_flash_backward, "CPU")
+    _CPU_FLASH_LIBRARY.append(lib)

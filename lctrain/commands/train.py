@@ -10,21 +10,20 @@ naming the first (`lctrain.training.run_lock`).
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
-from lctrain.attention.kernels import FLASH_INSTALL
+from lctrain.attention.cuda_kernels import FLASH_INSTALL, flash_attn_installed
 from lctrain.commands.checks import preflight
 from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.compose import Composed
 from lctrain.config.derived import local_world_size
 from lctrain.config.validation import (
     cuda_problems,
-    uses_flash_attn,
+    kernel_device_problems,
     warnings_for,
 )
 from lctrain.data.ingest import DataError
@@ -46,7 +45,8 @@ def uses_cuda(cfg: LctrainConfig) -> bool:
 
 
 def cuda_host_problems(cfg: LctrainConfig, nproc: int | None) -> list[str]:
-    """What this machine needs for a CUDA run: GPUs for the local ranks, and flash-attn."""
+    """What this machine needs for a CUDA run: GPUs for the local ranks, and flash-attn when
+    train.attention_kernel names it (auto falls back to torch's built-in kernels)."""
     gpus = launch.cuda_devices()
     if gpus == 0:
         return ["train.device=cuda but torch sees no CUDA device; use train.device=cpu"]
@@ -55,9 +55,9 @@ def cuda_host_problems(cfg: LctrainConfig, nproc: int | None) -> list[str]:
         problems.append(f"launch.nproc={nproc} local ranks need {nproc} GPUs, this machine has "
                         f"{gpus}; lower the parallel sizes or launch with torchrun/srun across "
                         "nodes")
-    if uses_flash_attn(cfg) and importlib.util.find_spec("flash_attn") is None:
-        problems.append(f"flash-attn is not installed, and this layout runs it on CUDA: "
-                        f"{FLASH_INSTALL}")
+    if cfg.train.attention_kernel == "flash_attn" and not flash_attn_installed():
+        problems.append("train.attention_kernel=flash_attn, and flash-attn is not installed: "
+                        f"{FLASH_INSTALL}; or train.attention_kernel=torch (no extra package)")
     return problems
 
 
@@ -65,6 +65,10 @@ def host_problems(cfg: LctrainConfig, nproc: int) -> list[str]:
     """Can this machine host `nproc` local ranks? (devices, flash-attn, rough memory)"""
     if uses_cuda(cfg):
         return cuda_host_problems(cfg, nproc)
+    if cfg.train.device == "auto":  # resolved to the CPU here
+        problems = kernel_device_problems(cfg, "cpu")
+        if problems:
+            return problems
     # Every rank builds the full fp32 model; FSDP then keeps a 1/nproc shard of weights,
     # gradients and two AdamW moments (4 + 12 / nproc bytes per parameter), DDP all 16 bytes.
     per_param = 16 if cfg.parallel.dp_engine == "ddp" else 4 + 12 / nproc

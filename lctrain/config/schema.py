@@ -153,8 +153,17 @@ class TrainConfig:
     """torch.compile each transformer block, and the loss head without TP (the vocab-parallel
     loss stays eager)."""
     deterministic: bool = False
-    """Deterministic attention backward on CUDA (flash-attn's deterministic kernels; slower).
+    """Deterministic attention backward on CUDA (slower): flash-attn's deterministic flag, or
+    for attention_kernel=torch, torch's deterministic-algorithms switch set around each
+    attention backward call only. Either way attention runs lctrain's kernel layer, never SDPA.
     CPU kernels are deterministic anyway."""
+    attention_kernel: str = one_of("auto", "torch", "flash_attn", "cpu", "reference")
+    """Attention kernels under lctrain's attention layer (context parallelism, packed documents,
+    deterministic): auto (CUDA: flash_attn when installed, else torch; CPU: cpu) | torch
+    (CUDA: PyTorch's built-in flash attention, no extra package) | flash_attn (CUDA: the
+    flash-attn package, the `gpu` extra) | cpu (PyTorch's CPU flash-attention op) | reference
+    (CPU: plain-torch varlen kernel, for checks). Anything but auto also routes plain local
+    attention through lctrain's kernels instead of SDPA."""
     activation_checkpointing: str = one_of("none", "selective", "full")
     """none | selective (save matmul and attention outputs, recompute the rest) | full (whole
     blocks recomputed in backward)."""

@@ -372,30 +372,48 @@ def layout_problems(cfg: LctrainConfig, world_size: int, later: list[str] | None
     problems = world + _heads(cfg) + _context(cfg) + _pipeline(cfg) + later + _evals(cfg)
     if cfg.train.device == "cuda":  # train.device=auto is resolved where the run starts
         problems += cuda_problems(cfg)
+    elif cfg.train.device == "cpu":
+        problems += kernel_device_problems(cfg, "cpu")
     if not world:
         problems += _batch(cfg, world_size)
     return problems
 
 
 FLASH_HEAD_DIM_MAX = 256
+CUDA_KERNELS = ("torch", "flash_attn")
+"""train.attention_kernel values that run on CUDA only (cpu and reference run on the CPU only)."""
 
 
-def uses_flash_attn(cfg: LctrainConfig) -> bool:
-    """Whether attention runs lctrain's kernels (flash-attn on CUDA) rather than PyTorch's
-    SDPA: context parallelism, packed documents, or deterministic attention."""
-    return cfg.parallel.cp > 1 or cfg.data.document_masking or cfg.train.deterministic
+def uses_lctrain_kernels(cfg: LctrainConfig) -> bool:
+    """Whether attention runs lctrain's kernel layer rather than PyTorch's SDPA: context
+    parallelism, packed documents, deterministic attention, or a kernel chosen by name."""
+    return (cfg.parallel.cp > 1 or cfg.data.document_masking or cfg.train.deterministic
+            or cfg.train.attention_kernel != "auto")
+
+
+def kernel_device_problems(cfg: LctrainConfig, device: str) -> list[str]:
+    """train.attention_kernel against the device the run trains on (cpu | cuda)."""
+    kernel = cfg.train.attention_kernel
+    if device == "cuda" and kernel in ("cpu", "reference"):
+        return [f"train.attention_kernel={kernel} runs on the CPU only, and this run trains on "
+                "CUDA; use train.attention_kernel=auto (or torch, flash_attn)"]
+    if device == "cpu" and kernel in CUDA_KERNELS:
+        return [f"train.attention_kernel={kernel} runs on CUDA only, and this run trains on the "
+                "CPU; use train.attention_kernel=auto (or cpu, reference) or train.device=cuda"]
+    return []
 
 
 def cuda_problems(cfg: LctrainConfig) -> list[str]:
-    """Rules for a run on CUDA: flash-attn's dtypes and head sizes, and ranks that can use CUDA."""
-    m, problems = cfg.model, []
+    """Rules for a run on CUDA: the flash kernels' dtypes and head sizes (torch's built-in and
+    flash-attn's alike), the kernel's device, and ranks that can use CUDA."""
+    m, problems = cfg.model, kernel_device_problems(cfg, "cuda")
     if cfg.launch.start_method == "fork":
         problems.append("launch.start_method=fork with CUDA: a forked rank cannot initialise "
                         "CUDA; set launch.start_method=auto (spawn on CUDA)")
-    if not uses_flash_attn(cfg):
+    if not uses_lctrain_kernels(cfg):
         return problems
-    why = ("context parallelism, packed documents and deterministic attention run flash-attn "
-           "on CUDA")
+    why = ("context parallelism, packed documents, deterministic attention and a named "
+           "train.attention_kernel run flash attention on CUDA (torch's built-in or flash-attn)")
     if cfg.train.dtype == "fp32":
         problems.append(f"train.dtype=fp32 on CUDA: {why}, which takes bf16/fp16 only; set "
                         "train.dtype=bf16 (weights and optimizer state stay fp32)")

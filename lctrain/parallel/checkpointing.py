@@ -33,18 +33,21 @@ def _policy(save: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def saved_ops(mode: str, cp: int) -> set | None:
-    """The ops whose outputs selective checkpointing keeps (None: full recompute)."""
+def saved_ops(mode: str, cp: int, kernel_ops: set = frozenset()) -> set | None:
+    """The ops whose outputs selective checkpointing keeps (None: full recompute); at cp = 1
+    also `kernel_ops`, the forward ops of lctrain's kernel backend (documents, or a named
+    train.attention_kernel: lctrain.attention.cuda_kernels.forward_ops)."""
     if mode == "full":
         return None
-    return MATMULS | (LOCAL_ATTENTION if cp == 1 else set())
+    return MATMULS | (LOCAL_ATTENTION | set(kernel_ops) if cp == 1 else set())
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, cp: int = 1) -> nn.Module:
+def apply_activation_checkpointing(model: nn.Module, mode: str, cp: int = 1,
+                                   kernel_ops: set = frozenset()) -> nn.Module:
     """Checkpoint every block of `model` in place (mode none | selective | full); returns it."""
     if mode == "none":
         return model
-    save = saved_ops(mode, cp)
+    save = saved_ops(mode, cp, kernel_ops)
     context_fn = None if save is None else partial(create_selective_checkpoint_contexts,
                                                     partial(_policy, save))
     for layer in model.layers.values():

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lctrain.attention import ContextParallelAttention
+from lctrain.attention.cuda_kernels import forward_ops
 from lctrain.attention.kernels import KernelOptions
 from lctrain.config import LctrainConfig
 from lctrain.models.hf import load_hf_weights
@@ -28,17 +29,25 @@ from lctrain.parallel.tensor import apply_tensor_parallel
 from lctrain.parallel.tiling import apply_loss_tiling, apply_mlp_tiling, compile_loss_head
 
 
+def attention_options(cfg: LctrainConfig) -> KernelOptions:
+    """The kernel backend and determinism the config asks for."""
+    return KernelOptions(backend=cfg.train.attention_kernel,
+                         deterministic=cfg.train.deterministic)
+
+
 def build_attention_core(cfg: LctrainConfig, rt: Runtime) -> AttentionCore:
     """The attention core the model calls: PyTorch's SDPA for plain local attention, else
     lctrain's kernels (the configured cp algorithm; at cp = 1 the local path that plans packed
-    documents once per micro-batch, or that honours train.deterministic on CUDA)."""
-    options = KernelOptions(deterministic=cfg.train.deterministic)
+    documents once per micro-batch, that honours train.deterministic on CUDA, or that runs the
+    train.attention_kernel named)."""
     if cfg.parallel.cp == 1 and not (cfg.data.document_masking or (
-            cfg.train.deterministic and rt.device.type == "cuda")):
+            cfg.train.deterministic and rt.device.type == "cuda")
+            or cfg.train.attention_kernel != "auto"):
         return sdpa_attention
     return ContextParallelAttention(cfg.parallel.attention, rt.cp_groups, cfg.train.seq_len,
                                     cfg.parallel.load_balance,
-                                    kv_replication=rt.derived.kv_replication, options=options)
+                                    kv_replication=rt.derived.kv_replication,
+                                    options=attention_options(cfg))
 
 
 def parallelize_model(model: Llama, cfg: LctrainConfig, rt: Runtime,
@@ -51,7 +60,9 @@ def parallelize_model(model: Llama, cfg: LctrainConfig, rt: Runtime,
     if p.tp > 1:
         model = apply_tensor_parallel(model, rt.mesh["tp"], p.sp)
     model = apply_mlp_tiling(apply_loss_tiling(model, t.loss_chunk), t.mlp_chunk, p.tp, p.sp)
-    model = apply_activation_checkpointing(model, t.activation_checkpointing, p.cp)
+    model = apply_activation_checkpointing(
+        model, t.activation_checkpointing, p.cp,
+        forward_ops(attention_options(cfg).backend_for(rt.device)))
     if t.compile:
         model = apply_compile(model, p.tp)
     engine = data_parallel_engine(cfg, rt)

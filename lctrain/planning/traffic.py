@@ -142,8 +142,8 @@ def cp_step_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict
     collective and direction (docs/parallelism.md §5-8, §16): what `record_traffic` counts and
     the loop logs as `cp_bytes_sent`. Per layer and micro-batch `attention_traffic`'s elements:
     all-to-alls (Q, K, V, output; backward dO, dQ, dK, dV) and ring K/V blocks in the compute
-    dtype, the ring's dK/dV accumulators in float32, the all-gather of K/V and the
-    reduce-scatter of their gradients in the compute dtype; "..._recompute" the forward's
+    dtype, the ring's dK/dV accumulators in float32, the all-gather of K/V in the compute
+    dtype and the reduce-scatter of their gradients in float32; "..._recompute" the forward's
     collectives again in the backward when checkpointing recomputes the attention (selective
     at cp > 1, full). Times the rank's layers and the step's micro-batches. {} when cp = 1."""
     d, m, p, t = derive(cfg, world_size), cfg.model, cfg.parallel, cfg.train
@@ -156,7 +156,7 @@ def cp_step_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict
                               batch=t.micro_batch)
     if p.attention == "allgather":
         parts = {"all_gather_fwd": a * total["forward"],
-                 "reduce_scatter_bwd": a * total["backward"]}
+                 "reduce_scatter_bwd": 4 * total["backward"]}
         forward = ["all_gather_fwd"]
     else:
         # the ring's K/V hold the 1/u of the heads the rank keeps after the all-to-all
