@@ -1,14 +1,24 @@
-"""tools/gpu_check.py --dry-run: every check of the GPU script runs on the CPU (tiny sizes, the
-plain-torch varlen kernel in place of flash-attn), so its wiring is tested before a GPU is lent."""
+"""tools/gpu_check.py: --dry-run runs every check's wiring on the CPU (tiny sizes; the torch
+backend through its CPU implementation), and the runner survives what a first GPU run meets: a
+check that raises is FAIL, a check that hangs is stopped at its own time limit, the JSON holds
+every result as soon as it is known, and the budget stops checks that would not fit."""
 
+import importlib.util
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
+ALL_CHECKS = {"env", "kernels", "cp_algorithms", "train_tiny", "selective_memory",
+              "offload_and_tiling", "compile", "checkpoint_resume", "step_8b",
+              "kernel_throughput", "batch_transfer"}
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run(tmp_path):
     out = tmp_path / "gpu_check.json"
     done = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--out", str(out),
@@ -17,13 +27,62 @@ def test_gpu_check_dry_run(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     statuses = {c["name"]: c["status"] for c in report["checks"]}
-    assert set(statuses) == {"env", "kernels", "cp_algorithms", "train_tiny", "selective_memory",
-                             "offload_and_tiling", "wrapper_overhead", "step_8b",
-                             "batch_transfer"}
+    assert set(statuses) == ALL_CHECKS
     assert set(statuses.values()) == {"PASS"}, statuses
     assert report["summary"]["FAIL"] == 0 and report["summary"]["dry_run"] is True
     kernels = next(c for c in report["checks"] if c["name"] == "kernels")
+    assert {c["backend"] for c in kernels["cases"]} == {"torch", "reference", "cpu"}
     assert any(case["documents"] for case in kernels["cases"])  # the varlen path ran
+    cp = next(c for c in report["checks"] if c["name"] == "cp_algorithms")
+    assert {(c["algorithm"], c["ranks"]) for c in cp["cases"]} == {
+        (a, w) for a in ("ring", "ulysses", "allgather") for w in (2, 4)} | {("usp", 4)}
     step = next(c for c in report["checks"] if c["name"] == "step_8b")
     assert step["plan_step_s"] > 0 and step["plan_modelled_gib"] > 0  # the plan beside it
-    assert "summary: 9 passed, 0 failed, 0 skipped" in done.stdout
+    resume = next(c for c in report["checks"] if c["name"] == "checkpoint_resume")
+    assert resume["resumed_steps"] == [3, 4]
+    assert f"summary: {len(ALL_CHECKS)} passed, 0 failed, 0 skipped" in done.stdout
+
+
+def _load_gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "tools" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _passes(ctx):
+    return {"status": "PASS", "detail": "ok"}
+
+
+def _raises(ctx):
+    raise ValueError("a real failure, not a precondition")
+
+
+def _hangs(ctx):
+    threading.Event().wait()  # stopped by the check's time limit
+
+
+def test_runner_fails_raising_and_hanging_checks_and_writes_after_each(tmp_path, monkeypatch):
+    gc = _load_gpu_check()
+    monkeypatch.setattr(gc, "CHECKS", {
+        "first": gc.Check(_passes, 1, 30), "raises": gc.Check(_raises, 1, 30),
+        "hangs": gc.Check(_hangs, 1, 2), "after": gc.Check(_passes, 1, 30),
+        "too_long": gc.Check(_passes, 10_000, 20_000)})
+    out = tmp_path / "gpu_check.json"
+    written = []
+    write = gc._write
+    monkeypatch.setattr(gc, "_write", lambda path, results, summary: (
+        written.append([r["name"] for r in results]), write(path, results, summary)))
+    results = gc.run(gc.Context(dry_run=True, quick=True), tmp_path, out, budget_s=300)
+    status = {r["name"]: (r["status"], r["detail"]) for r in results}
+    assert status["first"][0] == "PASS" and status["after"][0] == "PASS"
+    assert status["raises"][0] == "FAIL" and "ValueError: a real failure" in status["raises"][1]
+    assert status["hangs"][0] == "FAIL" and "timeout" in status["hangs"][1]
+    assert status["too_long"][0] == "SKIP" and "budget" in status["too_long"][1]
+    assert written == [["first"], ["first", "raises"], ["first", "raises", "hangs"],
+                       ["first", "raises", "hangs", "after"],
+                       ["first", "raises", "hangs", "after", "too_long"]]
+    report = json.loads(out.read_text())
+    assert report["summary"] | {"seconds": 0} == {"PASS": 2, "FAIL": 2, "SKIP": 1, "seconds": 0,
+                                                   "dry_run": True}

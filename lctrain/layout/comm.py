@@ -9,6 +9,10 @@ tag naming the algorithm (`traffic_tag("ring")`). Only the collectives of this m
 (context-parallel attention); FSDP/DDP gradient traffic is not. The training loop logs the bytes
 each step sent as `traffic/cp` (and `cp_bytes_sent`) in metrics.jsonl, and the other groups'
 traffic from the formulas of `lctrain.planning.traffic` (docs/parallelism.md §14).
+
+A collective that the group's backend cannot run on its tensors' device (gloo with CUDA tensors:
+several ranks checking on one GPU) is staged through host memory and counted exactly as if it
+had not been (docs/parallelism.md §20).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -28,6 +33,15 @@ from torch.utils._pytree import tree_flatten
 
 _recorder: ContextVar[TrafficRecorder | None] = ContextVar("lctrain_traffic", default=None)
 _tag: ContextVar[str] = ContextVar("lctrain_traffic_tag", default="other")
+_force_staging: ContextVar[bool] = ContextVar("lctrain_force_host_staging", default=False)
+
+GLOO_CUDA_OPS = frozenset({"broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter",
+                           "reduce_scatter"})
+"""The collectives gloo runs on CUDA tensors itself: the rows of torch's backend table (the
+"Backends" section of torch.distributed's documentation) marked as available for gloo on GPU.
+Unmarked there, and so staged here: send and recv (gloo hands the tensor's raw pointer to its
+host transport) and all_to_all (unmarked even though torch 2.13's gloo has a CUDA path for it:
+the table is the contract). Names are the table's; docs/parallelism.md §20."""
 
 
 @dataclass
@@ -76,6 +90,44 @@ def _count(op: str, elements: int, t: Tensor) -> None:
         rec.add(op, elements, t.element_size())
 
 
+def needs_host_staging(device: torch.device, group: dist.ProcessGroup, op: str) -> bool:
+    """True when `op` on tensors on `device` must go through host memory: the device is not the
+    CPU, the group serves it with gloo (also when CUDA is one entry of a mixed backend such as
+    `cpu:gloo,cuda:gloo`; `cpu:gloo,cuda:nccl` sends CUDA to NCCL, so no), and gloo does not run
+    `op` on it (`GLOO_CUDA_OPS`). Inside `force_host_staging()`, always."""
+    if _force_staging.get():
+        return True
+    if device.type == "cpu" or op in GLOO_CUDA_OPS:
+        return False
+    try:
+        backend = group._get_backend(device)
+    except RuntimeError:  # no backend for the device: the collective raises torch's own error
+        return False
+    return backend.name() == dist.Backend.GLOO
+
+
+@contextlib.contextmanager
+def force_host_staging():
+    """Inside the block every collective of this module is staged through host memory, whatever
+    its device and backend (tests: the staged path on the CPU, where it copies CPU to CPU)."""
+    token = _force_staging.set(True)
+    try:
+        yield
+    finally:
+        _force_staging.reset(token)
+
+
+def _staged(x: Tensor, group: dist.ProcessGroup,
+            op: str) -> tuple[Tensor, Callable[[Tensor], Tensor]]:
+    """(the tensor `op` runs on, a function that brings a result back to x's device): a host
+    copy and a copy back when `needs_host_staging`, else x itself and the identity. Traffic is
+    counted on x by the caller: a host copy is not network traffic."""
+    if not needs_host_staging(x.device, group, op):
+        return x, lambda y: y
+    device = x.device
+    return x.to("cpu", copy=True), lambda y: y.to(device, copy=True)
+
+
 def all_to_all(x: Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> Tensor:
     """Split x into P pieces along scatter_dim, send piece j to rank j, concatenate what arrives
     along gather_dim in source-rank order. Ulysses: [B, S/P, H, d] -> [B, S, H/P, d] with
@@ -83,12 +135,12 @@ def all_to_all(x: Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim
     p = dist.get_world_size(group)
     if p == 1:
         return x
-    pieces = _as_pieces(x, p, scatter_dim)  # [P, ...piece]: a view when x allows it
+    pieces, back = _staged(_as_pieces(x, p, scatter_dim), group, "all_to_all")  # [P, ...piece]
     out = torch.empty_like(pieces)
     dist.all_to_all_single(out, pieces, group=group)
     _count("all_to_all", x.numel() * (p - 1) // p, x)
     del pieces  # a staging copy is freed before the output is assembled
-    return _from_pieces(out, gather_dim)
+    return _from_pieces(back(out), gather_dim)
 
 
 def _as_pieces(x: Tensor, p: int, dim: int) -> Tensor:
@@ -133,12 +185,12 @@ def all_gather(x: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:
     p = dist.get_world_size(group)
     if p == 1:
         return x
-    out = torch.empty((p * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    local, back = _staged(x.contiguous(), group, "all_gather")
+    out = local.new_empty((p * x.shape[0], *x.shape[1:]))
     # the name torch 2.13 prefers, else the one every torch since 1.13 has
-    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, x.contiguous(),
-                                                                    group=group)
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, local, group=group)
     _count("all_gather", x.numel() * (p - 1), x)
-    return torch.cat(out.chunk(p, dim=0), dim=dim)
+    return torch.cat(back(out).chunk(p, dim=0), dim=dim)
 
 
 def reduce_scatter(x: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:
@@ -147,15 +199,18 @@ def reduce_scatter(x: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:
     if p == 1:
         return x
     pieces = torch.cat(x.chunk(p, dim=dim), dim=0).contiguous()  # [P * B, ...] piece j for rank j
-    out = torch.empty((pieces.shape[0] // p, *pieces.shape[1:]), dtype=x.dtype, device=x.device)
+    pieces, back = _staged(pieces, group, "reduce_scatter")
+    out = pieces.new_empty((pieces.shape[0] // p, *pieces.shape[1:]))
     getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, pieces, group=group)
     _count("reduce_scatter", x.numel() * (p - 1) // p, x)
-    return out
+    return back(out)
 
 
 class RingExchange:
     """Send tensors to the next rank of the group and receive the same shapes from the previous
-    one, asynchronously (batch_isend_irecv), so compute can overlap the transfer."""
+    one, asynchronously (batch_isend_irecv), so compute can overlap the transfer. Staged through
+    host memory (`needs_host_staging`: gloo sends no CUDA tensor), the receive buffers are on the
+    host and `wait` returns them moved to the device."""
 
     def __init__(self, group: dist.ProcessGroup, tag: int = 0):
         self.group, self.tag = group, tag
@@ -164,16 +219,18 @@ class RingExchange:
         self.prev = dist.get_global_rank(group, (rank - 1) % size)
         self._reqs: list = []
         self._send: list[Tensor] = []
-        self._recv: list[Tensor] = []
+        self._recv: list[tuple[Tensor, Callable[[Tensor], Tensor]]] = []
 
     def start(self, tensors: list[Tensor]) -> None:
         assert not self._reqs, "previous exchange not waited for"
-        self._send = [t.contiguous() for t in tensors]  # kept alive until wait()
-        self._recv = [torch.empty_like(t) for t in self._send]
-        ops = []
-        for t, r in zip(self._send, self._recv):
-            ops.append(dist.P2POp(dist.isend, t, self.next, self.group, self.tag))
-            ops.append(dist.P2POp(dist.irecv, r, self.prev, self.group, self.tag))
+        ops, self._send, self._recv = [], [], []
+        for t in tensors:
+            send, back = _staged(t.contiguous(), self.group, "send")  # send, recv: one answer
+            recv = torch.empty_like(send)
+            self._send.append(send)  # kept alive until wait()
+            self._recv.append((recv, back))
+            ops.append(dist.P2POp(dist.isend, send, self.next, self.group, self.tag))
+            ops.append(dist.P2POp(dist.irecv, recv, self.prev, self.group, self.tag))
             _count("p2p", t.numel(), t)
         self._reqs = dist.batch_isend_irecv(ops)
 
@@ -181,7 +238,7 @@ class RingExchange:
         for req in self._reqs:
             req.wait()
         self._reqs, self._send = [], []
-        return self._recv
+        return [back(recv) for recv, back in self._recv]
 
 
 class _FunctionalCollectives(TorchDispatchMode):

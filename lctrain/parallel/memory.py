@@ -197,7 +197,9 @@ def build_measured_model(cfg: LctrainConfig, batch: int, seed: int = 0):
     x = torch.randint(1, cfg.model.vocab_size, (batch, cfg.train.seq_len + 1), generator=gen)
     p = cfg.parallel
     mb = micro_batch_from_tokens(x, cfg.train.seq_len, rt.axis_rank("cp"), p.cp,
-                                 p.load_balance, document_masking=cfg.data.document_masking)
+                                 p.load_balance, document_masking=cfg.data.document_masking
+                                 ).to(rt.device)  # as the loop moves it (doc ids stay on host)
+
     def run_forward():  # as training runs it: the loss, bf16 autocast, offload
         with vocab_parallel(rt.topology.tp), rt.autocast(), rt.saved_activations():
             return model(mb.inputs, mb.positions, mb.doc_ids, labels=mb.labels)
