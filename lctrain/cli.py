@@ -13,8 +13,9 @@ import sys
 
 from lctrain.commands.init_from import resolve_model
 from lctrain.config import ConfigError
-from lctrain.config.compose import compose, to_yaml
+from lctrain.config.compose import compose
 from lctrain.config.paths import recipe_names
+from lctrain.config.resolved import to_yaml
 
 COMMANDS = {  # name: (what it does, the flags it takes)
     "train": ("validate, then train (local ranks, torchrun or srun)", {"--cfg"}),

@@ -265,7 +265,8 @@ def test_non_finite_steps_stop_or_are_skipped(tmp_path, parallel):
 
 
 def test_loading_runs_no_code_and_secrets_stay_out(tmp_path, monkeypatch):
-    from lctrain.config.compose import compose, to_yaml
+    from lctrain.config.compose import compose
+    from lctrain.config.resolved import to_yaml
 
     on_ranks(_train, 1, _cfg(2, parallel={"dp": 1}), str(tmp_path / "run"))
     path = tmp_path / "run" / "checkpoints" / "step-00000002"

@@ -113,3 +113,23 @@ def test_conf_and_recipes_found_from_repository():
     assert (conf_dir() / "config.yaml").is_file()
     assert (recipes_dir() / "tiny.yaml").is_file()
     assert Path(conf_dir()).name == "conf"
+
+
+@pytest.mark.parametrize("recipe", recipe_names())
+def test_config_yaml_is_what_omegaconf_writes_and_reads_back(recipe):
+    """config.yaml is written without OmegaConf (training needs no CLI stack): byte for byte what
+    OmegaConf writes for every recipe, and awkward strings read back as themselves."""
+    from omegaconf import OmegaConf
+
+    from lctrain.config.resolved import as_dict, to_yaml
+
+    cfg = compose([f"+recipe={recipe}", *LAYOUT_ONLY]).cfg
+    assert to_yaml(cfg) == OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    awkward = ["", " a", "true", "y", "null", "~", "1", "1e5", "-1", ".5", ".inf", "nan", "1f1b",
+               "00:30:00", "24:00:00", "2024-01-01", "0x1F", "a: b", "a #b", "#x", "- x", "-x",
+               "---", "it's", "'q'", '"d"', "a\nb", "a\tb", "\x00", "日本", "*a", "? x", "a:",
+               "\u2028", "\ufeff", "C:\\path", "hf://org/name", "<<", "="]
+    cfg.slurm.env = {f"k{i}": s for i, s in enumerate(awkward)} | {"": "empty key", "yes": "x"}
+    cfg.deepspeed.config = {"a": [[1, 2], {"b": [*awkward, None, 1e-5, 1e17, float("inf")]}],
+                            "e": {}, "l": []}
+    assert OmegaConf.to_container(OmegaConf.create(to_yaml(cfg))) == as_dict(cfg)

@@ -41,8 +41,9 @@ from hydra.errors import HydraException
 from lctrain.commands.checks import preflight
 from lctrain.commands.init_from import resolve_model, typed_keys
 from lctrain.config import ConfigError, LctrainConfig
-from lctrain.config.compose import Composed, compose, to_yaml
+from lctrain.config.compose import Composed, compose
 from lctrain.config.derived import local_world_size, slurm_ranks_per_node, slurm_world
+from lctrain.config.resolved import to_yaml
 from lctrain.training.preemption import STOPPED
 
 STOP_TOKEN = "${SLURM_JOB_ID}.${SLURM_RESTART_COUNT:-0}"

@@ -1,5 +1,5 @@
-"""Hydra composition of conf/ + recipes/ + overrides into a typed LctrainConfig, and the
-resolved config as YAML or plain data with secrets redacted.
+"""Hydra composition of conf/ + recipes/ + overrides into a typed LctrainConfig (the resolved
+config as YAML: lctrain.config.resolved).
 
 Recipes live in recipes/ (not under conf/) and are registered in Hydra's ConfigStore as the
 `recipe` group, so `+recipe=NAME` selects recipes/NAME.yaml with its own defaults list. Keys that
@@ -9,8 +9,6 @@ the schema does not know (also those added with `+key=...`) are all reported at 
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,26 +111,3 @@ def _hydra_message(e: BaseException) -> str:
         parts.append(str(cause).strip())
         cause = cause.__cause__
     return " <- ".join(p.replace("\n", " ") for p in parts if p)
-
-
-_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL", re.IGNORECASE)
-
-
-def redact(text: str) -> str:
-    """`text` with the value of every secret-looking environment variable (WANDB_API_KEY,
-    HF_TOKEN, ...) replaced: a value interpolated into the config never reaches a file or log."""
-    for name, value in os.environ.items():
-        if _SECRET_NAME.search(name) and len(value) >= 8:
-            text = text.replace(value, f"<{name} redacted>")
-    return text
-
-
-def to_yaml(cfg: LctrainConfig) -> str:
-    """The resolved config as YAML (config.yaml, checkpoints), secrets redacted."""
-    return redact(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-
-
-def as_dict(cfg: LctrainConfig) -> dict:
-    """The resolved config as plain data (W&B), secrets redacted."""
-    return OmegaConf.to_container(OmegaConf.create(to_yaml(cfg)))  # type: ignore[return-value]
-

@@ -236,7 +236,11 @@ def _dataset_rows(ds, prefix: str, text_field: str) -> Iterator[Row]:
 
 def _streamed(item: Input, split: str):
     """An IterableDataset over one parquet/arrow file, save_to_disk folder or hub dataset."""
-    import datasets
+    try:
+        import datasets  # lazy: only parquet, arrow, save_to_disk and hub inputs
+    except ImportError as e:
+        raise ImportError(f"reading {item.path} ({item.kind}) needs the datasets package: "
+                          "pip install datasets") from e
 
     if item.kind in ("parquet", "arrow"):
         return datasets.load_dataset(item.kind, data_files=[item.path], split="train",

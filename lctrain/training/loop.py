@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lctrain.config import LctrainConfig
-from lctrain.config.compose import as_dict, to_yaml
+from lctrain.config.resolved import as_dict, to_yaml
 from lctrain.data.batch import IGNORE_INDEX, MicroBatch
 from lctrain.data.loader import DataLoader, build_loader
 from lctrain.layout.comm import record_traffic

@@ -207,7 +207,11 @@ class MetricsLogger:
     def _init_wandb(self, config_dict: dict | None):
         """wandb.init continuing the run whose id the run dir holds (a restart), else a new
         run whose id is stored there."""
-        import wandb  # lazy: heavy import, optional at run time
+        try:
+            import wandb  # lazy: heavy import, optional at run time
+        except ImportError as e:
+            raise ImportError("logging.wandb=true needs wandb: pip install wandb (or set "
+                              "logging.wandb=false)") from e
 
         id_file = self.run_dir / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
@@ -261,7 +265,11 @@ class MetricsLogger:
         self._drop_rows_after(step)
         self._fd = self._open()
         if self.cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter  # optional: the tensorboard extra
+            try:
+                from torch.utils.tensorboard import SummaryWriter  # optional: the tensorboard extra
+            except ImportError as e:
+                raise ImportError("logging.tensorboard=true needs tensorboard: pip install "
+                                  "tensorboard (or set logging.tensorboard=false)") from e
 
             self._tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"),
                                               purge_step=step + 1)
