@@ -5,12 +5,11 @@ every result as soon as it is known, and the budget stops checks that would not 
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ALL_CHECKS = {"env", "kernels", "cp_algorithms", "train_tiny", "selective_memory",
@@ -18,13 +17,17 @@ ALL_CHECKS = {"env", "kernels", "cp_algorithms", "train_tiny", "selective_memory
               "kernel_throughput", "batch_transfer"}
 
 
-@pytest.mark.slow
-def test_gpu_check_dry_run(tmp_path):
-    out = tmp_path / "gpu_check.json"
-    done = subprocess.run([sys.executable, "tools/gpu_check.py", "--dry-run", "--out", str(out),
-                           "--run-dir", str(tmp_path / "runs")], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+def test_gpu_session_dry_run(tmp_path):
+    """tools/gpu_session.sh, the one command docs/gpu.md gives, with --dry-run: every check's
+    wiring, then the debug-gpu recipe planned."""
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", "tools/gpu_session.sh", str(out), str(tmp_path / "no-wheels"),
+                           "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "debug-gpu plan: exit 0" in done.stdout
+    assert "torch 2." in (out / "env.txt").read_text()
+    out = out / "gpu_check.json"
     report = json.loads(out.read_text())
     statuses = {c["name"]: c["status"] for c in report["checks"]}
     assert set(statuses) == ALL_CHECKS
@@ -41,6 +44,7 @@ def test_gpu_check_dry_run(tmp_path):
     resume = next(c for c in report["checks"] if c["name"] == "checkpoint_resume")
     assert resume["resumed_steps"] == [3, 4]
     assert f"summary: {len(ALL_CHECKS)} passed, 0 failed, 0 skipped" in done.stdout
+    assert (tmp_path / "lctrain-gpu-check" / "checkpoint_resume").is_dir()  # runs under TMPDIR
 
 
 def _load_gpu_check():

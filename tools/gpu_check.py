@@ -572,17 +572,17 @@ class Check:
     needs_run_dir: bool = False
 
 
-CHECKS = {
+CHECKS = {  # in order of what a first GPU run must not miss
     "env": Check(check_env, 10, 60),
     "kernels": Check(check_kernels, 25, 120),
     "cp_algorithms": Check(check_cp_algorithms, 60, 150),
     "train_tiny": Check(check_train_tiny, 25, 90, True),
+    "step_8b": Check(check_step_8b, 60, 180, True),
+    "kernel_throughput": Check(check_kernel_throughput, 40, 120),
+    "checkpoint_resume": Check(check_checkpoint_resume, 25, 90, True),
     "selective_memory": Check(check_selective_memory, 15, 60),
     "offload_and_tiling": Check(check_offload_and_tiling, 20, 90),
     "compile": Check(check_compile, 60, 150, True),
-    "checkpoint_resume": Check(check_checkpoint_resume, 25, 90, True),
-    "step_8b": Check(check_step_8b, 60, 180, True),
-    "kernel_throughput": Check(check_kernel_throughput, 40, 120),
     "batch_transfer": Check(check_batch_transfer, 10, 60),
 }
 
