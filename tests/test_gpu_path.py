@@ -13,10 +13,11 @@ from lctrain.attention import ContextParallelAttention, cuda_kernels
 from lctrain.attention.kernels import KernelOptions
 from lctrain.commands import train as train_command
 from lctrain.config.validation import validate
-from lctrain.data.batch import micro_batch_from_tokens
+from lctrain.data.batch import MicroBatch, micro_batch_from_tokens
 from lctrain.layout.comm import all_gather, check_collective_devices
 from lctrain.parallel import launch
 from lctrain.parallel.checkpointing import saved_ops
+from lctrain.parallel.memory import build_measured_model
 from lctrain.parallel.parallelize import build_attention_core
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.training import loop
@@ -174,3 +175,20 @@ def test_each_rank_destroys_its_process_group(monkeypatch, tmp_path):
     monkeypatch.setattr(loop, "train", fake_train)
     train_command._rank_main(tiny_config(), str(tmp_path))
     assert not dist.is_initialized()
+
+
+def test_measured_model_moves_its_batch_to_the_runtime_device(monkeypatch):
+    """The memory measurement (selective_memory, offload_and_tiling on a GPU) feeds the model a
+    batch on the runtime's device, as the loop does; document ids stay on the host."""
+    moved = []
+    to = MicroBatch.to
+
+    def recording(self, device):
+        moved.append(device)
+        return to(self, device)
+
+    monkeypatch.setattr(MicroBatch, "to", recording)
+    cfg = tiny_config(data={"document_masking": True})
+    _, run_forward = build_measured_model(cfg, batch=1)
+    assert moved == [setup_distributed(cfg).device]
+    assert torch.isfinite(run_forward())

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from lctrain.attention.calls import Block
 from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions, acc_dtype
-from lctrain.attention.local import block_backward, block_forward
+from lctrain.attention.local import block_backward, forward_and_save
 from lctrain.layout.comm import all_gather, current_tag, reduce_scatter, traffic_tag
 
 
@@ -28,12 +28,7 @@ class _AllGatherAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, qb, kb, group, causal, scale, options):
         ctx.group, ctx.tag = group, current_tag()
         k_all, v_all = all_gather(k, group, dim=1), all_gather(v, group, dim=1)
-        out, lse = block_forward(q, k_all, v_all, qb, kb, causal, scale, options)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k_all, v_all, out, lse)
-        ctx.args = (qb, kb, causal, scale, options)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        return forward_and_save(ctx, q, k_all, v_all, qb, kb, causal, scale, options)
 
     @staticmethod
     def backward(ctx, dout, _dlse):

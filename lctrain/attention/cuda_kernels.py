@@ -1,5 +1,5 @@
 """The CUDA attention backends behind lctrain's kernel layer, both with flash-attention's (out, lse)
-contract (docs/parallelism.md §20):
+contract (docs/parallelism.md §21):
 
 - `torch`: PyTorch's own flash-attention ops, `aten._flash_attention_forward` / `_backward`, in
   every CUDA build of torch 2.6 to 2.13 (no extra package). Dense calls take [B, S, H, d] and

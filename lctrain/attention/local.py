@@ -48,15 +48,22 @@ def block_backward(dout, q, k, v, out, lse, qb: Block, kb: Block, causal: bool, 
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def forward_and_save(ctx, q, k, v, qb: Block, kb: Block, causal: bool, scale: float,
+                     options: KernelOptions) -> tuple[Tensor, Tensor]:
+    """An autograd Function's forward of q attending to k, v: (out in q's dtype, lse), with
+    what `block_backward` needs saved on ctx (tensors) and ctx.args (the rest)."""
+    out, lse = block_forward(q, k, v, qb, kb, causal, scale, options)
+    out = out.to(q.dtype)
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = (qb, kb, causal, scale, options)
+    ctx.mark_non_differentiable(lse)
+    return out, lse
+
+
 class _LocalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, qb, kb, causal, scale, options):
-        out, lse = block_forward(q, k, v, qb, kb, causal, scale, options)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (qb, kb, causal, scale, options)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        return forward_and_save(ctx, q, k, v, qb, kb, causal, scale, options)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
