@@ -35,13 +35,12 @@ _recorder: ContextVar[TrafficRecorder | None] = ContextVar("lctrain_traffic", de
 _tag: ContextVar[str] = ContextVar("lctrain_traffic_tag", default="other")
 _force_staging: ContextVar[bool] = ContextVar("lctrain_force_host_staging", default=False)
 
-GLOO_CUDA_OPS = frozenset({"broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter",
-                           "reduce_scatter"})
+GLOO_CUDA_OPS = frozenset({"broadcast", "all_reduce"})
 """The collectives gloo runs on CUDA tensors itself: the rows of torch's backend table (the
-"Backends" section of torch.distributed's documentation) marked as available for gloo on GPU.
-Unmarked there, and so staged here: send and recv (gloo hands the tensor's raw pointer to its
-host transport) and all_to_all (unmarked even though torch 2.13's gloo has a CUDA path for it:
-the table is the contract). Names are the table's; docs/parallelism.md §20."""
+"Backends" section of torch.distributed's documentation) marked for gloo on GPU in every version
+of it lctrain supports. Later versions mark more rows (all_gather, reduce_scatter, then
+all_to_all), earlier ones do not, and send/recv never; staging is correct either way, so the
+rows all versions agree on decide. docs/parallelism.md §20."""
 
 
 @dataclass
