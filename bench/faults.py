@@ -222,7 +222,7 @@ def two_jobs_one_run_dir(root: Path) -> Row:
                              f"hydra.run.dir={run_dir}"], cwd=root, env=ENV,
                             capture_output=True, text=True, timeout=120)
     row.seconds = time.monotonic() - t0
-    row.detected = second.returncode == 2 and f"pid {first.pid}" in second.stderr
+    row.detected = second.returncode == 3 and f"pid {first.pid}" in second.stderr
     row.message = second.stderr.strip().splitlines()[-1][:160] if second.stderr else ""
     first.send_signal(signal.SIGTERM)
     first.communicate(timeout=120)

@@ -1,6 +1,9 @@
 """`lctrain <command> [overrides...] [flags]`: parse the command line, compose the configuration,
 run the command, and turn a ConfigError into its message and exit code 2 (the only place that
-does).
+does; a run dir held by a live job, RunDirLocked, is exit code 3).
+
+Every command is one entry of COMMANDS: the module whose `run(CommandArgs) -> int` it runs, its
+summary and its flags.
 
 Composition uses Hydra's compose API (not @hydra.main) so that every configuration error, including
 Hydra's own (bad types, unknown groups), ends with exit code 2 and a readable message, and so
@@ -9,79 +12,102 @@ that nothing (run dir, process group, child process) exists before validation pa
 
 from __future__ import annotations
 
+import importlib
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
+from lctrain.commands.args import CommandArgs
 from lctrain.commands.init_from import resolve_model
+from lctrain.commands.run_lock import RunDirLocked
 from lctrain.config import ConfigError
 from lctrain.config.compose import compose
 from lctrain.config.paths import recipe_names
 from lctrain.config.resolved import to_yaml
 
-COMMANDS = {  # name: (what it does, the flags it takes)
-    "train": ("validate, then train (local ranks, torchrun or srun)", {"--cfg"}),
-    "plan": ("validate and print the layout, per-rank shapes, memory and traffic (--calibrate: "
-             "measure this machine's matmul rate and gloo bandwidth into plan.calibration)",
-             {"--json", "--cfg", "--calibrate"}),
-    "submit": ("render the sbatch script for slurm.* and submit it (--multirun: one job per "
-               "combination of comma-separated values)", {"--dry-run", "--cfg", "--multirun"}),
-    "preprocess": ("tokenize data.path with data.tokenizer into preprocess.output, for "
-                   "data.source=tokens", {"--cfg"}),
-    "keys": ("list every key (or those of the SECTIONs given) with its type, default, allowed "
-             "values and meaning", set()),
-    "status": ("RUN_DIR...: job state, last step, loss, tokens/s, ETA and newest checkpoint",
-               set()),
-    "plot": ("RUN_DIR...: PNGs of loss, tokens/s, MFU, memory and eval accuracy against step, "
-             "runs overlaid (--out=DIR: where; default RUN_DIR/plots)", {"--out"}),
+
+@dataclass(frozen=True)
+class Command:
+    """One `lctrain <command>`: the module whose `run(CommandArgs) -> int` does the work,
+    imported only when the command runs (train and plan load torch, which takes seconds, and
+    preprocess must start without it)."""
+
+    module: str
+    summary: str
+    """What it does, for the usage text."""
+    flags: frozenset[str] = frozenset()
+    """The flags it takes (--help aside)."""
+    composes: bool = True
+    """Its words are overrides, composed (and --cfg printed) before it runs; keys, status and
+    plot take names or paths instead."""
+    routes: Mapping[str, str] = field(default_factory=dict)
+    """flag -> the module that runs instead, on the same composed configuration."""
+    composes_itself: frozenset[str] = frozenset()
+    """Flags with which the module composes the overrides itself (--cfg included)."""
+
+
+COMMANDS = {
+    "train": Command("lctrain.commands.train",
+                     "validate, then train (local ranks, torchrun or srun)", frozenset({"--cfg"})),
+    "plan": Command("lctrain.commands.plan",
+                    "validate and print the layout, per-rank shapes, memory and traffic "
+                    "(--calibrate: measure this machine's matmul rate and gloo bandwidth into "
+                    "plan.calibration)", frozenset({"--json", "--cfg", "--calibrate"}),
+                    routes={"--calibrate": "lctrain.commands.calibrate"}),  # prints no plan
+    "submit": Command("lctrain.commands.submit",
+                      "render the sbatch script for slurm.* and submit it (--multirun: one job "
+                      "per combination of comma-separated values)",
+                      frozenset({"--dry-run", "--cfg", "--multirun"}),
+                      composes_itself=frozenset({"--multirun"})),  # one config per combination
+    "preprocess": Command("lctrain.commands.preprocess",
+                          "tokenize data.path with data.tokenizer into preprocess.output, for "
+                          "data.source=tokens", frozenset({"--cfg"})),
+    "keys": Command("lctrain.commands.keys",
+                    "list every key (or those of the SECTIONs given) with its type, default, "
+                    "allowed values and meaning", composes=False),
+    "status": Command("lctrain.commands.status",
+                      "RUN_DIR...: job state, last step, loss, tokens/s, ETA and newest "
+                      "checkpoint", composes=False),
+    "plot": Command("lctrain.commands.plot",
+                    "RUN_DIR...: PNGs of loss, tokens/s, MFU, memory and eval accuracy against "
+                    "step, runs overlaid (--out=DIR: where; default RUN_DIR/plots)",
+                    frozenset({"--out"}), composes=False),
 }
-PATH_COMMANDS = {"keys", "status", "plot"}
-"""Commands whose arguments are names or paths, not overrides: nothing is composed for them."""
+EXIT_RUN_FAILED = 1
+"""A run that started and failed (or a data error); the commands return it."""
 EXIT_CONFIG = 2
+"""A ConfigError: something on the command line (or in the files it names) must change."""
+EXIT_RUN_DIR_LOCKED = 3
+"""RunDirLocked: a live job holds the run dir; wait for it, stop it or pick another run dir."""
 
 
 def usage() -> str:
     lines = ["usage: lctrain {" + ",".join(COMMANDS) + "} [+recipe=NAME] [key=value ...] [flags]",
              ""]
-    for name, (summary, flags) in COMMANDS.items():
-        lines.append(f"  {name:<11} {summary}" + (f"  [{' '.join(sorted(flags))}]" if flags
-                                                    else ""))
+    for name, command in COMMANDS.items():
+        flags = command.flags
+        lines.append(f"  {name:<11} {command.summary}" + (f"  [{' '.join(sorted(flags))}]"
+                                                           if flags else ""))
     lines += ["", "Every setting is a Hydra override, e.g. parallel.dp=2 train.steps=20 "
               "hydra.run.dir=runs/x. `lctrain keys [SECTION]` lists them; --cfg prints the "
               "resolved configuration of a command line without running it.",
-              f"Recipes: {', '.join(recipe_names())}. Exit codes: 0 ok, 1 run failure (or data "
-              "error), 2 configuration error."]
+              f"Recipes: {', '.join(recipe_names())}. Exit codes: 0 ok, {EXIT_RUN_FAILED} run "
+              f"failure (or data error), {EXIT_CONFIG} configuration error, "
+              f"{EXIT_RUN_DIR_LOCKED} run dir in use by a live job."]
     return "\n".join(lines)
 
 
-def _run_command(command: str, overrides: list[str], flags: set[str]) -> int:
-    # Each command is imported when it runs: train and plan load torch (seconds), and
-    # preprocess must start without it. keys, status and plot take names or paths.
-    if command in PATH_COMMANDS:
-        if command == "keys":
-            from lctrain.commands import keys as module
-        elif command == "status":
-            from lctrain.commands import status as module
-        else:
-            from lctrain.commands import plot as module
-        return module.run(overrides) if command == "keys" else module.run(overrides, flags)
-    if command == "submit" and "--multirun" in flags:  # composes each combination itself
-        from lctrain.commands import submit
-        return submit.run_multirun(overrides, flags)
-    composed = resolve_model(compose(overrides))
-    if "--cfg" in flags:  # the resolved configuration, nothing run
-        print(to_yaml(composed.cfg), end="")
-        return 0
-    if command == "plan" and "--calibrate" in flags:  # its own entry point: no plan printed
-        from lctrain.commands import calibrate
-        return calibrate.run(composed, flags)
-    if command == "train":
-        from lctrain.commands import train as module
-    elif command == "plan":
-        from lctrain.commands import plan as module
-    elif command == "submit":
-        from lctrain.commands import submit as module
-    else:
-        from lctrain.commands import preprocess as module
-    return module.run(composed, flags)
+def _run_command(name: str, words: list[str], flags: set[str]) -> int:
+    command = COMMANDS[name]
+    module = next((m for flag, m in command.routes.items() if flag in flags), command.module)
+    composed = None
+    if command.composes and not command.composes_itself & flags:
+        composed = resolve_model(compose(words))
+        if "--cfg" in flags:  # the resolved configuration, nothing run
+            print(to_yaml(composed.cfg), end="")
+            return 0
+    # Imported only now (COMMANDS says why): importlib, so one line serves every command.
+    return importlib.import_module(module).run(CommandArgs(words, frozenset(flags), composed))
 
 
 def _parse(argv: list[str]) -> tuple[str, list[str], set[str]]:
@@ -91,7 +117,7 @@ def _parse(argv: list[str]) -> tuple[str, list[str], set[str]]:
         print(usage(), file=sys.stderr)
         raise ConfigError([f"unknown command {command!r}; use {', '.join(COMMANDS)}"])
     flags = {a for a in rest if a.startswith("--")}
-    allowed = COMMANDS[command][1]
+    allowed = COMMANDS[command].flags
     unknown = sorted(f for f in flags if f.split("=", 1)[0] not in allowed | {"--help"})
     if unknown:
         raise ConfigError([f"unknown flag {f} for lctrain {command}; allowed: "
@@ -111,10 +137,17 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(0)
         sys.exit(_run_command(command, [o for o in overrides if o != "-h"], flags))
     except ConfigError as e:
-        print(f"lctrain: {e.header}:", file=sys.stderr)
-        for p in e.problems:
-            print(f"  - {p}", file=sys.stderr)
+        _report(e.header, e.problems)
         sys.exit(EXIT_CONFIG)
+    except RunDirLocked as e:
+        _report(e.header, e.problems)
+        sys.exit(EXIT_RUN_DIR_LOCKED)
+
+
+def _report(header: str, problems: list[str]) -> None:
+    print(f"lctrain: {header}:", file=sys.stderr)
+    for p in problems:
+        print(f"  - {p}", file=sys.stderr)
 
 
 if __name__ == "__main__":

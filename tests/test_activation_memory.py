@@ -14,13 +14,12 @@ from lctrain.parallel.memory import (
     measure_activations,
 )
 from lctrain.planning.memory import activation_formula, head_activation_formula, planning_bytes
-from tests.helpers import on_ranks, tiny_config
+from tests.helpers import HEADS_8, on_ranks, tiny_config
 
-MODEL = {"vocab_size": 128, "dim": 64, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4,
-         "ffn_dim": 96}
+MODEL = HEADS_8
 LAYOUTS = {
     1: [{}],
-    2: [{"tp": 2}, {"tp": 2, "sp": True}, {"cp": 2}, {"cp": 2, "dp_engine": "ddp"},
+    2: [{"cp": 2}, {"tp": 2}, {"tp": 2, "sp": True}, {"cp": 2, "dp_engine": "ddp"},
         {"cp": 2, "attention": "ulysses"}, {"cp": 2, "attention": "allgather"}],
     4: [{"tp": 4}, {"tp": 4, "sp": True}, {"cp": 4}, {"cp": 4, "load_balance": "none"},
         {"cp": 2, "tp": 2, "sp": True}, {"cp": 4, "attention": "usp", "ulysses_degree": 2}],
@@ -53,10 +52,22 @@ def measure_layouts(layouts: list[dict]) -> list[list[dict]]:
     return out
 
 
-@pytest.mark.parametrize("world", sorted(LAYOUTS))
-def test_measured_activation_bytes_match_formula(world):
-    measured = on_ranks(measure_layouts, world, LAYOUTS[world], timeout_s=300)[0]
-    for par, per_cfg in zip(LAYOUTS[world], measured):
+def _world_params():
+    """(world, its layouts): the 1-rank layout and the first 2-rank one (cp2, the ring) in the
+    fast tier; the other 2-rank layouts (8 s on 2 cores), the 4-rank ones (63 s: 6 layouts x 15
+    configs, tp=4 time-sliced) and the 8-rank one (8 s) slow."""
+    slow = pytest.mark.slow
+    yield pytest.param(1, LAYOUTS[1], id="1")
+    yield pytest.param(2, LAYOUTS[2][:1], id="2-cp2")
+    yield pytest.param(2, LAYOUTS[2][1:], id="2-others", marks=slow)
+    for world in sorted(LAYOUTS)[2:]:
+        yield pytest.param(world, LAYOUTS[world], id=str(world), marks=slow)
+
+
+@pytest.mark.parametrize("world,layouts", _world_params())
+def test_measured_activation_bytes_match_formula(world, layouts):
+    measured = on_ranks(measure_layouts, world, layouts, timeout_s=300)[0]
+    for par, per_cfg in zip(layouts, measured, strict=True):
         for cfg, got in zip(layout_configs(par), per_cfg):
             block = activation_formula(cfg, world, batch=2)
             rest = head_activation_formula(cfg, world, batch=2) + planning_bytes(cfg, batch=2)
@@ -84,6 +95,7 @@ def _repeated_measurements(layouts: list[dict], repeats: int) -> list[list[dict]
     return out
 
 
+@pytest.mark.slow  # 4-6 s on 2 cores: 360 forwards, a check for a rare miscount
 def test_one_forward_measures_the_same_bytes_every_time():
     # Before the tracker hid its tensors from gloo's Work objects, about one forward in 30 also
     # counted the buffers of the last collective (freed by gloo's worker thread a moment after

@@ -1,10 +1,11 @@
-"""The codebase keeps the shape docs/architecture.md describes: every module says what it owns,
-lctrain modules are imported at the top (an exception says why), nothing points outside the
-repository, and every allowed-value list of the schema is enforced by validation. (The layer and
+"""The codebase keeps the shape docs/architecture.md describes: every module says what it owns and
+is listed there, lctrain modules are imported at the top (an exception says why), nothing points
+outside the repository, and every allowed-value list of the schema is enforced by validation. (The layer and
 cycle rules are import-linter contracts in pyproject.toml, run by `lint-imports`.)"""
 
 import ast
 import dataclasses
+import re
 import subprocess
 from pathlib import Path
 
@@ -55,6 +56,53 @@ def test_nothing_refers_outside_the_repository():
             continue
         for needle in ("../shared", "DIGEST"):
             assert needle not in text, f"{name} refers to {needle}, outside the repository"
+
+
+def listed_modules(doc: str) -> list[str]:
+    """The modules of docs/architecture.md's "Every module" tree, as paths from the repository
+    root. An entry line starts with `name.py` (or `a.py, b.py`) or a folder `name/`, indented two
+    spaces per level below `lctrain/`; other lines continue a description (and must not start
+    with a module's name)."""
+    block = doc.split("## Every module", 1)[1].split("```")[1].splitlines()
+    assert block[1] == "lctrain/", block[:2]
+    folders, found = [], []
+    for line in block[2:]:
+        entry = re.match(r"( *)(\w+/|(?:\w+\.py, *)*\w+\.py)(?: |$)", line)
+        if entry is None:
+            continue
+        indent, names = len(entry.group(1)), entry.group(2)
+        depth = indent // 2 - 1
+        assert indent % 2 == 0 and 0 <= depth <= len(folders), f"misplaced entry: {line!r}"
+        folders = folders[:depth]
+        if names.endswith("/"):
+            folders.append(names[:-1])
+        else:
+            found += ["/".join(["lctrain", *folders, n]) for n in re.split(r", *", names)]
+    return found
+
+
+def _only_a_docstring(path: Path) -> bool:
+    body = ast.parse(path.read_text()).body
+    return all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in body)
+
+
+def test_docs_list_every_module_and_only_modules_that_exist():
+    listed = listed_modules((REPO / "docs" / "architecture.md").read_text())
+    modules = [str(p.relative_to(REPO)) for p in MODULES
+               if not (p.name == "__init__.py" and _only_a_docstring(p))]
+    assert len(listed) == len(set(listed)), "a module is listed twice"
+    assert sorted(set(modules) - set(listed)) == [], "add these to docs/architecture.md"
+    assert sorted(set(listed) - {str(p.relative_to(REPO)) for p in MODULES}) == [], (
+        "docs/architecture.md lists modules that do not exist")
+
+
+def test_module_listing_parser():
+    doc = ("## Every module\n```\nlctrain/\n  cli.py    what\n  data/\n    a.py, b.py  x\n"
+           "                and more words\n    sub/\n      c.py\n  d.py\n```\n")
+    assert listed_modules(doc) == ["lctrain/cli.py", "lctrain/data/a.py", "lctrain/data/b.py",
+                                   "lctrain/data/sub/c.py", "lctrain/d.py"]
+    with pytest.raises(AssertionError, match="misplaced entry"):  # deeper than its folder
+        listed_modules(doc.replace("and more words", "e.py begins a continued line"))
 
 
 def _choice_fields(node, prefix=""):

@@ -18,6 +18,7 @@ from lctrain.attention.calls import Block, kernel_calls
 from lctrain.attention.kernels import KernelOptions, reference_attention
 from lctrain.attention.local import local_attention
 from lctrain.attention.varlen_reference import register_cpu_flash_ops
+from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm
 from lctrain.layout import sequence
 from lctrain.layout.comm import record_traffic
 from lctrain.layout.topology import Topology
@@ -74,26 +75,33 @@ def check_case(case: dict, cache: dict) -> None:
     for name, x, r in zip("qkv", ins, ref_in):
         torch.testing.assert_close(x.grad.double(), local(r.grad), **tol, msg=f"d{name} {case}")
     # lse in the algorithm's core layout: Ulysses cores hold H/u heads of their group's tokens
-    u = {"ulysses": g.cp_size, "ring": 1, "allgather": 1, "usp": uly}[algo]
+    u = cp_algorithm(algo).degree(g.cp_size, uly)
     if u == 1:
         ref_core = local(ref_lse.detach(), dim=2)
     else:
         heads = slice(g.ulysses_rank * H // u, (g.ulysses_rank + 1) * H // u)
-        pos = attn._group_pos[g.ring_rank]
+        pos = attn.blocks(None)[0].pos  # the query block: the Ulysses group's tokens
         ref_core = ref_lse.detach()[:, heads][:, :, pos]
     finite = torch.isfinite(ref_core)
     assert torch.equal(torch.isfinite(lse), finite), f"lse -inf rows differ {case}"
     torch.testing.assert_close(lse.double()[finite], ref_core[finite], **tol, msg=f"lse {case}")
+    assert_traffic(algo, fwd, bwd, S, H * hd, Hkv * rep * hd, g.cp_size, uly, B, dtype, case)
+
+
+def assert_traffic(algo, fwd, bwd, S, d, d_kv, cp, uly, B, dtype, case) -> None:
+    """What `record_traffic` counted equals the algorithm's formula: elements per direction
+    (`attention_traffic`), bytes per transfer dtype (Ring's travelling dK/dV accumulators and
+    all-gather's reduce-scattered dK/dV are float32, everything else the input dtype)."""
     itemsize = torch.finfo(dtype).bits // 8
-    want = attention_traffic(algo, S, H * hd, Hkv * rep * hd, g.cp_size, uly, batch=B)
+    want = attention_traffic(algo, S, d, d_kv, cp, uly, batch=B)
     for direction, rec in (("forward", fwd), ("backward", bwd)):
         assert rec.total(tag=algo) == want[direction], (direction, dict(rec.elements), want, case)
-    assert sum(fwd.bytes.values()) == want["forward"] * itemsize
-    # backward: Ring's travelling dK/dV accumulators and all-gather's reduce-scattered dK/dV are
-    # float32, everything else the input dtype
-    ring_grads = {"ring": want["backward"] - want["forward"], "usp": want["backward"] -
-                  want["forward"], "allgather": want["backward"]}.get(algo, 0)
-    assert sum(bwd.bytes.values()) == (want["backward"] - ring_grads) * itemsize + ring_grads * 4
+    a = cp_algorithm(algo)
+    float32 = {way: B * sum(x.elements for x in a.transfers(S, d, d_kv, cp, a.degree(cp, uly))
+                            if x.float32 and x.direction == way) for way in ("fwd", "bwd")}
+    for (way, direction), rec in zip((("fwd", "forward"), ("bwd", "backward")), (fwd, bwd)):
+        nbytes = (want[direction] - float32[way]) * itemsize + float32[way] * 4
+        assert sum(rec.bytes.values()) == nbytes, (direction, dict(rec.bytes), nbytes, case)
 
 
 def run_cases(cases: list[dict]) -> int:
@@ -104,12 +112,19 @@ def run_cases(cases: list[dict]) -> int:
     return len(cases)
 
 
+def layouts_for(world: int) -> list[tuple[str, int, int]]:
+    """(algorithm, ring size, Ulysses size) of every registered algorithm on `world` ranks, at
+    each Ulysses degree the layout search tries (USP: 2 on 4 ranks, 2 and 4 on 8; none on 2)."""
+    out = []
+    for a in CP_ALGORITHMS.entries():
+        for setting in a.searched_degrees(world):
+            u = a.degree(world, setting)
+            out.append((a.name, world // u, u))
+    return out
+
+
 def cases_for(world: int) -> list[dict]:
-    layouts = [("ring", world, 1), ("ulysses", 1, world), ("allgather", world, 1)]
-    if world >= 4:
-        layouts.append(("usp", world // 2, 2))
-    if world == 8:
-        layouts.append(("usp", 2, 4))
+    layouts = layouts_for(world)
     shapes = [  # (H, Hkv, hd, replication): MHA, GQA, MQA, odd head counts and head dim 24
         (2 * world if world < 8 else 8, 2 * world if world < 8 else 8, 8, 1),
         (8, 2, 24, 1 if world == 2 else world // 2),
@@ -118,8 +133,8 @@ def cases_for(world: int) -> list[dict]:
     out = []
     for (algo, ring, uly), (H, Hkv, hd, rep), causal, lb in itertools.product(
             layouts, shapes, (True, False), ("zigzag", "none")):
-        u = {"ulysses": world, "usp": uly}.get(algo, 1)
-        if algo in ("ring", "allgather"):
+        u = uly
+        if u == 1:
             rep = 1
         elif (Hkv * rep) % u or H % u:
             rep = u // Hkv if u % Hkv == 0 else 1

@@ -34,6 +34,7 @@ def test_replay_refuses_an_order_missing_an_op():
         replay(orders, lambda op: UNIT[op.kind])
 
 
+@pytest.mark.slow  # 4 s on 2 cores: the bench script in a subprocess
 def test_bench_runs_and_executed_orders_match_their_formulas():
     cmd = [sys.executable, "bench/pipeline.py", "--pp", "2", "--schedules", "1f1b",
            "zero_bubble", "zbv", "--layers", "4", "--seq-len", "32", "--microbatches", "4",

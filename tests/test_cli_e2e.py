@@ -7,10 +7,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
 
 
+@pytest.mark.slow  # 15 s on 2 cores: 12 steps of the tiny recipe on 4 ranks, passkey evals twice
 def test_train_tiny_recipe_four_ranks(tmp_path):
     run_dir = tmp_path / "run"
     done = subprocess.run(
@@ -42,6 +45,7 @@ def test_train_tiny_recipe_four_ranks(tmp_path):
     assert "cp: 2" in config and "attention: ring" in config and "steps: 12" in config
 
 
+@pytest.mark.slow  # 4-5 s on 2 cores: pip install --target, then a subprocess
 def test_non_editable_install_finds_conf_and_recipes(tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",

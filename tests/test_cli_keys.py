@@ -1,13 +1,23 @@
 """Config discovery: `lctrain keys` lists every key of the schema with its type, default,
-allowed values and docstring; `--cfg` prints the resolved configuration and runs nothing."""
+allowed values and docstring; `--cfg` prints the resolved configuration and runs nothing. The
+command table: one entry per command, each module's `run(args)`, imported only when it runs."""
 
 import dataclasses
+import importlib
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
 
 from lctrain import cli
+from lctrain.commands.args import CommandArgs
 from lctrain.config.schema import LctrainConfig
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _main(argv, capsys):
@@ -48,3 +58,41 @@ def test_cfg_prints_the_resolved_config_and_runs_nothing(capsys, monkeypatch):
 
 def _refuse(*args, **kwargs):
     raise AssertionError("--cfg must not run anything")
+
+
+def test_every_command_module_has_one_run_signature():
+    modules = {m for c in cli.COMMANDS.values() for m in (c.module, *c.routes.values())}
+    assert "lctrain.commands.calibrate" in modules and len(modules) == len(cli.COMMANDS) + 1
+    for name in modules:
+        run = importlib.import_module(name).run
+        params = list(inspect.signature(run).parameters.values())
+        assert [p.name for p in params] == ["args"], name
+        assert params[0].annotation in (CommandArgs, "CommandArgs"), name
+    for command in cli.COMMANDS.values():
+        assert set(command.routes) | command.composes_itself <= command.flags
+        assert command.composes or not (command.routes or command.composes_itself)
+
+
+def test_usage_lists_every_command_its_flags_and_the_exit_codes(capsys):
+    code, out, _ = _main(["--help"], capsys)
+    assert code == 0
+    for name, command in cli.COMMANDS.items():
+        line = next(line for line in out.splitlines() if line.startswith(f"  {name} "))
+        assert all(flag in line for flag in command.flags), line
+    assert "Exit codes: 0 ok, 1 run failure (or data error), 2 configuration error, 3 run dir " \
+           "in use by a live job." in out
+
+
+def test_preprocess_and_keys_start_without_torch():
+    code = ("import json, sys\nfrom lctrain.cli import main\ncodes = []\n"
+            "for argv in (['preprocess'], ['keys', 'data']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n"
+            "        codes.append(e.code)\n"
+            "print(json.dumps([codes, 'torch' in sys.modules,\n"
+            "                  'lctrain.commands.preprocess' in sys.modules]))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    codes, torch_loaded, ran_preprocess = json.loads(done.stdout.strip().splitlines()[-1])
+    assert codes == [2, 0] and ran_preprocess and not torch_loaded
+    assert "preprocess.output is not set" in done.stderr  # preprocess's own check

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-from lctrain import cli
 from lctrain.commands.checks import preflight
 from lctrain.commands.plan import plan_world_size
 from lctrain.commands.submit import render_sbatch
@@ -14,6 +13,7 @@ from lctrain.config.compose import compose
 from lctrain.config.derived import local_world_size
 from lctrain.config.paths import conf_dir, recipe_names, recipes_dir
 from lctrain.planning.plan import build_plan
+from tests.helpers import run_cli
 
 MODELS = sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))
 # A production recipe's layout on its preset model: the keys it requires (model.init_from,
@@ -62,22 +62,18 @@ def test_llama_256k_plan(capsys):
     assert plan["shapes"]["qkv_local [B, S/cp, H/tp, d]"] == [1, 16384, 8, 128]
     assert len(plan["ranks"]) == 256 and plan["ranks"][9]["node"] == 1
     assert plan["notes"] == []  # tp x cp_ulysses = 8 fits a node
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["plan", "+recipe=llama-256k", *LAYOUT_ONLY, "--json"])
-    assert exc.value.code == 0
-    assert json.loads(capsys.readouterr().out)["grad_accum"] == 4
-    with pytest.raises(SystemExit):
-        cli.main(["plan", "+recipe=llama-256k", *LAYOUT_ONLY])
-    text = capsys.readouterr().out
+    code, out, _ = run_cli(["plan", "+recipe=llama-256k", *LAYOUT_ONLY, "--json"], capsys)
+    assert code == 0
+    assert json.loads(out)["grad_accum"] == 4
+    _, text, _ = run_cli(["plan", "+recipe=llama-256k", *LAYOUT_ONLY], capsys)
     assert "pp=1 x dp=4 x cp_ring=8 x cp_ulysses=2 x tp=4" in text and "more (plan.max" in text
 
 
 def test_plan_world_comes_from_the_layout_when_every_size_is_fixed(capsys):
     def plan(*overrides):
-        with pytest.raises(SystemExit) as done:
-            cli.main(["plan", "+recipe=tiny", *overrides])
-        assert done.value.code == 0
-        return capsys.readouterr().out
+        code, out, _ = run_cli(["plan", "+recipe=tiny", *overrides], capsys)
+        assert code == 0
+        return out
 
     out = plan()  # cp2 x dp2: 4 ranks, whatever slurm.* says
     assert "world size 4:" in out and "planned for the layout's 4 ranks" in out

@@ -1,8 +1,6 @@
 """Retrieval evals: scoring against models whose answers are known, and the same scores on every
 parallel layout as in one process."""
 
-import dataclasses
-
 import numpy as np
 import torch
 from torch import nn
@@ -12,7 +10,7 @@ from lctrain.data.tasks import KEY
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.training.evals import Evaluator, format_table
-from tests.helpers import on_ranks, reference_model, tiny_config
+from tests.helpers import on_ranks, reference_model, tiny_config, with_overrides
 
 EVAL = {"every": 1, "tasks": ["passkey", "recall"], "lengths": [16, 32], "depths": [0.0, 1.0],
         "samples": 3}
@@ -69,12 +67,16 @@ def _reference_predictions(cfg, examples):
     return out
 
 
-def _distributed_scores(cfg, examples):
-    rt = setup_distributed(cfg)
-    model = build_model(cfg, rt)  # laid out exactly as training lays it out
-    ev = Evaluator(cfg, rt)
-    ev.examples = examples
-    return ev.run(model)
+def _distributed_scores(cfgs, examples):
+    """The scores of each layout in turn, on the same ranks."""
+    out = []
+    for cfg in cfgs:
+        rt = setup_distributed(cfg)
+        model = build_model(cfg, rt)  # laid out exactly as training lays it out
+        ev = Evaluator(cfg, rt)
+        ev.examples = examples
+        out.append(ev.run(model))
+    return out
 
 
 def test_every_layout_scores_as_one_process():
@@ -90,11 +92,13 @@ def test_every_layout_scores_as_one_process():
         right.append(ok)
     assert sum(right) >= 6
     expected_passkey = np.mean([r for r, ex in zip(right, examples) if ex.task == "passkey"])
-    for world, par in [(1, {}), (4, {"cp": 2, "dp": 2, "attention": "ring"}),
-                       (4, {"tp": 2, "sp": True, "cp": 2, "attention": "ulysses"})]:
-        layout = cfg_for(**par)
-        layout.train = dataclasses.replace(layout.train, micro_batch=2, global_batch=4)
-        for results in on_ranks(_distributed_scores, world, layout, examples, timeout_s=300):
+    for world, pars in [(1, [{}]), (4, [{"cp": 2, "dp": 2, "attention": "ring"},
+                                        {"tp": 2, "sp": True, "cp": 2, "attention": "ulysses"}])]:
+        layouts = [with_overrides(cfg_for(**par), train={"micro_batch": 2, "global_batch": 4})
+                   for par in pars]
+        per_rank = on_ranks(_distributed_scores, world, layouts, examples, timeout_s=300)
+        every_rank = [(par, scores) for rank in per_rank for par, scores in zip(pars, rank)]
+        for par, results in every_rank:
             assert results["eval/passkey/acc"] == expected_passkey, par
             for ex_key in ("eval/recall/len32/depth1.00", "eval/passkey/len16/depth0.00"):
                 task, length, depth = ex_key.split("/")[1:]

@@ -1,8 +1,10 @@
 """Faults injected into real runs (bench/faults.py's scenarios, asserted): the launcher killed
 with SIGKILL takes its ranks with it; a rank stopped with SIGSTOP ends the job within
 launch.timeout_s with a report naming it; no process is left, every complete checkpoint still
-verifies, and the next run resumes. The progress records and the report are also checked on
-their own."""
+verifies, and the next run resumes (slow tier: a real run each). The progress records, the
+report and the subgroups' collective timeout are also checked on their own."""
+
+import multiprocessing
 
 import pytest
 
@@ -21,11 +23,13 @@ def assert_meets_goal(row, limit_s: float) -> None:
     assert row.resumed, row
 
 
+@pytest.mark.slow  # 21 s on 2 cores: two launchers killed mid-run, each run resumed
 def test_ranks_die_with_their_launcher(tmp_path):
     assert_meets_goal(parent_sigkill(tmp_path), limit_s=5)
     assert_meets_goal(agent_sigkill(tmp_path), limit_s=5)
 
 
+@pytest.mark.slow  # 16-18 s each on 2 cores: a run, its stall timeout, a resumed run
 @pytest.mark.parametrize("group", ["tp", "cp_ring", "pp"])
 def test_a_stopped_rank_is_named_within_the_timeout(tmp_path, group):
     assert_meets_goal(rank_sigstop(tmp_path, group, TIMEOUT_S), limit_s=TIMEOUT_S + 10)
@@ -82,7 +86,7 @@ def test_status_names_no_rank_behind_while_every_rank_advances():
     assert rank_rows(done, now=1000.0) == []
 
 
-def _wait_in_a_subgroup(seconds: float):
+def _wait_in_a_subgroup(gave_up, seconds: float):
     import time
 
     import torch
@@ -95,12 +99,13 @@ def _wait_in_a_subgroup(seconds: float):
     timeouts = {name: m.get_group()._get_backend(torch.device("cpu")).options._timeout
                 .total_seconds() for name, m in mesh.meshes.items()}
     if dist.get_rank() == 1:  # never joins its cp_ring group's collective
-        time.sleep(seconds)
+        gave_up.wait(seconds)  # until rank 0 gave up on it
         return timeouts, None
     t0 = time.monotonic()
     try:
         dist.all_reduce(torch.ones(1), group=mesh.group("cp_ring"))
     except RuntimeError:
+        gave_up.set()
         return timeouts, time.monotonic() - t0
     return timeouts, None
 
@@ -109,8 +114,9 @@ def test_every_subgroup_keeps_the_collective_timeout():
     """torch gives a group made without options a 30-minute timeout: the mesh's groups (cp_ring
     [0, 1] here, not the whole world) must keep launch.timeout_s, or a stopped peer holds the
     others for half an hour."""
-    results = run_ranks(_wait_in_a_subgroup, 4, (6.0,), start_method="fork", threads=1,
-                        backend="gloo", timeout_s=60, collective_timeout_s=2)
+    gave_up = multiprocessing.get_context("fork").Event()  # rank 0 -> rank 1
+    results = run_ranks(_wait_in_a_subgroup, 4, (gave_up, 30.0), start_method="fork",
+                        threads=1, backend="gloo", timeout_s=60, collective_timeout_s=2)
     for timeouts, _ in results:
         assert set(timeouts.values()) == {2.0}, timeouts
     assert results[0][1] is not None and results[0][1] < 4, results[0]  # rank 0 gave up in time

@@ -10,7 +10,6 @@ Faults are injected in the ranks (forked: nothing leaks into this process) by re
 chmod-ed directory does not stop writes.
 """
 
-import dataclasses
 import errno
 import json
 import os
@@ -26,21 +25,18 @@ from lctrain.parallel.launch import RankFailure, run_ranks
 from lctrain.training import checkpoint as ck
 from lctrain.training import files
 from lctrain.training import metrics as M
-from tests.helpers import on_ranks, tiny_config
+from tests.helpers import dp2_config, on_ranks, with_overrides
 
 ENOSPC = "No space left on device (errno 28, ENOSPC)"
 EROFS = "Read-only file system (errno 30, EROFS)"
 
 
-def _cfg(steps=6, checkpoint=None, **sections):
-    return tiny_config(train={"steps": steps, "global_batch": 4, "micro_batch": 1},
-                       parallel={"dp": 2}, checkpoint={"every": 2, **(checkpoint or {})},
-                       logging={"log_every": 1}, **sections)
+def _cfg(steps=6, **sections):
+    return dp2_config(steps, logging={"log_every": 1}, **sections)
 
 
 def _resume(cfg, **checkpoint):
-    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(
-        cfg.checkpoint, **{"resume": "auto", **checkpoint}))
+    return with_overrides(cfg, checkpoint={"resume": "auto", **checkpoint})
 
 
 def _train(cfg, run_dir, fault=None):
@@ -201,6 +197,7 @@ def test_metrics_and_config_write_faults_stop_with_the_file_named(tmp_path, refe
     assert "resume: auto" in (run / "config.yaml").read_text()
 
 
+@pytest.mark.slow  # 3 s on 2 cores: 5 runs of 2 ranks (the metrics and config faults stay fast)
 def test_manifest_write_faults_keep_the_newest_complete_checkpoint(tmp_path, reference):
     cfg, run = _cfg(), tmp_path / "run"
     root = run / "checkpoints"

@@ -1,7 +1,8 @@
-"""One job per run dir (lctrain.training.run_lock): take and release, refusal naming the holder,
+"""One job per run dir (lctrain.commands.run_lock): take and release, refusal naming the holder,
 takeover of a dead or silent holder's lock (exactly one of many racers wins), release on
 exception and after SIGKILL, the requeued Slurm job's wait for its previous start, `lctrain
-status`'s lock row, and `lctrain train` end to end: a second job in a live run dir exits 2."""
+status`'s lock row, and `lctrain train` end to end: a second job in a live run dir exits 3 (a
+run dir that cannot be written is a configuration error: exit 2)."""
 
 import json
 import multiprocessing as mp
@@ -16,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from lctrain import cli
+from lctrain.commands import run_lock
+from lctrain.commands.run_lock import LOCK_FILE, Holder, RunDirLocked
 from lctrain.commands.status import lock_row
 from lctrain.config import ConfigError
-from lctrain.training import run_lock
-from lctrain.training.run_lock import LOCK_FILE, Holder, RunDirLocked
 
 FORK = mp.get_context("fork")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}
@@ -73,12 +75,40 @@ def test_second_acquire_is_refused_naming_host_and_pid(tmp_path, monkeypatch):
     with run_lock.acquire(tmp_path):
         with pytest.raises(RunDirLocked) as e:
             run_lock.acquire(tmp_path)
-        assert isinstance(e.value, ConfigError) and e.value.header == "the run dir is in use"
+        # busy, not misconfigured: its own exit code, not a ConfigError's
+        assert not isinstance(e.value, ConfigError) and e.value.header == "the run dir is in use"
         message = e.value.problems[0]
         assert f"host {socket.gethostname()}, pid {os.getpid()}, Slurm job 31337, since" in message
         assert f"hydra.run.dir={tmp_path}" in message and "scancel 31337" in message
         assert "held by" in lock_row(tmp_path) and f":{os.getpid()} since" in lock_row(tmp_path)
     assert lock_row(tmp_path).startswith("free")
+
+
+def _exit_code(argv: list[str], capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as done:
+        cli.main(argv)
+    return done.value.code, capsys.readouterr().err
+
+
+def test_cli_exits_3_for_a_run_dir_in_use_and_2_for_one_it_cannot_write(tmp_path, capsys,
+                                                                       monkeypatch):
+    monkeypatch.setattr("lctrain.training.loop.train", _refuse)
+    monkeypatch.setattr("lctrain.parallel.launch.run_ranks", _refuse)
+    train = ["train", "+recipe=tiny", "train.steps=1"]
+    with run_lock.acquire(tmp_path / "run"):
+        code, err = _exit_code([*train, f"hydra.run.dir={tmp_path / 'run'}"], capsys)
+    assert code == cli.EXIT_RUN_DIR_LOCKED == 3, err
+    assert "lctrain: the run dir is in use:\n  - hydra.run.dir=" in err
+    assert f"pid {os.getpid()}" in err
+    (tmp_path / "file").write_text("")
+    code, err = _exit_code([*train, f"hydra.run.dir={tmp_path / 'file' / 'run'}"], capsys)
+    assert code == cli.EXIT_CONFIG == 2 and "cannot create its lock file" in err, err
+    assert "Exit codes: 0 ok, 1 run failure (or data error), 2 configuration error, 3 run dir " \
+           "in use by a live job." in cli.usage()
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("a refused run dir must start nothing")
 
 
 def test_release_on_exception(tmp_path):
@@ -240,7 +270,7 @@ def _finish(proc: subprocess.Popen, run_dir: Path, name: str, timeout: float = 3
     return (run_dir.parent / f"{name}.err").read_text()
 
 
-def test_second_train_in_a_live_run_dir_exits_2_naming_the_first(tmp_path):
+def test_second_train_in_a_live_run_dir_exits_3_naming_the_first(tmp_path):
     run_dir = tmp_path / "run"
     first = _train(run_dir, "first", "train.steps=200")
     try:
@@ -253,7 +283,7 @@ def test_second_train_in_a_live_run_dir_exits_2_naming_the_first(tmp_path):
         assert lock_row(run_dir).startswith(f"held by {socket.gethostname()}:{first.pid} since")
         second = _train(run_dir, "second", "train.steps=200")
         err = _finish(second, run_dir, "second")
-        assert second.returncode == 2, err[-3000:]
+        assert second.returncode == 3, err[-3000:]
         assert "lctrain: the run dir is in use:" in err
         assert f"host {socket.gethostname()}, pid {first.pid}, since" in err
         assert first.poll() is None  # untouched

@@ -11,12 +11,15 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 ALL_CHECKS = {"env", "kernels", "cp_algorithms", "train_tiny", "selective_memory",
               "offload_and_tiling", "compile", "checkpoint_resume", "step_8b",
               "kernel_throughput", "batch_transfer"}
 
 
+@pytest.mark.slow  # 22 s on 2 cores: every check's wiring, each in its own process
 def test_gpu_session_dry_run(tmp_path):
     """tools/gpu_session.sh, the one command docs/gpu.md gives, with --dry-run: every check's
     wiring, then the debug-gpu recipe planned."""

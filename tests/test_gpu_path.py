@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lctrain import cli
 from lctrain.attention import ContextParallelAttention, cuda_kernels
 from lctrain.attention.kernels import KernelOptions
 from lctrain.commands import train as train_command
@@ -21,7 +20,7 @@ from lctrain.parallel.memory import build_measured_model
 from lctrain.parallel.parallelize import build_attention_core
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.training import loop
-from tests.helpers import on_ranks, tiny_config
+from tests.helpers import exit_code, on_ranks, run_cli, tiny_config
 
 CLI = ["+recipe=tiny", "model.vocab_size=128", "model.dim=64", "model.n_layers=2",
        "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96", "train.seq_len=32",
@@ -52,10 +51,10 @@ def test_ranks_are_spawned_once_cuda_is_in_play(monkeypatch, tmp_path):
 
     monkeypatch.setattr(launch, "cuda_devices", lambda: 4)
     monkeypatch.setattr(launch, "run_ranks", record)
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["train", *CLI, "parallel.cp=1", "parallel.dp=2", "data.document_masking=false",
-                  "train.dtype=bf16", f"hydra.run.dir={tmp_path}"])
-    assert exc.value.code == 0 and started["start_method"] == "spawn" and started["nproc"] == 2
+    code = exit_code(["train", *CLI, "parallel.cp=1", "parallel.dp=2",
+                      "data.document_masking=false", "train.dtype=bf16",
+                      f"hydra.run.dir={tmp_path}"])
+    assert code == 0 and started["start_method"] == "spawn" and started["nproc"] == 2
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # a parent that used CUDA
     with pytest.raises(RuntimeError, match="ranks forked from it cannot use CUDA"):
         on_ranks(_nothing, 2)
@@ -79,10 +78,9 @@ def test_cuda_layouts_validate_without_flash_attn(monkeypatch, tmp_path, layout)
     monkeypatch.setattr(launch, "run_ranks", lambda fn, nproc, args, **kw: started.update(
         nproc=nproc, cfg=args[0]))
     monkeypatch.setattr(loop, "train", lambda cfg, run_dir: started.update(nproc=1, cfg=cfg))
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["train", *CLI, *layout, "parallel.dp=1", "data.document_masking=true",
-                  "train.dtype=bf16", "train.device=cuda", f"hydra.run.dir={tmp_path}"])
-    assert exc.value.code == 0 and started["nproc"] == started["cfg"].parallel.cp
+    code = exit_code(["train", *CLI, *layout, "parallel.dp=1", "data.document_masking=true",
+                      "train.dtype=bf16", "train.device=cuda", f"hydra.run.dir={tmp_path}"])
+    assert code == 0 and started["nproc"] == started["cfg"].parallel.cp
     assert KernelOptions(started["cfg"].train.attention_kernel).backend_for(
         torch.device("cuda")) == "torch"
 
@@ -91,20 +89,17 @@ def test_debug_gpu_recipe_validates_without_flash_attn(monkeypatch, tmp_path):
     monkeypatch.setattr(launch, "cuda_devices", lambda: 1)
     monkeypatch.setattr(cuda_kernels, "flash_attn_installed", lambda: False)
     monkeypatch.setattr(loop, "train", lambda cfg, run_dir: [])
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["train", "+recipe=debug-gpu", f"hydra.run.dir={tmp_path}"])
-    assert exc.value.code == 0
+    assert exit_code(["train", "+recipe=debug-gpu", f"hydra.run.dir={tmp_path}"]) == 0
 
 
 def test_kernel_names_are_checked_against_the_device(monkeypatch, capsys):
     monkeypatch.setattr(launch, "cuda_devices", lambda: 2)
     monkeypatch.setattr(cuda_kernels, "flash_attn_installed", lambda: False)
     monkeypatch.setattr(launch, "run_ranks", None)
-    with pytest.raises(SystemExit) as exc:  # flash-attn named but absent: the install, exit 2
-        cli.main(["train", *CLI, "parallel.cp=2", "parallel.dp=1", "train.dtype=bf16",
-                  "train.attention_kernel=flash_attn"])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and "flash-attn is not installed" in err
+    # flash-attn named but absent: the install, exit 2
+    code, _, err = run_cli(["train", *CLI, "parallel.cp=2", "parallel.dp=1", "train.dtype=bf16",
+                            "train.attention_kernel=flash_attn"], capsys)
+    assert code == 2 and "flash-attn is not installed" in err
     assert "--no-build-isolation" in err and "train.attention_kernel=torch" in err
     cfg = tiny_config(train={"attention_kernel": "torch", "device": "cpu"})
     (problem,) = validate(cfg, cfg.parallel.cp)

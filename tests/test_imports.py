@@ -78,6 +78,7 @@ def test_modules_below_the_cli_import_without_hydra_omegaconf_wandb_datasets():
     assert out["loaded"] == []
 
 
+@pytest.mark.slow  # 4 s on 2 cores: a training run in a fresh interpreter
 def test_tiny_training_runs_without_hydra_omegaconf_wandb_datasets(tmp_path):
     out = _run(TRAIN, str(tmp_path / "run"))
     assert len(out["losses"]) == 2 and all(loss > 0 for loss in out["losses"])

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from lctrain import cli
 from lctrain.commands.checks import preflight
 from lctrain.commands.init_from import resolve_model
 from lctrain.config import ConfigError, ModelConfig
@@ -22,7 +21,7 @@ from lctrain.data.sources import build_source, build_val_source
 from lctrain.data.splits import held_out
 from lctrain.models.hf import hf_config
 from lctrain.training import loop
-from tests.helpers import on_ranks, reference_model
+from tests.helpers import on_ranks, reference_model, run_cli, train_each, train_on_ranks
 
 FAMILIES = {  # a random HF Llama of each shape family
     "gqa_untied": ModelConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -83,10 +82,10 @@ def test_config_json_decides_and_plan_shows_the_origins(hf_dirs, capsys):
     gqa = resolved("+recipe=tiny", f"model.init_from={hf_dirs['gqa_untied']}")
     assert "model.rope_theta: 500000.0 (recipe or preset) -> 50000.0 (config.json)" in gqa.notes
     assert "model.n_layers: 4 (default) -> 2 (config.json)" in gqa.notes
-    with pytest.raises(SystemExit):
-        cli.main(["plan", *RUN, f"model.init_from={hf_dirs['gqa_untied']}", "launch.nproc=4",
-                  "--json"])
-    plan = json.loads(capsys.readouterr().out)
+    code, out, _ = run_cli(["plan", *RUN, f"model.init_from={hf_dirs['gqa_untied']}",
+                            "launch.nproc=4", "--json"], capsys)
+    assert code == 0
+    plan = json.loads(out)
     assert plan["model"]["rope_theta"] == {"value": 50000.0, "origin": "config.json"}
     assert plan["model"]["init_std"]["origin"] == "default"
 
@@ -96,10 +95,9 @@ def test_config_json_decides_and_plan_shows_the_origins(hf_dirs, capsys):
     ("model.tie_embeddings=true", "True", "False"), ("model.norm_eps=0.001", "0.001", "1e-05"),
 ])
 def test_a_contradicting_override_is_exit_2_naming_both(hf_dirs, capsys, override, ours, theirs):
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["plan", *RUN, f"model.init_from={hf_dirs['gqa_untied']}", override])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and "contradicts" in err, err
+    code, _, err = run_cli(["plan", *RUN, f"model.init_from={hf_dirs['gqa_untied']}", override],
+                           capsys)
+    assert code == 2 and "contradicts" in err, err
     assert f"={ours} on the command line" in err and f"which has {theirs}" in err
     assert f"model.hf_overrides=[{override.split('=')[0].split('.')[1]}]" in err
 
@@ -149,12 +147,15 @@ def _first_global_batch(cfg) -> torch.Tensor:
                         for i in range(cfg.train.global_batch)])
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", [  # 3-4 s each on 2 cores; two families in the fast tier
+    pytest.param(f, marks=[pytest.mark.slow] if f in ("llama3_rope", "tied") else [])
+    for f in sorted(FAMILIES)])
 def test_init_from_trains_from_transformers_loss_on_every_layout(hf_dirs, tmp_path, family):
     hf = save_hf(tmp_path / "again", family)  # the same weights (same seed) as hf_dirs[family]
     layouts = {"cp2_dp2": ["parallel.cp=2", "parallel.dp=2", "train.micro_batch=1"],
                "tp2_sp_cp2": ["parallel.cp=2", "parallel.dp=1", "parallel.tp=2",
                               "parallel.sp=true", "train.micro_batch=4"]}
+    cfgs, wants = {}, {}
     for name, layout in layouts.items():
         composed = resolved(*RUN, f"model.init_from={hf_dirs[family]}", *layout)
         cfg = composed.cfg
@@ -166,9 +167,11 @@ def test_init_from_trains_from_transformers_loss_on_every_layout(hf_dirs, tmp_pa
         tokens = _first_global_batch(cfg)
         with torch.no_grad():
             logits = hf(input_ids=tokens[:, :-1]).logits
-        want = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
-        for history in on_ranks(_train, 4, cfg, str(tmp_path / name), timeout_s=300):
-            assert history[0]["loss"] == pytest.approx(want, rel=1e-4), (family, name)
+        cfgs[name] = cfg
+        wants[name] = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
+    for per_layout in on_ranks(train_each, 4, cfgs, str(tmp_path), timeout_s=300):
+        for name, history in per_layout.items():
+            assert history[0]["loss"] == pytest.approx(wants[name], rel=1e-4), (family, name)
 
 
 def test_shards_of_another_tokenizer_are_refused_naming_both(hf_dirs, tmp_path):
@@ -232,6 +235,7 @@ def test_validation_documents_never_appear_in_a_training_batch(tmp_path):
     assert set(held_out(store, 0.2, again.train.seed)[1]) != set(val_docs)  # seeded
 
 
+@pytest.mark.slow  # 4 s on 2 cores: 3 layouts of 1 and 4 ranks
 def test_validation_loss_at_any_layout_equals_the_reference(tmp_path):
     _token_dataset(tmp_path / "data")
     base = ["+recipe=tiny", "data.source=tokens", f"data.path={tmp_path / 'data'}",
@@ -246,13 +250,18 @@ def test_validation_loss_at_any_layout_equals_the_reference(tmp_path):
     with torch.no_grad():
         logits = reference_model(cfg)(tokens[:, :-1])
     want = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
-    for world, layout in [(1, ["parallel.cp=1", "parallel.dp=1", "train.micro_batch=4"]),
-                          (4, ["parallel.cp=2", "parallel.dp=2", "train.micro_batch=2"]),
-                          (4, ["parallel.cp=2", "parallel.dp=1", "parallel.tp=2",
-                               "parallel.sp=true", "train.micro_batch=4"])]:
+    layouts = [(1, ["parallel.cp=1", "parallel.dp=1", "train.micro_batch=4"]),
+               (4, ["parallel.cp=2", "parallel.dp=2", "train.micro_batch=2"]),
+               (4, ["parallel.cp=2", "parallel.dp=1", "parallel.tp=2", "parallel.sp=true",
+                    "train.micro_batch=4"])]
+    runs = {}
+    for i, (world, layout) in enumerate(layouts):
         cfg = compose(base + layout).cfg
         assert preflight(cfg, world) == []
-        for history in on_ranks(_train, world, cfg, str(tmp_path / str(layout)), timeout_s=300):
+        runs[str(i)] = (world, cfg)
+    histories = train_on_ranks(runs, str(tmp_path / "runs"))  # one spawn per world size
+    for i, (_, layout) in enumerate(layouts):
+        for history in histories[str(i)]:
             assert history[-1]["val_loss"] == pytest.approx(want, rel=1e-5), layout
             assert history[-1]["val_ppl"] == pytest.approx(np.exp(want), rel=1e-5)
 
@@ -267,6 +276,7 @@ def test_presets_have_the_released_shapes():
     assert dataclasses.asdict(compose(["model=smollm2-135m"]).cfg.model)["n_kv_heads"] == 3
 
 
+@pytest.mark.slow  # 5 s on 2 cores: `lctrain preprocess`, a 4-rank `lctrain train` (subprocesses)
 def test_continue_pretraining_as_the_readme_says(tmp_path):
     """The README's commands, in subprocesses: preprocess with the model's tokenizer (the
     default), then `lctrain train +recipe=tiny model.init_from=DIR data.source=tokens

@@ -3,10 +3,10 @@ algorithm, document masking and FSDP/DDP, gives the losses and grad norms of one
 the same global batch, and after one step every parameter gradient equals the unsharded
 model's (the reference is the single-process model: tests/helpers.reference_model).
 
-One process spawn per world size runs every (layout, schedule) of that size.
+One process spawn per world size runs every (layout, schedule) of that size; the 4- and 8-rank
+worlds and the checkpoint round trips are in the slow tier (one 2-rank world stays fast).
 """
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -21,7 +21,15 @@ from lctrain.layout.topology import Topology
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.training.loop import _micro_steps, train
-from tests.helpers import on_ranks, reference_model, tiny_config
+from tests.helpers import (
+    on_ranks,
+    reference_model,
+    single_process,
+    tiny_config,
+    train_each,
+    train_on_ranks,
+    with_overrides,
+)
 
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2, "zbv": 2}
 """schedule -> virtual stages per rank"""
@@ -70,8 +78,7 @@ def _cases(world: int):
 
 def _reference_grads(cfg):
     """Gradients of the unsharded model over the step's global batch, token-weighted."""
-    single = dataclasses.replace(cfg, parallel=dataclasses.replace(
-        cfg.parallel, pp=1, tp=1, sp=False, cp=1, dp=-1))
+    single = single_process(cfg)
     accum = single.train.global_batch // single.train.micro_batch
     loader = build_loader(single, Topology(), 0, accum)
     mbs = loader.next_step()
@@ -82,7 +89,13 @@ def _reference_grads(cfg):
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-def _one_step_gradient_error(cfg) -> float:
+def _reference_key(cfg) -> str:
+    """What the one-process reference of a case (gradients, history) depends on."""
+    return f"ref_layers{cfg.model.n_layers}_batch{cfg.train.global_batch}_" \
+           f"docs{cfg.data.document_masking}"
+
+
+def _one_step_gradient_error(cfg, ref: dict) -> float:
     """Largest |grad - reference| / max|reference| over every parameter after one step."""
     rt = setup_distributed(cfg)
     model = build_model(cfg, rt)
@@ -92,7 +105,6 @@ def _one_step_gradient_error(cfg) -> float:
                          dtype=torch.float64)
     tokens = rt.sum_scores(local) / rt.topology.pp  # every pipeline rank counts the same batch
     _micro_steps(model, mbs, rt.topology.group_size("dp_cp") / tokens.item(), rt)
-    ref = _reference_grads(cfg)
     worst = 0.0
     for name, param in model.named_parameters():
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
@@ -100,29 +112,28 @@ def _one_step_gradient_error(cfg) -> float:
     return worst
 
 
-def _run_cases(world: int, root: str) -> dict:
+def _run_cases(world: int, root: str, ref_grads: dict) -> dict:
     """{case: (one-step gradient error, 3-step history)} on this rank."""
     out = {}
     for name, cfg in _cases(world):
-        error = _one_step_gradient_error(cfg)
+        error = _one_step_gradient_error(cfg, ref_grads[_reference_key(cfg)])
         out[name] = (error, train(cfg, f"{root}/{name.replace('/', '_')}"))
     return out
 
 
-def _single(cfg):
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(
-        cfg.parallel, pp=1, tp=1, sp=False, cp=1, dp=-1))
-
-
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", [
+    2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
 def test_every_schedule_and_layout_matches_one_process(world, tmp_path):
-    results = on_ranks(_run_cases, world, world, str(tmp_path), timeout_s=900)
-    refs: dict = {}
+    # slow: [8] 52 s and [4] 35 s on 2 cores (9 and 19 cases, ranks time-sliced)
+    # every distinct one-process reference: gradients here, once for every rank, and the
+    # histories in one more spawn
+    singles = {_reference_key(cfg): cfg for _, cfg in _cases(world)}
+    ref_grads = {key: _reference_grads(cfg) for key, cfg in singles.items()}
+    results = on_ranks(_run_cases, world, world, str(tmp_path), ref_grads, timeout_s=900)
+    refs = on_ranks(train_each, 1, {key: single_process(cfg) for key, cfg in singles.items()},
+                    str(tmp_path))[0]
     for name, cfg in _cases(world):
-        key = (cfg.model.n_layers, cfg.train.global_batch, cfg.data.document_masking)
-        if key not in refs:
-            refs[key] = on_ranks(train, 1, _single(cfg), str(tmp_path / f"ref{len(refs)}"))[0]
-        ref = refs[key]
+        ref = refs[_reference_key(cfg)]
         for rank_results in results:
             error, history = rank_results[name]
             assert error < 1e-4, (name, error)
@@ -140,8 +151,7 @@ def test_stage_split_and_owners():
     assert rank_stages(0, 2, 2, "interleaved_1f1b") == [0, 2]
     assert rank_stages(0, 2, 2, "zbv") == [0, 3]
     assert [stage_rank(s, 2, 2, "zbv") for s in range(4)] == [0, 1, 1, 0]
-    explicit = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
-                                                                     pp_layers=[1, 3, 3, 1]))
+    explicit = with_overrides(cfg, parallel={"pp_layers": [1, 3, 3, 1]})
     assert split_layers(explicit) == ((0,), (1, 2, 3), (4, 5, 6), (7,))
 
 
@@ -182,26 +192,36 @@ def _assert_continues(histories, ref, steps, what):
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), what
 
 
+def _layout_name(par: dict) -> str:
+    return "_".join(f"{k}{v}" for k, v in par.items())
+
+
+@pytest.mark.slow  # 34 s on 2 cores: 10 runs on 8 ranks
 def test_checkpoints_load_across_pipeline_layouts(tmp_path):
     """Saved at (pp2, tp2, dp2), loaded at each other layout, and saved at each of those,
-    loaded at (pp2, tp2, dp2): the next losses are the uninterrupted run's."""
-    runs = {}
-    for world, par in [(8, SAVED_AT), *OTHER_LAYOUTS]:
-        run = tmp_path / "_".join(f"{k}{v}" for k, v in par.items())
-        runs[str(par)] = (run, on_ranks(train, world, _ckpt_cfg(par, {"every": 3}), str(run),
-                                        timeout_s=300)[0])
-    ref = runs[str(SAVED_AT)][1]
-    for _, history in runs.values():  # every layout trains the same model
-        _assert_continues([history], ref, [1, 2, 3, 4, 5, 6], "uninterrupted")
-    saved = runs[str(SAVED_AT)][0] / "checkpoints" / "step-00000003"
+    loaded at (pp2, tp2, dp2): the next losses are the uninterrupted run's. Every run is on 8
+    ranks: one spawn runs them all, the saves first."""
+    def step3(par):
+        return str(tmp_path / _layout_name(par) / "checkpoints" / "step-00000003")
+
+    runs = {_layout_name(par): (world, _ckpt_cfg(par, {"every": 3}))
+            for world, par in [(8, SAVED_AT), *OTHER_LAYOUTS]}
     for world, par in OTHER_LAYOUTS:
-        cfg = _ckpt_cfg(par, {"every": 0, "load": str(saved)})
-        _assert_continues(on_ranks(train, world, cfg, str(tmp_path / f"from_pp2_{world}"),
-                                   timeout_s=300), ref, [4, 5, 6], f"pp2 tp2 dp2 -> {par}")
-        back = runs[str(par)][0] / "checkpoints" / "step-00000003"
-        cfg = _ckpt_cfg(SAVED_AT, {"every": 0, "load": str(back)})
-        _assert_continues(on_ranks(train, 8, cfg, str(tmp_path / f"to_pp2_{par}"),
-                                   timeout_s=300), ref, [4, 5, 6], f"{par} -> pp2 tp2 dp2")
+        runs[f"from_pp2_{_layout_name(par)}"] = (
+            world, _ckpt_cfg(par, {"every": 0, "load": step3(SAVED_AT)}))
+        runs[f"to_pp2_from_{_layout_name(par)}"] = (
+            8, _ckpt_cfg(SAVED_AT, {"every": 0, "load": step3(par)}))
+    assert {world for world, _ in runs.values()} == {8}
+    histories = train_on_ranks(runs, str(tmp_path), timeout_s=600)
+    ref = histories[_layout_name(SAVED_AT)][0]
+    for _, par in [(8, SAVED_AT), *OTHER_LAYOUTS]:  # every layout trains the same model
+        _assert_continues(histories[_layout_name(par)][:1], ref, [1, 2, 3, 4, 5, 6],
+                          "uninterrupted")
+    for _, par in OTHER_LAYOUTS:
+        _assert_continues(histories[f"from_pp2_{_layout_name(par)}"], ref, [4, 5, 6],
+                          f"pp2 tp2 dp2 -> {par}")
+        _assert_continues(histories[f"to_pp2_from_{_layout_name(par)}"], ref, [4, 5, 6],
+                          f"{par} -> pp2 tp2 dp2")
 
 
 def _forward_and_export(cfg, out_dir):
@@ -289,7 +309,7 @@ def test_a_killed_stage_ends_the_job_and_a_stop_ends_every_stage(tmp_path):
     assert failure.value.rank == 1 and "SIGKILL" in str(failure.value)
     # the STOP file appears during step 2 (rank 0 looks for it): both stages stop after step 2
     run = tmp_path / "stopped"
-    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, every=0))
+    cfg = with_overrides(cfg, checkpoint={"every": 0})
     histories = on_ranks(_in_step(2, 0, _stop_file), 2, cfg, str(run), timeout_s=120)
     assert [[h["step"] for h in hist] for hist in histories] == [[1, 2], [1, 2]]
     assert (run / "checkpoints" / "step-00000002").is_dir()

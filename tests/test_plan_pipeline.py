@@ -11,7 +11,6 @@ import pytest
 from torch import nn
 from torch.distributed.pipelining.schedules import _ComputationType
 
-from lctrain import cli
 from lctrain.config.compose import compose
 from lctrain.config.validation import validate
 from lctrain.layout.stages import rank_stages
@@ -26,7 +25,7 @@ from lctrain.planning.memory import (
     stage_params,
 )
 from lctrain.planning.plan import GIB, build_plan
-from tests.helpers import tiny_config
+from tests.helpers import run_cli, tiny_config
 
 
 def _pipeline_config(world: int, **parallel):
@@ -131,10 +130,9 @@ PP4 = [*LLAMA_256K, "parallel.pp=4", "parallel.pp_schedule=interleaved_1f1b",
 
 
 def test_plan_prints_the_pipeline_stage_by_stage(capsys):
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["plan", *PP4, "--json"])
-    assert exc.value.code == 0
-    plan = json.loads(capsys.readouterr().out)
+    code, out, _ = run_cli(["plan", *PP4, "--json"], capsys)
+    assert code == 0
+    plan = json.loads(out)
     pipe = plan["pipeline"]
     assert plan["shapes"]["layers_per_stage"] == [4] * 8 and plan["grad_accum"] == 16
     assert pipe["micro_batches"] == 16 and pipe["bubble_fraction"] == pytest.approx(3 / 35)
@@ -146,9 +144,7 @@ def test_plan_prints_the_pipeline_stage_by_stage(capsys):
     totals = {row["pp_rank"]: row["rank_total_gib"] for row in pipe["stages"]}
     assert plan["memory_gib"]["total_estimate"] == max(totals.values())
     assert totals[pipe["largest_pp_rank"]] == max(totals.values())
-    with pytest.raises(SystemExit):
-        cli.main(["plan", *PP4])
-    text = capsys.readouterr().out
+    _, text, _ = run_cli(["plan", *PP4], capsys)
     assert "pipeline: interleaved_1f1b, 2 stage(s) per rank, 16 micro-batches per step" in text
     table = text.split("pipeline: ")[1].split("\n\n")[0].splitlines()[2:]
     assert len(table) == 8

@@ -9,12 +9,11 @@ import json
 
 import pytest
 
-from lctrain import cli
 from lctrain.config import derive
 from lctrain.config.validation import validate
 from lctrain.planning.memory import allocator_allowance, state_bytes_per_rank
 from lctrain.planning.plan import GIB, build_plan
-from tests.helpers import on_ranks, tiny_config
+from tests.helpers import on_ranks, run_cli, tiny_config, train_each
 
 WORLD = 4
 TRAFFIC_KEYS = ("cp_bytes_sent", "traffic/cp", "traffic/tp", "traffic/pp", "traffic/dp")
@@ -27,17 +26,9 @@ def _layout(parallel: dict, **train):
     return cfg
 
 
-def _train_each(cfgs, run_dirs):
-    """train() every layout in turn on the same 4 ranks (the process group is reused)."""
-    from lctrain.training.loop import train
-
-    for cfg, run_dir in zip(cfgs, run_dirs):
-        train(cfg, run_dir)
-
-
 def _assert_logged_equals_predicted(tmp_path, layouts: dict) -> None:
     runs = [str(tmp_path / name) for name in layouts]
-    on_ranks(_train_each, WORLD, list(layouts.values()), runs, timeout_s=300)
+    on_ranks(train_each, WORLD, layouts, str(tmp_path), timeout_s=300)  # one spawn for all
     for (name, cfg), run in zip(layouts.items(), runs):
         predicted = build_plan(cfg, WORLD)["predicted"]
         want = {k: v for k, v in predicted.items() if k in TRAFFIC_KEYS}
@@ -58,6 +49,7 @@ def _assert_logged_equals_predicted(tmp_path, layouts: dict) -> None:
             assert sum(predicted["cp_collectives"].values()) == want["cp_bytes_sent"]
 
 
+@pytest.mark.slow  # 5 s on 2 cores (3 layouts on 4 ranks); the other 3 layouts stay fast
 def test_predicted_traffic_equals_logged_tp_ring_ulysses(tmp_path):
     _assert_logged_equals_predicted(tmp_path, {
         # tp with SP, FSDP over dp, selective checkpointing (TP's recompute)
@@ -108,17 +100,14 @@ def test_memory_is_itemised_and_the_verdict_flips_at_gpu_memory_gib(capsys):
     cfg.plan.gpu_memory_gib = 0.0
     assert any("plan.gpu_memory_gib=0.0 must be >= 0.1" in p for p in validate(cfg, WORLD))
 
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["plan", "+recipe=tiny", "plan.gpu_memory_gib=1.0"])
-    assert exc.value.code == 0
-    out = capsys.readouterr().out
+    code, out, _ = run_cli(["plan", "+recipe=tiny", "plan.gpu_memory_gib=1.0"], capsys)
+    assert code == 0
     assert "DOES NOT FIT in plan.gpu_memory_gib=1" in out, out
     assert "predicted per rank per step (bytes, as metrics.jsonl logs them):" in out
     assert "allocator_allowance" in out
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["plan", "+recipe=tiny", "--json"])
-    assert exc.value.code == 0
-    plan = json.loads(capsys.readouterr().out)
+    code, out, _ = run_cli(["plan", "+recipe=tiny", "--json"], capsys)
+    assert code == 0
+    plan = json.loads(out)
     assert plan["memory_per_rank"]["verdict"] == "FITS"
     # the tiny recipe's ring (docs/parallelism.md §6, worked example): 1,572,864 bytes per step
     assert plan["predicted"]["cp_bytes_sent"] == plan["predicted"]["traffic/cp"] == 1_572_864

@@ -12,11 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 NAMES = ["tp2_cp2_ulysses", "tp2_sp_dp2_sel", "cp4_usp_full", "cp2_allgather_dp2", "dp4_ddp_full",
          "pp2_cp2_interleaved", "pp4_gpipe_full", "tp2_nosp"]
 
 
+@pytest.mark.slow  # 19 s on 2 cores: the bench trains 8 layouts of up to 4 ranks
 def test_every_layout_matches_the_plan(tmp_path):
     out_json = tmp_path / "rows.json"
     cmd = [sys.executable, "bench/plan_vs_measured.py", "--no-time", "--steps", "2",

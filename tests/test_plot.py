@@ -8,15 +8,8 @@ import pytest
 from matplotlib import colors
 from matplotlib import image as mpimg
 
-from lctrain import cli
 from lctrain.commands import plot
-
-
-def _main(argv, capsys):
-    with pytest.raises(SystemExit) as done:
-        cli.main(argv)
-    captured = capsys.readouterr()
-    return done.value.code, captured.out, captured.err
+from tests.helpers import run_cli
 
 
 def _row(step, mfu=True, run=0, **extra):
@@ -57,7 +50,7 @@ def _pixels_near(img, color, tol=0.06):
 def test_plot_overlays_runs_one_colour_each(tmp_path, capsys):
     a, b = _two_runs(tmp_path)
     out = tmp_path / "out"
-    code, stdout, _ = _main(["plot", str(a), str(b), f"--out={out}"], capsys)
+    code, stdout, _ = run_cli(["plot", str(a), str(b), f"--out={out}"], capsys)
     assert code == 0
     stems = ["loss", "tokens_per_sec", "mfu", "memory", "eval"]
     assert stdout.split() == [str(out / f"{s}.png") for s in stems]
@@ -77,7 +70,7 @@ def test_plot_overlays_runs_one_colour_each(tmp_path, capsys):
 
 def test_default_out_is_the_first_runs_plots_and_skips_are_said(tmp_path, capsys):
     run_dir = _write(tmp_path / "solo", [_row(s, mfu=False) for s in range(1, 4)])
-    code, stdout, _ = _main(["plot", str(run_dir)], capsys)
+    code, stdout, _ = run_cli(["plot", str(run_dir)], capsys)
     assert code == 0
     assert "skipped mfu.png: no run logged mfu" in stdout
     assert "skipped eval.png: no run logged eval/<task>/acc" in stdout
@@ -133,6 +126,6 @@ def test_bad_input_is_exit_2_with_a_message(tmp_path, capsys, case, message):
     else:
         _write(path, [_row(1)])
         flags = ["--out"]
-    code, _, err = _main(["plot", str(path), *flags], capsys)
+    code, _, err = run_cli(["plot", str(path), *flags], capsys)
     assert code == 2
     assert message in err

@@ -21,14 +21,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the tests train and 
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
 
 from lctrain.config import LctrainConfig  # noqa: E402
-from lctrain.data.ingest import (  # noqa: E402
-    DataError,
-    TokenizerMismatch,
-    load_tokenizer,
-    resolve_inputs,
-)
+from lctrain.data.ingest import DataError  # noqa: E402
+from lctrain.data.inputs import resolve_inputs  # noqa: E402
 from lctrain.data.preprocess import preprocess, validate_preprocess  # noqa: E402
 from lctrain.data.shards import TokenStore  # noqa: E402
+from lctrain.data.tokenizer import TokenizerMismatch, load_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SENTENCES = ["the cat sat on the mat", "a dog ran in the park", "once upon a time there was",

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from lctrain import cli
 from lctrain.commands.checks import preflight
 from lctrain.commands.init_from import resolve_model
 from lctrain.commands.plan import plan_world_size
@@ -24,6 +23,7 @@ from lctrain.config.paths import recipe_names, recipes_dir
 from lctrain.data.shards import ShardWriter
 from lctrain.planning.plan import build_plan
 from lctrain.planning.timing import hardware_from_plan, step_time_summary
+from tests.helpers import run_cli
 
 H100_GIB = 79.6  # what an H100 80 GB reports (81,559 MiB)
 HEADROOM = 0.9  # of it for the plan's estimate: the CUDA context, NCCL buffers, fragmentation
@@ -153,10 +153,9 @@ def test_demo_recipes_need_nothing(recipe):
 
 
 def _refusal(command: str, recipe: str, capsys) -> str:
-    with pytest.raises(SystemExit) as exc:
-        cli.main([command, f"+recipe={recipe}"])
-    assert exc.value.code == 2
-    return capsys.readouterr().err
+    code, _, err = run_cli([command, f"+recipe={recipe}"], capsys)
+    assert code == 2
+    return err
 
 
 @pytest.mark.parametrize("command", ["train", "plan"])

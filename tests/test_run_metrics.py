@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lctrain import cli
 from lctrain.config import derive
 from lctrain.config.validation import validate
 from lctrain.data.batch import IGNORE_INDEX
@@ -21,7 +20,7 @@ from lctrain.planning.flops import datasheet_peak_tflops, mfu, train_flops_per_s
 from lctrain.planning.memory import local_params
 from lctrain.planning.traffic import attention_traffic, dp_step_bytes
 from lctrain.training.metrics import PeakMemory, measure_matmul_tflops
-from tests.helpers import on_ranks, tiny_config
+from tests.helpers import on_ranks, run_cli, tiny_config
 
 
 def _dense_causal(q, k, v, doc_ids=None):
@@ -92,11 +91,9 @@ def test_logging_settings_are_configuration_errors(monkeypatch, capsys, tmp_path
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "tensorboard" else real(name, *a))
     monkeypatch.setattr("lctrain.training.loop.train", _refuse)
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["train", "+recipe=tiny", "logging.tensorboard=true",
-                  f"hydra.run.dir={tmp_path}"])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
+    code, _, err = run_cli(["train", "+recipe=tiny", "logging.tensorboard=true",
+                            f"hydra.run.dir={tmp_path}"], capsys)
+    assert code == 2
     assert "logging.tensorboard=true but tensorboard is not installed" in err, err
     assert "pip install 'lctrain[tensorboard]'" in err, err
 
@@ -234,6 +231,7 @@ def _train(cfg, run_dir):
     return train(cfg, run_dir)
 
 
+@pytest.mark.slow  # 4-6 s on 2 cores: two runs with W&B (offline) and TensorBoard
 def test_a_resumed_run_logs_each_step_once_and_continues_its_wandb_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

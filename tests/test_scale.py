@@ -8,10 +8,9 @@ import torch
 from lctrain.parallel.memory import measure_peak
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
-from tests.helpers import on_ranks, reference_model, tiny_config
+from tests.helpers import HEADS_8, on_ranks, reference_model, tiny_config, train_each
 
-MODEL = {"vocab_size": 128, "dim": 64, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4,
-         "ffn_dim": 96}
+MODEL = HEADS_8
 LAYOUTS = [(1, {}), (2, {"tp": 2}), (4, {"tp": 2, "sp": True, "cp": 2}), (2, {"dp": 2}),
            (2, {"dp": 2, "dp_engine": "ddp"}), (4, {"tp": 2, "dp": 2}),
            (4, {"cp": 2, "dp": 2, "attention": "ulysses"})]
@@ -24,16 +23,22 @@ def _full_weights(cfg):
             for name, p in module.named_parameters()}
 
 
+def _full_weights_each(cfgs):
+    return [_full_weights(cfg) for cfg in cfgs]
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_meta_init_gives_the_same_global_weights_at_every_layout(tied):
-    for world, par in LAYOUTS:
-        cfg = tiny_config(model={**MODEL, "tie_embeddings": tied}, parallel=par,
-                          train={"global_batch": 4, "micro_batch": 1})
-        reference = dict(reference_model(cfg).named_parameters())
-        for weights in on_ranks(_full_weights, world, cfg):
-            assert weights.keys() == reference.keys()
-            for name, want in reference.items():
-                assert torch.equal(weights[name], want), (par, name)  # bit for bit
+    for world in dict.fromkeys(world for world, _ in LAYOUTS):  # one spawn per world size
+        pars = [par for w, par in LAYOUTS if w == world]
+        cfgs = [tiny_config(model={**MODEL, "tie_embeddings": tied}, parallel=par,
+                            train={"global_batch": 4, "micro_batch": 1}) for par in pars]
+        for per_layout in on_ranks(_full_weights_each, world, cfgs):
+            for par, cfg, weights in zip(pars, cfgs, per_layout, strict=True):
+                reference = dict(reference_model(cfg).named_parameters())
+                assert weights.keys() == reference.keys()
+                for name, want in reference.items():
+                    assert torch.equal(weights[name], want), (par, name)  # bit for bit
 
 
 def _build_and_measure(cfg):
@@ -72,7 +77,9 @@ def _grads_plain_and_tiled(cfgs, seqs):
     return [_grads_after_one_backward(cfg, seqs) for cfg in cfgs]
 
 
-@pytest.mark.parametrize("world,par", PARITY_LAYOUTS, ids=["1", "tp2sp_cp2", "dp2_cp2"])
+@pytest.mark.parametrize("world,par", [  # slow: tp2 x sp x cp2, 5 s on 2 cores
+    PARITY_LAYOUTS[0], pytest.param(*PARITY_LAYOUTS[1], marks=pytest.mark.slow),
+    PARITY_LAYOUTS[2]], ids=["1", "tp2sp_cp2", "dp2_cp2"])
 def test_each_memory_feature_gives_the_plain_gradients(world, par):
     seqs = torch.randint(1, 128, (2, 33), generator=torch.Generator().manual_seed(3))
     train = {"global_batch": 2, "micro_batch": 2 // par.get("dp", 1)}
@@ -92,6 +99,7 @@ def _history(cfg, run_dir):
     return train(cfg, run_dir)
 
 
+@pytest.mark.slow  # 3-5 s on 2 cores: 4 ranks
 def test_tiled_training_matches_the_plain_losses(tmp_path):
     steps = {"steps": 3, "global_batch": 2, "micro_batch": 1}
     par = {"tp": 2, "sp": True, "cp": 2, "attention": "ring"}
@@ -133,11 +141,12 @@ def test_offload_keeps_the_block_inputs_in_host_memory(monkeypatch):
     assert packed.count((2, 32, MODEL["dim"])) >= MODEL["n_layers"], packed
 
 
+@pytest.mark.slow  # 13 s on 2 cores, most of it torch.compile
 def test_compiled_blocks_and_loss_match_eager(tmp_path):
     steps = {"steps": 2, "global_batch": 2, "micro_batch": 2}
-    eager = on_ranks(_history, 1, tiny_config(model=MODEL, train=steps), str(tmp_path / "e"))[0]
-    compiled = tiny_config(model=MODEL, train={**steps, "compile": True, "loss_chunk": 16})
-    for got, want in zip(on_ranks(_history, 1, compiled, str(tmp_path / "c"),
-                                  timeout_s=600)[0], eager):
+    runs = {"e": tiny_config(model=MODEL, train=steps),
+            "c": tiny_config(model=MODEL, train={**steps, "compile": True, "loss_chunk": 16})}
+    histories = on_ranks(train_each, 1, runs, str(tmp_path), timeout_s=600)[0]
+    for got, want in zip(histories["c"], histories["e"]):
         for key in ("loss", "grad_norm"):
             assert got[key] == pytest.approx(want[key], rel=1e-5), (got["step"], key)

@@ -117,6 +117,7 @@ def submit_and_stop(run_dir: Path, env: dict, *extra: str) -> str:
     return job_id
 
 
+@pytest.mark.slow  # 92 s on 2 cores where a Slurm runs: 5 jobs of 12 steps, 2 of them stopped
 def test_submit_runs_stops_requeues_resubmits_and_sweeps(slurm, tmp_path):
     requeued, resubmitted = tmp_path / "requeued", tmp_path / "resubmitted"
     jobs = {requeued: submit_and_stop(requeued, slurm),
@@ -170,6 +171,7 @@ def test_submit_runs_stops_requeues_resubmits_and_sweeps(slurm, tmp_path):
     assert "step         12 / 12" in status.stdout
 
 
+@pytest.mark.slow  # 27 s on 2 cores where a Slurm runs (4 `lctrain submit` subprocesses)
 def test_cluster_mismatch_is_refused_before_submitting(slurm, tmp_path):
     cases = {
         "slurm.partition=nope": "slurm.partition=nope does not exist on this cluster; "
@@ -190,6 +192,7 @@ def test_cluster_mismatch_is_refused_before_submitting(slurm, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow  # 11 s on 2 cores: 4 `lctrain submit` subprocesses
 def test_bad_submissions_without_a_cluster(tmp_path):
     """Refused with exit code 2 on any machine: what the layout or the PATH rules out."""
     no_slurm = {**ENV, "PATH": str(Path(sys.executable).parent)}

@@ -3,6 +3,7 @@ rendezvous on the head node, sweep expansion, and the stop-file tokens that deci
 (The same script against a real Slurm: tests/test_slurm.py.)"""
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -14,11 +15,14 @@ from lctrain.commands.submit import (
     Partition,
     cluster_problems,
     expand_sweep,
+    fill,
     render_sbatch,
     run_dir_override,
 )
 from lctrain.config.compose import compose
 from lctrain.training.preemption import STOPPED, PreemptionWatcher, job_token
+
+GOLDEN = Path(__file__).parent / "golden" / "sbatch"
 
 GPU_JOB = ["model=llama3-8b", "parallel.tp=8", "parallel.cp=4", "parallel.attention=ring",
            "train.seq_len=131072", "train.global_batch=8", "slurm.nodes=4", "parallel.dp=-1"]
@@ -63,6 +67,56 @@ def test_cpu_partition_script_requests_no_gpu(tmp_path):
                            "slurm.cpus_per_task=6"], tmp_path)
     assert "--nproc-per-node=2" in two_nodes and "#SBATCH --nodes=2\n" in two_nodes
     assert "#SBATCH --cpus-per-task=6\n" in two_nodes and "OMP_NUM_THREADS=3\n" in two_nodes
+
+
+GOLDEN_JOBS = {  # golden file: overrides (the files were rendered before the script became a
+    # template; @PYTHON@ stands for the submitter's own Python)
+    "gpu": [*GPU_JOB, "+slurm.env.NCCL_SOCKET_IFNAME=ib0", "+slurm.env.NCCL_DEBUG=WARN",
+            "slurm.partition=gpu", "slurm.account=proj42", "slurm.qos=high",
+            "slurm.time=02:00:00", "slurm.job_name=long-ctx",
+            "slurm.setup=['module load cuda/12.4','source /opt/env.sh']",
+            "slurm.python=/opt/py/bin/python3", "slurm.signal_before_s=120",
+            run_dir_override(Path("/srv/runs/it's a run"))],
+    "cpu": ["+recipe=tiny", "slurm.gpus_per_node=0", "slurm.nodes=2", "slurm.cpus_per_task=6",
+            "slurm.requeue=false", "slurm.python=/opt/py/bin/python3", "checkpoint.resume=none",
+            "train.steps=7", "hydra.run.dir=/srv/runs/cpu"],
+    "default_python": ["+recipe=tiny", "slurm.gpus_per_node=0", "hydra.run.dir=/srv/runs/tiny"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_JOBS))
+def test_script_matches_its_golden_file(name):
+    composed = compose(GOLDEN_JOBS[name])
+    script = render_sbatch(composed.cfg, composed.overrides, composed.run_dir)
+    expected = (GOLDEN / f"{name}.sbatch").read_text().replace("@PYTHON@",
+                                                               shlex.quote(sys.executable))
+    assert script == expected
+
+
+def test_templates_ship_with_the_package():
+    tomllib = pytest.importorskip("tomllib")
+    repo = Path(__file__).resolve().parents[1]
+    setuptools = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "lctrain.commands" in setuptools["packages"]
+    package = repo / "lctrain" / "commands"
+    shipped = {path for pattern in setuptools["package-data"]["lctrain.commands"]
+               for path in package.glob(pattern)}
+    templates = set((package / "templates").iterdir())
+    assert {"submit.sbatch", "submit_requeue.sbatch"} <= {p.name for p in templates}
+    assert templates <= shipped
+
+
+def test_template_fill_keeps_the_shells_own_syntax():
+    text = "a={{a}} $HOME ${X:-0} $(pwd)\n{{lines}}\nend\n"
+    assert fill(text, {"a": 1, "lines": []}) == "a=1 $HOME ${X:-0} $(pwd)\nend\n"
+    assert fill(text, {"a": "{{b}}", "lines": ["x", "{{a}}"]}) == \
+        "a={{b}} $HOME ${X:-0} $(pwd)\nx\n{{a}}\nend\n"  # values are never read again
+    with pytest.raises(KeyError, match="lines"):
+        fill(text, {"a": 1})
+    with pytest.raises(AssertionError, match="give a list"):
+        fill(text, {"a": 1, "lines": "x"})
+    with pytest.raises(ValueError, match="Invalid placeholder"):
+        fill("{{run-dir}}", {})
 
 
 def test_script_is_valid_bash_and_its_trap_writes_the_token(tmp_path):

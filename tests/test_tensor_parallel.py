@@ -1,5 +1,6 @@
 """Megatron TP + SP (DTensor plan) against the single-process model, composed with cp and dp;
-and the collectives a block issues, against the Megatron SP formula (docs/parallelism.md §2)."""
+and the collectives a block issues, against the Megatron SP formula (docs/parallelism.md §2).
+The block's collectives on 2 ranks are the fast tier's TP case; the layouts are slow."""
 
 import pytest
 import torch
@@ -14,10 +15,9 @@ from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.parallel.tensor import tp_plan
 from lctrain.training.loop import forward_backward, train
-from tests.helpers import on_ranks, reference_model, tiny_config
+from tests.helpers import HEADS_8, on_ranks, reference_model, tiny_config, train_on_ranks
 
-MODEL = {"vocab_size": 128, "dim": 64, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4,
-         "ffn_dim": 96}
+MODEL = HEADS_8
 LAYOUTS = [  # (world, parallel overrides)
     (2, {"tp": 2}),
     (2, {"tp": 2, "sp": True}),
@@ -34,13 +34,17 @@ def _train(cfg, run_dir):
     return train(cfg, run_dir)
 
 
+@pytest.mark.slow  # 17-27 s on 2 cores: 8 layouts of 2 to 8 ranks
 def test_tp_sp_layouts_match_one_process(tmp_path):
     steps = {"steps": 5, "global_batch": 2, "micro_batch": 2, "seq_len": 32}
-    ref = on_ranks(_train, 1, tiny_config(model=MODEL, train=steps), str(tmp_path / "ref"))[0]
+    runs = {"ref": (1, tiny_config(model=MODEL, train=steps))}
     for i, (world, par) in enumerate(LAYOUTS):
         train_over = {**steps, "micro_batch": 1} if par.get("dp", 1) > 1 else steps
-        cfg = tiny_config(model=MODEL, train=train_over, parallel=par)
-        for h in on_ranks(_train, world, cfg, str(tmp_path / str(i)), timeout_s=300):
+        runs[str(i)] = (world, tiny_config(model=MODEL, train=train_over, parallel=par))
+    histories = train_on_ranks(runs, str(tmp_path))  # one spawn per world size
+    ref = histories["ref"][0]
+    for i, (_, par) in enumerate(LAYOUTS):
+        for h in histories[str(i)]:
             assert len(h) == len(ref)
             for g, r in zip(h, ref):
                 for key in ("loss", "grad_norm"):
@@ -82,13 +86,17 @@ AC_LAYOUTS = [(1, {}, "selective"), (1, {}, "full"),
               (2, {"cp": 2, "attention": "ulysses"}, "selective")]
 
 
+@pytest.mark.slow  # 4-12 s on 2 cores: 5 layouts of 1 to 4 ranks
 def test_activation_checkpointing_changes_nothing_but_memory(tmp_path):
     steps = {"steps": 3, "global_batch": 2, "micro_batch": 2, "seq_len": 32}
-    ref = on_ranks(_train, 1, tiny_config(model=MODEL, train=steps), str(tmp_path / "ref"))[0]
+    runs = {"ref": (1, tiny_config(model=MODEL, train=steps))}
     for i, (world, par, mode) in enumerate(AC_LAYOUTS):
-        cfg = tiny_config(model=MODEL, parallel=par,
-                          train={**steps, "activation_checkpointing": mode})
-        for h in on_ranks(_train, world, cfg, str(tmp_path / str(i)), timeout_s=300):
+        runs[str(i)] = (world, tiny_config(model=MODEL, parallel=par,
+                                           train={**steps, "activation_checkpointing": mode}))
+    histories = train_on_ranks(runs, str(tmp_path))  # one spawn per world size
+    ref = histories["ref"][0]
+    for i, (_, par, mode) in enumerate(AC_LAYOUTS):
+        for h in histories[str(i)]:
             for g, r in zip(h, ref):
                 for key in ("loss", "grad_norm"):
                     assert g[key] == pytest.approx(r[key], rel=2e-5), (par, mode, key)
@@ -111,6 +119,7 @@ GRAD_LAYOUTS = [(2, {"tp": 2, "sp": True}), (4, {"tp": 4}),
                 (8, {"tp": 2, "sp": True, "cp": 2, "dp": 2, "attention": "ring"})]
 
 
+@pytest.mark.slow  # 3-10 s on 2 cores: 2, 4 and 8 ranks
 def test_every_gradient_matches_one_process():
     import torch.nn.functional as F
 
@@ -132,6 +141,12 @@ def test_every_gradient_matches_one_process():
 TIED = {**MODEL, "tie_embeddings": True}
 
 
+def _grads_then_train(grad_cfg, seqs, cfg, run_dir):
+    """One backward's gradients, then a training run, on the same ranks."""
+    return _grads_after_one_backward(grad_cfg, seqs), train(cfg, run_dir)
+
+
+@pytest.mark.slow  # 3-6 s on 2 cores: 3 spawns of 1 to 4 ranks
 def test_tied_embeddings_under_tp_match_one_process(tmp_path):
     """The vocab-parallel embedding and output layer share one [V/tp, D] shard: every gradient
     after one backward, and the losses and grad norms of 3 steps, equal one process."""
@@ -143,14 +158,17 @@ def test_tied_embeddings_under_tp_match_one_process(tmp_path):
     steps = {"steps": 3, "global_batch": 2, "micro_batch": 2, "seq_len": 32}
     ref_history = on_ranks(_train, 1, tiny_config(model=TIED, train=steps), str(tmp_path / "r"))[0]
     for world, par in [(2, {"tp": 2}), (4, {"tp": 2, "sp": True, "cp": 2, "attention": "ring"})]:
-        cfg = tiny_config(model=TIED, parallel=par, train={"global_batch": 2, "micro_batch": 2})
-        grads = on_ranks(_grads_after_one_backward, world, cfg, seqs, timeout_s=300)[0]
+        grad_cfg = tiny_config(model=TIED, parallel=par,
+                               train={"global_batch": 2, "micro_batch": 2})
+        cfg = tiny_config(model=TIED, parallel=par, train=steps)
+        results = on_ranks(_grads_then_train, world, grad_cfg, seqs, cfg,
+                           str(tmp_path / str(world)), timeout_s=300)
+        grads = results[0][0]
         assert "output.weight" not in grads  # one parameter, shared
         for name, p in ref.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6,
                                        msg=f"{par} {name}")
-        cfg = tiny_config(model=TIED, parallel=par, train=steps)
-        for h in on_ranks(_train, world, cfg, str(tmp_path / str(world)), timeout_s=300):
+        for _, h in results:
             for g, r in zip(h, ref_history):
                 for key in ("loss", "grad_norm"):
                     assert g[key] == pytest.approx(r[key], rel=2e-5), (par, g["step"], key)

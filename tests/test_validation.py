@@ -6,11 +6,10 @@ process started (the launcher is replaced by one that fails the test).
 
 import pytest
 
-from lctrain import cli
 from lctrain.commands.checks import preflight
 from lctrain.config.validation import nearest_multiple, warnings_for
 from lctrain.parallel import launch
-from tests.helpers import tiny_config
+from tests.helpers import exit_code, run_cli, tiny_config
 
 # (section overrides, world size, substrings of the single expected message)
 BAD = {
@@ -207,10 +206,8 @@ def test_cli_exits_2_before_any_process(name, capsys, no_launch, tmp_path):
     sections, world, expected = BAD[name]
     argv = ["train", *CLI_BASE, *_to_overrides(sections), f"launch.nproc={world}",
             f"hydra.run.dir={tmp_path / 'run'}"]
-    with pytest.raises(SystemExit) as exc:
-        cli.main(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2
     for text in expected:
         assert text in err, (text, err)
     assert not (tmp_path / "run").exists()
@@ -224,30 +221,24 @@ def test_cli_exits_2_before_any_process(name, capsys, no_launch, tmp_path):
     ("parallel.nonsense=2", "nonsense"),
 ])
 def test_cli_rejects_unknown_keys_and_bad_types(override, expected, capsys, no_launch):
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["train", *CLI_BASE, override])
-    assert exc.value.code == 2
-    assert expected in capsys.readouterr().err
+    code, _, err = run_cli(["train", *CLI_BASE, override], capsys)
+    assert code == 2
+    assert expected in err
 
 
 def test_cli_reports_several_unknown_keys_together(capsys, no_launch):
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["plan", *CLI_BASE, "+a.b=1", "+train.c=2"])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
+    code, _, err = run_cli(["plan", *CLI_BASE, "+a.b=1", "+train.c=2"], capsys)
+    assert code == 2
     assert "unknown key a;" in err and "unknown key train.c;" in err
 
 
 def test_cli_unknown_command_and_flag(capsys):
     for argv in (["fly"], ["train", "--json"]):
-        with pytest.raises(SystemExit) as exc:
-            cli.main(argv)
-        assert exc.value.code == 2
+        assert exit_code(argv) == 2
 
 
 def test_cli_refuses_a_model_this_machine_cannot_host(capsys, no_launch):
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["train", "+recipe=tiny", "model=llama3-70b", "train.device=cpu"])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
+    code, _, err = run_cli(["train", "+recipe=tiny", "model=llama3-70b", "train.device=cpu"],
+                           capsys)
+    assert code == 2
     assert "4 CPU ranks of model.name=llama3-70b need about" in err and "GiB is available" in err

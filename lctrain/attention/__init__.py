@@ -2,50 +2,35 @@
 
 `ContextParallelAttention` is the attention core the model calls: it receives the local shards
 q [B, S/cp, H, d], k/v [B, S/cp, H_kv, d] laid out by `lctrain.layout.sequence`, and the global
-document ids [B, S] when documents are packed, and runs the configured algorithm (ring.py,
-ulysses.py, usp.py, allgather.py) over the kernels of kernels.py.
+document ids [B, S] when documents are packed, and runs the configured algorithm over the
+kernels of kernels.py. It asks two registries, both keyed by the algorithm's name: the facts in
+`lctrain.config.cp_algorithms` (its Ulysses degree) and the implementation in algorithms.py
+(its blocks and its function). The implementations are registered here, one line each
+(docs/extending.md).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from lctrain.attention.allgather import allgather_attention
+from lctrain.attention.algorithms import CP_ATTENTION, CPGroups, register, registered
+from lctrain.attention.allgather import ALLGATHER
 from lctrain.attention.calls import Block
 from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions
 from lctrain.attention.local import local_attention
-from lctrain.attention.ring import ring_attention
-from lctrain.attention.ulysses import check_heads, ulysses_attention
-from lctrain.attention.usp import usp_attention
-from lctrain.config import ParallelConfig, choices_of
+from lctrain.attention.ring import RING
+from lctrain.attention.ulysses import ULYSSES, check_heads
+from lctrain.attention.usp import USP
+from lctrain.config.cp_algorithms import cp_algorithm
 from lctrain.layout import sequence
 from lctrain.layout.comm import traffic_tag
 
+for _entry in (ULYSSES, RING, USP, ALLGATHER):
+    register(_entry)
 
-@dataclass(frozen=True)
-class CPGroups:
-    """This rank's place in the cp groups (cp_rank = ring_rank * ulysses_size + ulysses_rank)."""
-
-    cp: dist.ProcessGroup | None
-    ring: dist.ProcessGroup | None
-    ulysses: dist.ProcessGroup | None
-    ring_size: int = 1
-    ring_rank: int = 0
-    ulysses_size: int = 1
-    ulysses_rank: int = 0
-
-    @property
-    def cp_size(self) -> int:
-        return self.ring_size * self.ulysses_size
-
-    @property
-    def cp_rank(self) -> int:
-        return self.ring_rank * self.ulysses_size + self.ulysses_rank
+__all__ = ["CP_ATTENTION", "CPGroups", "ContextParallelAttention", "registered"]
 
 
 class ContextParallelAttention:
@@ -59,37 +44,37 @@ class ContextParallelAttention:
     def __init__(self, algorithm: str, groups: CPGroups, seq_len: int, load_balance: str, *,
                  causal: bool = True, kv_replication: int = 1,
                  options: KernelOptions = DEFAULT_KERNEL):
-        algorithms = choices_of(ParallelConfig, "attention")
-        if algorithm not in algorithms:
-            raise ValueError(f"unknown attention algorithm {algorithm!r}; use one of {algorithms}")
+        if algorithm not in CP_ATTENTION:
+            raise ValueError(f"unknown attention algorithm {algorithm!r}; use one of "
+                             f"{tuple(CP_ATTENTION)}")
         sequence.check_divisible(seq_len, groups.cp_size, load_balance)
         self.algorithm, self.groups, self.seq_len = algorithm, groups, seq_len
         self.load_balance, self.causal, self.kv_replication = load_balance, causal, kv_replication
         self.options = options
+        self._run = CP_ATTENTION[algorithm]
         cp = groups.cp_size
         self._pos = [sequence.positions(seq_len, r, cp, load_balance) for r in range(cp)]
-        u = groups.ulysses_size
-        self.ulysses_degree = {"ulysses": cp, "usp": u}.get(algorithm, 1)
+        self.ulysses_degree = cp_algorithm(algorithm).degree(cp, groups.ulysses_size)
         """Ranks the heads are split over (1 for ring and all-gather)."""
-        self._group_pos = [torch.cat(self._pos[i * u:(i + 1) * u]) for i in range(groups.ring_size)]
+        # the positions of the query block and of each key block, once: every micro-batch's
+        # blocks (documents) share them
+        self._block_pos = (self._pos[0], [self._pos[0]]) if cp == 1 else self._run.blocks(
+            self._pos, groups)
         self._planned_for: Tensor | None = None
         self._blocks = self._make_blocks(None)
 
     def _make_blocks(self, doc_ids: Tensor | None) -> tuple[Block, list[Block]]:
         """(this rank's query block, the key blocks its algorithm attends to)."""
         doc = None if doc_ids is None else doc_ids.cpu()
+        made: dict[int, Block] = {}
 
-        def block(pos: Tensor) -> Block:
-            return Block(pos, None if doc is None else doc[:, pos])
+        def block(pos: Tensor) -> Block:  # one Block per positions tensor: planned once
+            if id(pos) not in made:
+                made[id(pos)] = Block(pos, None if doc is None else doc[:, pos])
+            return made[id(pos)]
 
-        g = self.groups
-        if g.cp_size == 1:
-            only = block(self._pos[0])
-            return only, [only]
-        if self.algorithm == "allgather":
-            return block(self._pos[g.cp_rank]), [block(torch.cat(self._pos))]
-        groups = [block(p) for p in self._group_pos]
-        return groups[g.ring_rank], groups
+        query, keys = self._block_pos
+        return block(query), [block(p) for p in keys]
 
     def blocks(self, doc_ids: Tensor | None) -> tuple[Block, list[Block]]:
         """The blocks for these document ids, planned once per doc_ids tensor."""
@@ -119,15 +104,8 @@ class ContextParallelAttention:
         with traffic_tag(self.algorithm):
             if g.cp_size == 1:
                 return local_attention(q, k, v, qb, qb, **kw)
-            if self.algorithm == "allgather":
-                return allgather_attention(q, k, v, qb, kbs[0], g.cp, **kw)
-            if self.algorithm == "ulysses":
-                return ulysses_attention(q, k, v, qb, g.ulysses,
-                                         kv_replication=self.kv_replication, **kw)
-            if self.algorithm == "ring":
-                return ring_attention(q, k, v, qb, kbs, g.ring, **kw)
-            return usp_attention(q, k, v, kbs, g.ulysses, g.ring,
-                                 kv_replication=self.kv_replication, **kw)
+            return self._run.attend(q, k, v, qb, kbs, g, kv_replication=self.kv_replication,
+                                    **kw)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         return self.attention(q, k, v, doc_ids)[0]

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lctrain.attention.algorithms import CPAttention, CPGroups, all_keys_blocks
 from lctrain.attention.calls import Block
 from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions, acc_dtype
 from lctrain.attention.local import block_backward, forward_and_save
@@ -48,3 +49,14 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block,
     """q/k/v local [B, S/P, *, d]; qb: local positions; kb: positions of all ranks' tokens in
     group-rank order. Returns (out [B, S/P, H, d], lse [B, H, S/P])."""
     return _AllGatherAttention.apply(q, k, v, qb, kb, group, causal, scale, options)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, query: Block, keys: list[Block], groups: CPGroups,
+           *, causal: bool, scale: float, kv_replication: int = 1,
+           options: KernelOptions = DEFAULT_KERNEL) -> tuple[Tensor, Tensor]:
+    """The registry's contract (algorithms.py): one key block, every rank's tokens."""
+    return allgather_attention(q, k, v, query, keys[0], groups.cp, causal=causal, scale=scale,
+                               options=options)
+
+
+ALLGATHER = CPAttention("allgather", attend, all_keys_blocks)

@@ -69,16 +69,6 @@ def new_accumulators(q: Tensor) -> tuple[Tensor, Tensor]:
             torch.full((b, h, s), _NEG_INF, dtype=acc_dtype(q), device=q.device))
 
 
-def _merged(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
-    """Softmax-merge of two partial results; lse [..., H] laid out like out [..., H, d]. Rows
-    where both lse are -inf stay (0, -inf)."""
-    new = torch.logaddexp(lse_acc, lse)
-    finite = torch.isfinite(new)
-    w_old = torch.where(finite, torch.exp(lse_acc - new), 0.0)[..., None]
-    w_new = torch.where(finite, torch.exp(lse - new), 0.0)[..., None]
-    return out_acc * w_old + out.to(out_acc.dtype) * w_new, new
-
-
 def merge_into(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> None:
     """In place: (out_acc, lse_acc) <- softmax-merge of itself with (out, lse).
 
@@ -196,10 +186,12 @@ def attend_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal
             q_index, k_index, cu_q, cu_k = g.on(q.device)
             out, lse = fwd(_rows(q, q_index), _rows(k, k_index), _rows(v, k_index), g, cu_q,
                            cu_k, scale, options)
-            merged, new = _merged(flat_out.index_select(0, q_index),
-                                  _lse_rows(lse_acc, q_index), out, lse.t())
-            flat_out.index_copy_(0, q_index, merged)
-            _lse_scatter(lse_acc, q_index, new)
+            # the group's rows as one sequence: out [1, n, H, d], lse [1, H, n] (copies)
+            rows_out = flat_out.index_select(0, q_index)[None]
+            rows_lse = _lse_rows(lse_acc, q_index).t()[None]
+            merge_into(rows_out, rows_lse, out[None], lse[None])
+            flat_out.index_copy_(0, q_index, rows_out[0])
+            _lse_scatter(lse_acc, q_index, rows_lse[0].t())
         return len(groups)
     fwd = _DENSE[backend][0]
     calls = qb.calls(kb, causal)

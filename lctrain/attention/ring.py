@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lctrain.attention.algorithms import CPAttention, CPGroups, ring_group_blocks
 from lctrain.attention.calls import Block
 from lctrain.attention.kernels import (
     DEFAULT_KERNEL,
@@ -103,3 +104,15 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, blocks: list[Bloc
                    options: KernelOptions = DEFAULT_KERNEL) -> tuple[Tensor, Tensor]:
     """q [B, Sq, H, d], k/v [B, Sk, H_kv, d] local -> (out [B, Sq, H, d], lse [B, H, Sq])."""
     return _RingAttention.apply(q, k, v, qb, blocks, group, causal, scale, options)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, query: Block, keys: list[Block], groups: CPGroups,
+           *, causal: bool, scale: float, kv_replication: int = 1,
+           options: KernelOptions = DEFAULT_KERNEL) -> tuple[Tensor, Tensor]:
+    """The registry's contract (algorithms.py): Ring over the cp ring (whole KV heads: no
+    replication)."""
+    return ring_attention(q, k, v, query, keys, groups.ring, causal=causal, scale=scale,
+                          options=options)
+
+
+RING = CPAttention("ring", attend, ring_group_blocks)

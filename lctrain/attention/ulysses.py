@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lctrain.attention.algorithms import CPAttention, CPGroups, ring_group_blocks
 from lctrain.attention.calls import Block, Ordered
 from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions
 from lctrain.attention.local import local_attention
@@ -92,3 +93,15 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, group: dist.Pr
                                scale=scale, options=options)
     out, lse = in_block_order(ordered, out, lse)
     return gather_heads(out, group), lse
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, query: Block, keys: list[Block], groups: CPGroups,
+           *, causal: bool, scale: float, kv_replication: int = 1,
+           options: KernelOptions = DEFAULT_KERNEL) -> tuple[Tensor, Tensor]:
+    """The registry's contract (algorithms.py): Ulysses over the cp group's Ulysses axis, which
+    is all of it (the query block is the whole group's tokens)."""
+    return ulysses_attention(q, k, v, query, groups.ulysses, causal=causal, scale=scale,
+                             kv_replication=kv_replication, options=options)
+
+
+ULYSSES = CPAttention("ulysses", attend, ring_group_blocks)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor
 
+from lctrain.attention.algorithms import CPAttention, CPGroups, ring_group_blocks
 from lctrain.attention.calls import Block
 from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions
 from lctrain.attention.ring import ring_attention
@@ -39,3 +40,14 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, blocks: list[Block],
                               ring_group, causal=causal, scale=scale, options=options)
     out, lse = in_block_order(ordered, out, lse)
     return gather_heads(out, ulysses_group), lse
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, query: Block, keys: list[Block], groups: CPGroups,
+           *, causal: bool, scale: float, kv_replication: int = 1,
+           options: KernelOptions = DEFAULT_KERNEL) -> tuple[Tensor, Tensor]:
+    """The registry's contract (algorithms.py): the key blocks are the ring groups' tokens."""
+    return usp_attention(q, k, v, keys, groups.ulysses, groups.ring, causal=causal, scale=scale,
+                         kv_replication=kv_replication, options=options)
+
+
+USP = CPAttention("usp", attend, ring_group_blocks)

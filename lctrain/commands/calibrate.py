@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lctrain.commands.args import CommandArgs
 from lctrain.config import LctrainConfig, ModelConfig
-from lctrain.config.compose import Composed
 from lctrain.config.derived import local_world_size
 from lctrain.parallel.launch import run_ranks
 from lctrain.planning.timing import (
@@ -140,8 +140,9 @@ def calibrate(path: Path, model: ModelConfig | None = None, seq_len: int = 256,
     return data
 
 
-def run(composed: Composed, flags: set[str]) -> int:
-    cfg = composed.cfg
+def run(args: CommandArgs) -> int:
+    """`lctrain plan --calibrate`: measure, write plan.calibration, print what was measured."""
+    cfg = args.composed.cfg
     path = calibration_path(cfg)
     data = calibrate(path, cfg.model, cfg.train.seq_len)
     print(f"fp32 matmul, 1 thread per rank, 2 ranks at once: {data['matmul_tflops']:.4g} TFLOP/s")

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import textwrap
 
+from lctrain.commands.args import CommandArgs
 from lctrain.config import ConfigError
 from lctrain.config.keys import keys, sections
 
 
-def run(names: list[str]) -> int:
+def run(args: CommandArgs) -> int:
+    names = args.words
     unknown = [n for n in names if n not in sections()]
     if unknown:
         raise ConfigError([f"unknown section {n!r}; the sections are {', '.join(sections())}"

@@ -7,9 +7,10 @@ from __future__ import annotations
 import json
 import sys
 
+from lctrain.commands.args import CommandArgs
 from lctrain.commands.checks import preflight, search_preflight
 from lctrain.config import ConfigError, LctrainConfig
-from lctrain.config.compose import Composed
+from lctrain.config.cp_algorithms import cp_algorithm
 from lctrain.config.derived import slurm_world
 from lctrain.layout.topology import AXES
 from lctrain.planning.plan import build_plan
@@ -153,7 +154,9 @@ def search_table(result: SearchResult, cfg: LctrainConfig, hw: Hardware) -> str:
     for i, c in enumerate(result.ranked[:cfg.plan.top], 1):
         o = c.overrides
         cp = (f"cp{o['parallel.cp']} {o['parallel.attention']}"
-              + (f"(u{o['parallel.ulysses_degree']})" if o["parallel.attention"] == "usp" else "")
+              + (f"(u{o['parallel.ulysses_degree']})"
+                 if cp_algorithm(o["parallel.attention"]).heads_over == "ulysses_degree"
+                 else "")
               if o["parallel.cp"] > 1 else "cp1")
         pp = (f"pp{o['parallel.pp']} {o['parallel.pp_schedule']}" if o["parallel.pp"] > 1
               else "pp1")
@@ -196,9 +199,10 @@ def run_search(cfg: LctrainConfig, as_json: bool) -> int:
     return 0
 
 
-def run(composed: Composed, flags: set[str]) -> int:
+def run(args: CommandArgs) -> int:
+    composed = args.composed
     cfg: LctrainConfig = composed.cfg
-    as_json = "--json" in flags or cfg.plan.format == "json"
+    as_json = "--json" in args.flags or cfg.plan.format == "json"
     if cfg.plan.search:
         return run_search(cfg, as_json)
     world = plan_world_size(cfg)

@@ -25,6 +25,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from lctrain.commands.args import CommandArgs
 from lctrain.config import ConfigError
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
@@ -175,7 +176,7 @@ def draw(figures: dict[str, list[Line]], out: Path) -> list[Path]:
     return written
 
 
-def _out_dir(paths: list[str], flags: set[str]) -> Path:
+def _out_dir(paths: list[str], flags: frozenset[str]) -> Path:
     """--out=DIR, else the first RUN_DIR's plots/."""
     given = [f.split("=", 1)[1] if "=" in f else "" for f in flags if f.split("=", 1)[0] == "--out"]
     if any(not g for g in given) or len(given) > 1:
@@ -186,9 +187,10 @@ def _out_dir(paths: list[str], flags: set[str]) -> Path:
     return out
 
 
-def run(paths: list[str], flags: set[str]) -> int:
+def run(args: CommandArgs) -> int:
+    paths = args.words
     runs = load_runs(paths)
-    out = _out_dir(paths, flags)
+    out = _out_dir(paths, args.flags)
     figures = build_lines(runs)
     if not any(figures.values()):
         raise ConfigError([f"no plottable step in {', '.join(paths)}: no row has a number for "

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import sys
 
+from lctrain.commands.args import CommandArgs
 from lctrain.config import ConfigError
-from lctrain.config.compose import Composed
 from lctrain.data.ingest import TokenizerMismatch
 from lctrain.data.preprocess import preprocess, validate_preprocess
 
 
-def run(composed: Composed, flags: set[str]) -> int:
+def run(args: CommandArgs) -> int:
     """Exit 2 on a config problem (raised), 1 on a data error, 0 when written."""
-    cfg = composed.cfg
+    cfg = args.composed.cfg
     problems = validate_preprocess(cfg)
     if problems:
         raise ConfigError(problems)

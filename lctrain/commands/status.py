@@ -16,11 +16,12 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from lctrain.commands import run_lock
+from lctrain.commands.args import CommandArgs
 from lctrain.commands.plot import read_metrics
 from lctrain.commands.submit import JOBS_FILE
 from lctrain.config import ConfigError
 from lctrain.parallel.progress import diagnose, read_records
-from lctrain.training import run_lock
 from lctrain.training.checkpoint import complete_checkpoints
 
 RATE_WINDOW = 10
@@ -141,7 +142,8 @@ def lock_row(run_dir: Path) -> str:
     return f"held by {h.host}:{h.pid} since {h.since}{job}; {state.why}"
 
 
-def run(paths: list[str], flags: set[str]) -> int:
+def run(args: CommandArgs) -> int:
+    paths = args.words
     if not paths:
         raise ConfigError(["give one or more run dirs: lctrain status RUN_DIR [RUN_DIR...]"],
                           header="no status")

@@ -1,6 +1,7 @@
-"""`lctrain submit`: check a job against the layout and the cluster, render its sbatch script,
-save it with the resolved config in the run dir, and submit it; `--multirun` submits one job per
-combination of comma-separated values after checking every combination.
+"""`lctrain submit`: check a job against the layout and the cluster, render its sbatch script
+(templates/submit.sbatch), save it with the resolved config in the run dir, and submit it;
+`--multirun` submits one job per combination of comma-separated values after checking every
+combination.
 
 The batch script starts one srun task per node, each a torchrun (`python -m
 torch.distributed.run` of the submitter's own Python, or slurm.python) over the node's ranks:
@@ -30,14 +31,17 @@ import itertools
 import re
 import shlex
 import shutil
+import string
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
+from lctrain.commands.args import CommandArgs
 from lctrain.commands.checks import preflight
 from lctrain.commands.init_from import resolve_model, typed_keys
 from lctrain.config import ConfigError, LctrainConfig
@@ -48,6 +52,8 @@ from lctrain.training.preemption import STOPPED
 
 STOP_TOKEN = "${SLURM_JOB_ID}.${SLURM_RESTART_COUNT:-0}"
 """What the USR1 trap writes into RUN_DIR/STOP: this job, this start of it."""
+TEMPLATES = Path(__file__).with_name("templates")
+"""The batch script's template files (package data: pyproject.toml ships them)."""
 JOBS_FILE = "slurm_jobs"
 """Job ids submitted into a run dir, one per line, oldest first (`lctrain status` reads it)."""
 
@@ -80,66 +86,59 @@ def run_dir_override(path: Path) -> str:
     return f"hydra.run.dir='{quoted}'"
 
 
+class ScriptTemplate(string.Template):
+    """A template whose placeholders are `{{name}}`, so that the shell's own `$VAR`, `${VAR:-0}`
+    and `$(...)` stay verbatim in the template file."""
+
+    pattern = r"""\{\{(?:
+        (?P<named>[a-z_][a-z0-9_]*)\}\}   # {{name}}
+        | (?P<escaped>(?!))              # no escape: a batch script has no other {{
+        | (?P<braced>(?!))
+        | (?P<invalid>)                  # any other {{ is a mistake in the template
+    )"""
+
+
+_BLOCK_LINE = re.compile(r"^(\{\{[a-z_][a-z0-9_]*\}\})\n", re.MULTILINE)
+"""A line that holds only a placeholder: it stands for zero or more whole lines."""
+
+
+def render_template(name: str, **values: object) -> str:
+    """The template file `name` of lctrain/commands/templates/, filled (see `fill`)."""
+    return fill((TEMPLATES / name).read_text(), values)
+
+
+def fill(template: str, values: Mapping[str, object]) -> str:
+    """`template` with each {{key}} replaced by values[key]. A line that holds only {{key}}
+    takes a list of lines: its lines, none when the list is empty. Values are inserted as they
+    are (never read as placeholders)."""
+    values = dict(values)
+    for key in {m.group(1)[2:-2] for m in _BLOCK_LINE.finditer(template)}:
+        assert isinstance(values[key], list), f"{{{{{key}}}}} stands for lines: give a list"
+        values[key] = "".join(f"{line}\n" for line in values[key])
+    return ScriptTemplate(_BLOCK_LINE.sub(r"\1", template)).substitute(values)
+
+
 def render_sbatch(cfg: LctrainConfig, overrides: list[str], run_dir: Path) -> str:
-    """The batch script for `cfg` (see the module docstring)."""
+    """The batch script for `cfg` (see the module docstring), from templates/submit.sbatch."""
     s = cfg.slurm
     run_dir = run_dir.resolve()
     per_node, cpus = slurm_ranks_per_node(cfg), cpus_per_task(cfg)
-    python = shlex.quote(job_python(cfg))
-    stop = shlex.quote(str(run_dir / "STOP"))
-    stopped = shlex.quote(str(run_dir / STOPPED))
-    header = [
-        "#!/bin/bash",
-        f"#SBATCH --job-name={s.job_name}",
-        f"#SBATCH --nodes={s.nodes}",
-        "#SBATCH --ntasks-per-node=1",
-        *([f"#SBATCH --gpus-per-node={s.gpus_per_node}"] if s.gpus_per_node else []),
-        f"#SBATCH --cpus-per-task={cpus}",
-        f"#SBATCH --time={s.time}",
-        f"#SBATCH --output={run_dir}/slurm-%j.out",
-        "#SBATCH --open-mode=append",
-        f"#SBATCH --signal=B:USR1@{s.signal_before_s}",
-        "#SBATCH --requeue" if s.requeue else "#SBATCH --no-requeue",
-    ]
-    for flag, value in (("partition", s.partition), ("account", s.account), ("qos", s.qos)):
-        if value:
-            header.append(f"#SBATCH --{flag}={value}")
-    args = " ".join(shlex.quote(o) for o in job_overrides(cfg, overrides, run_dir))
-    exports = [f"export {k}={shlex.quote(str(v))}" for k, v in s.env.items()]
-    requeue = [
-        f'if [ "$status" -eq 0 ] && [ "$(cat {stopped} 2>/dev/null)" = "{STOP_TOKEN}" ]; then',
-        '  echo "lctrain: stopped early on USR1; requeueing job $SLURM_JOB_ID to resume"',
-        '  scontrol requeue "$SLURM_JOB_ID"',
-        "fi",
-    ] if s.requeue else []
-    body = [
-        "set -euo pipefail",
-        "# Slurm's USR1 (--signal above) reaches this shell only: the trap asks lctrain, through",
-        "# the stop file, to checkpoint after the current step and exit",
-        f"trap 'echo \"{STOP_TOKEN}\" > {stop}' USR1",
-        f'echo "lctrain: job $SLURM_JOB_ID start ${{SLURM_RESTART_COUNT:-0}} on '
-        f'$SLURM_JOB_NODELIST, run dir {run_dir}"',
-        *s.setup,
-        *exports,
-        f"export OMP_NUM_THREADS={max(cpus // max(per_node, 1), 1)}",
-        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f'rdzv=$({python} -m lctrain.commands.job rendezvous "$head")',
-        'export MASTER_ADDR="${rdzv% *}" MASTER_PORT="${rdzv#* }"',
-        f"srun --kill-on-bad-exit=1 {python} -m torch.distributed.run \\",
-        '  --nnodes="$SLURM_NNODES" \\',
-        f"  --nproc-per-node={per_node} \\",
-        '  --rdzv-backend=c10d --rdzv-id="$SLURM_JOB_ID" \\',
-        '  --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" \\',
-        f"  -m lctrain.cli train {args} &",
-        "srun_pid=$!",
-        "while true; do  # a trap interrupts wait: wait again until srun itself has ended",
-        '  status=0; wait "$srun_pid" || status=$?',
-        '  kill -0 "$srun_pid" 2>/dev/null || break',
-        "done",
-        *requeue,
-        'exit "$status"',
-    ]
-    return "\n".join(header + [""] + body) + "\n"
+    requeue = render_template("submit_requeue.sbatch", stop_token=STOP_TOKEN,
+                              stopped_file=shlex.quote(str(run_dir / STOPPED)))
+    return render_template(
+        "submit.sbatch", job_name=s.job_name, nodes=s.nodes,
+        gpu_request=[f"#SBATCH --gpus-per-node={s.gpus_per_node}"] if s.gpus_per_node else [],
+        cpus_per_task=cpus, time=s.time, run_dir=run_dir, signal_before_s=s.signal_before_s,
+        requeue_flag="--requeue" if s.requeue else "--no-requeue",
+        placement=[f"#SBATCH --{flag}={value}" for flag, value in
+                   (("partition", s.partition), ("account", s.account), ("qos", s.qos)) if value],
+        stop_token=STOP_TOKEN, stop_file=shlex.quote(str(run_dir / "STOP")),
+        setup=list(s.setup), exports=[f"export {k}={shlex.quote(str(v))}"
+                                      for k, v in s.env.items()],
+        omp_num_threads=max(cpus // max(per_node, 1), 1), python=shlex.quote(job_python(cfg)),
+        ranks_per_node=per_node,
+        overrides=" ".join(shlex.quote(o) for o in job_overrides(cfg, overrides, run_dir)),
+        requeue=requeue.splitlines() if s.requeue else [])
 
 
 def slurm_problems(cfg: LctrainConfig, overrides: list[str]) -> list[str]:
@@ -291,7 +290,7 @@ def submit(composed: Composed, sbatch: str) -> str:
     return job_id
 
 
-def _submit_all(jobs: list[Composed], flags: set[str]) -> int:
+def _submit_all(jobs: list[Composed], flags: frozenset[str]) -> int:
     if "--dry-run" in flags:
         for composed in jobs:
             if len(jobs) > 1:
@@ -319,14 +318,18 @@ def _submit_all(jobs: list[Composed], flags: set[str]) -> int:
     return 0
 
 
-def run(composed: Composed, flags: set[str]) -> int:
-    problems = job_problems(composed)
+def run(args: CommandArgs) -> int:
+    if "--multirun" in args.flags:
+        return run_multirun(args.words, args.flags)
+    problems = job_problems(args.composed)
     if problems:
         raise ConfigError(problems)
-    return _submit_all([composed], flags)
+    return _submit_all([args.composed], args.flags)
 
 
-def run_multirun(overrides: list[str], flags: set[str]) -> int:
+def run_multirun(overrides: list[str], flags: frozenset[str]) -> int:
+    """One job per combination of the sweep: all composed and checked, then all submitted
+    (--dry-run: printed; --cfg: their configurations printed)."""
     jobs = _sweep(overrides)
     if "--cfg" in flags:
         for composed in jobs:

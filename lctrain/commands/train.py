@@ -3,8 +3,8 @@
 Started under torchrun or srun, this process is one rank. Started plainly with a layout of more
 than one rank, it starts `launch.nproc` local ranks itself and exits non-zero, naming the rank,
 as soon as any of them fails. Before any rank starts, the launching process (under torchrun or
-srun: global rank 0) takes the run dir's lock, so that a second job in the same run dir exits 2
-naming the first (`lctrain.training.run_lock`).
+srun: global rank 0) takes the run dir's lock, so that a second job in the same run dir exits 3
+naming the first (`lctrain.commands.run_lock`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from lctrain.attention.cuda_kernels import FLASH_INSTALL, flash_attn_installed
+from lctrain.commands import run_lock
+from lctrain.commands.args import CommandArgs
 from lctrain.commands.checks import preflight
 from lctrain.config import ConfigError, LctrainConfig
-from lctrain.config.compose import Composed
 from lctrain.config.derived import local_world_size
 from lctrain.config.validation import (
     cuda_problems,
@@ -29,7 +30,7 @@ from lctrain.config.validation import (
 from lctrain.data.ingest import DataError
 from lctrain.parallel import launch, progress
 from lctrain.planning.memory import param_count
-from lctrain.training import loop, run_lock
+from lctrain.training import loop
 from lctrain.training.checkpoint import CheckpointError
 from lctrain.training.files import RunDirError
 from lctrain.training.loop import NonFiniteError
@@ -131,7 +132,8 @@ def _stall_watchdog(run_dir: Path, stall_s: int):
     return check
 
 
-def run(composed: Composed, flags: set[str]) -> int:
+def run(args: CommandArgs) -> int:
+    composed = args.composed
     cfg = composed.cfg
     try:
         env = launch.env_from_environment()
@@ -157,7 +159,7 @@ def run(composed: Composed, flags: set[str]) -> int:
 
 
 def _lock_run_dir(run_dir: Path, rank: int) -> contextlib.AbstractContextManager:
-    """The run dir's lock (lctrain.training.run_lock), taken before any rank or process group
+    """The run dir's lock (lctrain.commands.run_lock), taken before any rank or process group
     exists by this process when it launches the ranks, by global rank 0 under torchrun or srun
     (if it refuses, torchrun stops the others); held until the ranks have ended."""
     if rank != 0:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 
+from lctrain.config.cp_algorithms import cp_algorithm
 from lctrain.config.schema import LctrainConfig, ParallelConfig
 
 
@@ -75,14 +76,11 @@ def slurm_world(cfg: LctrainConfig) -> int:
 
 
 def ulysses_degree(p: ParallelConfig) -> int:
-    """Ulysses (all-to-all) degree inside the cp group."""
+    """Ulysses (all-to-all) degree inside the cp group: the algorithm's degree rule
+    (`CPAlgorithm.degree`); 1 without context parallelism."""
     if p.cp == 1:
         return 1
-    if p.attention == "ulysses":
-        return p.cp
-    if p.attention == "usp":
-        return p.ulysses_degree
-    return 1
+    return cp_algorithm(p.attention).degree(p.cp, p.ulysses_degree)
 
 
 @cache

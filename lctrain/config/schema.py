@@ -12,9 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from lctrain.config.cp_algorithms import CP_ALGORITHMS
+from lctrain.config.registry import Registry
 
-def one_of(*choices: str, default: str | None = None):
-    """A string field whose value must be one of `choices` (the first is the default)."""
+
+def one_of(*choices: str, default: str | None = None, registry: Registry | None = None):
+    """A string field whose value must be one of `choices` (the first is the default), or one
+    of the names in `registry` when it is read (a choice that grows: docs/extending.md)."""
+    if registry is not None:
+        assert not choices and default is not None, "a registry field names its default"
+        return field(default=default, metadata={"choices": registry})
     return field(default=choices[0] if default is None else default,
                  metadata={"choices": choices})
 
@@ -31,8 +38,8 @@ def at_least(minimum: int, default, hint: str | None = None):
 
 
 def choices_of(schema: type, name: str) -> tuple[str, ...]:
-    """The allowed values of field `name` of the dataclass `schema`."""
-    return next(f for f in fields(schema) if f.name == name).metadata["choices"]
+    """The allowed values of field `name` of the dataclass `schema` (a registry's, now)."""
+    return tuple(next(f for f in fields(schema) if f.name == name).metadata["choices"])
 
 
 @dataclass
@@ -107,8 +114,9 @@ class ParallelConfig:
     model.n_layers); None balances them by cost, counting the embedding and the output layer."""
     dp: int = -1
     """Data-parallel size; -1 derives it as world_size / (tp * cp * pp)."""
-    attention: str = one_of("ulysses", "ring", "usp", "allgather", default="ring")
-    """Context-parallel attention: ulysses | ring | usp | allgather (ignored when cp = 1)."""
+    attention: str = one_of(registry=CP_ALGORITHMS, default="ring")
+    """Context-parallel attention: ulysses | ring | usp | allgather (ignored when cp = 1; the
+    registry in lctrain/config/cp_algorithms.py)."""
     ulysses_degree: int = at_least(1, 1)
     """Ulysses degree inside usp; the ring degree is cp / ulysses_degree."""
     load_balance: str = one_of("zigzag", "none")

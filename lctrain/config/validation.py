@@ -17,9 +17,10 @@ import importlib.util
 import math
 import os
 
+from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm
 from lctrain.config.deepspeed import conflicts
 from lctrain.config.derived import ulysses_degree
-from lctrain.config.schema import LctrainConfig
+from lctrain.config.schema import LctrainConfig, ParallelConfig
 
 
 def divisors(n: int) -> list[int]:
@@ -111,24 +112,30 @@ def _heads(cfg: LctrainConfig) -> list[str]:
                             f"{key}={nearest_multiple(size, p.tp)}")
     u = ulysses_degree(p)
     if u > 1 and m.n_heads % p.tp == 0 and (m.n_heads // p.tp) % u:  # docs/parallelism.md §5
-        key = "parallel.cp" if p.attention == "ulysses" else "parallel.ulysses_degree"
+        key = cp_algorithm(p.attention).degree_key
         local = m.n_heads // p.tp
+        whole = " or ".join(a.name for a in CP_ALGORITHMS.entries() if a.heads_over == "none")
         problems.append(
             f"{key}={u} with parallel.attention={p.attention} needs the heads per TP rank "
             f"(model.n_heads / parallel.tp = {local}) divisible by the Ulysses degree {u}; try "
-            f"{key} in {[d for d in divisors(local) if d > 1] or [1]} or parallel.attention=ring")
+            f"{key} in {[d for d in divisors(local) if d > 1] or [1]} or "
+            f"parallel.attention={whole}")
     return problems
 
 
 def _context(cfg: LctrainConfig) -> list[str]:
-    """The cp split of the sequence (docs/parallelism.md §3) and the USP degrees."""
+    """The cp split of the sequence (docs/parallelism.md §3) and parallel.ulysses_degree (read
+    by the algorithms whose Ulysses degree it sets: USP)."""
     p, s = cfg.parallel, cfg.train.seq_len
     problems = []
-    if p.ulysses_degree != 1 and p.attention != "usp":
+    readers = " or ".join(a.name for a in CP_ALGORITHMS.entries()
+                          if a.heads_over == "ulysses_degree")
+    reads_degree = cp_algorithm(p.attention).heads_over == "ulysses_degree"
+    if p.ulysses_degree != 1 and not reads_degree:
         problems.append(f"parallel.ulysses_degree={p.ulysses_degree} is only used with "
-                        f"parallel.attention=usp (got {p.attention}); set parallel.ulysses_degree=1 "
-                        "or parallel.attention=usp")
-    if p.attention == "usp" and p.cp % p.ulysses_degree:
+                        f"parallel.attention={readers} (got {p.attention}); set "
+                        f"parallel.ulysses_degree=1 or parallel.attention={readers}")
+    if reads_degree and p.cp % p.ulysses_degree:
         problems.append(f"parallel.ulysses_degree={p.ulysses_degree} does not divide parallel.cp="
                         f"{p.cp} (ring degree = cp / ulysses_degree); try ulysses_degree in "
                         f"{divisors(p.cp)}")
@@ -426,6 +433,10 @@ def cuda_problems(cfg: LctrainConfig) -> list[str]:
     return problems
 
 
+_DEFAULT = ParallelConfig()
+"""The parallel.* defaults (what a cp = 1 layout ignores unless changed)."""
+
+
 def warnings_for(cfg: LctrainConfig) -> list[str]:
     """Settings that are valid but do nothing; printed, never fatal."""
     p = cfg.parallel
@@ -437,7 +448,8 @@ def warnings_for(cfg: LctrainConfig) -> list[str]:
                       or p.pp_layers is not None):
         out.append("parallel.pp_schedule, pp_virtual_stages and pp_layers are ignored with "
                    "parallel.pp=1")
-    if p.cp == 1 and (p.attention != "ring" or p.ulysses_degree != 1):
+    if p.cp == 1 and (p.attention != _DEFAULT.attention
+                      or p.ulysses_degree != _DEFAULT.ulysses_degree):
         out.append(f"parallel.attention={p.attention} is ignored with parallel.cp=1")
     if has_validation(cfg) and not cfg.eval.every:
         out.append("validation data is set but eval.every=0: no validation loss is computed "

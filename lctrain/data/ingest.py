@@ -1,8 +1,8 @@
-"""Corpus ingestion for `lctrain preprocess`: find the inputs, stream their rows, check each row,
-and load the tokenizer.
+"""Corpus ingestion for `lctrain preprocess`: stream the rows of the inputs and check each row.
+The inputs come from lctrain.data.inputs (`resolve_inputs`), the tokenizer from
+lctrain.data.tokenizer (`load_tokenizer`); both are re-exported here.
 
-`resolve_inputs` turns data.path (a file, a folder, a glob, or a hub dataset name) into
-`Input`s. `iter_rows` streams them as rows `(kind, prefix, n, payload)`: the location of a row
+`iter_rows` streams inputs as rows `(kind, prefix, n, payload)`: the location of a row
 is `f"{prefix}{n}"` (`path:LINE`, 1-based, for line formats; `path:row N` or `NAME[split]:row N`,
 0-based as `dataset[N]`, for JSON arrays and datasets). Rows stay raw bytes where that is
 possible, so that decoding and parsing (`check_row`) run in the tokenizer workers. JSON lines
@@ -18,30 +18,31 @@ one line without its line ending (a blank line is an `empty` row).
 from __future__ import annotations
 
 import codecs
-import glob
 import gzip
-import hashlib
 import json
-import os
-import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import IO
 
 from lctrain.config import DataConfig
+from lctrain.data.inputs import EXPECTED, SUFFIX_FORMATS, Input, hub_offline, resolve_inputs
+from lctrain.data.tokenizer import (
+    BOS_NAMES,
+    EOS_NAMES,
+    TokenizerInfo,
+    TokenizerMismatch,
+    load_tokenizer,
+)
+
+__all__ = [  # with the names of inputs and tokenizer, which the data modules import from here
+    "BAD", "BOS_NAMES", "EOS_NAMES", "EXPECTED", "JSON_LINE", "RECORD", "SKIP_REASONS",
+    "SUFFIX_FORMATS", "TEXT", "DataError", "Input", "Row", "TokenizerInfo", "TokenizerMismatch",
+    "check_row", "hub_offline", "iter_rows", "load_tokenizer", "resolve_inputs",
+]
 
 SKIP_REASONS = ("malformed_json", "missing_field", "not_a_string", "empty", "invalid_utf8",
                 "no_tokens")
 """Why a row is skipped; `no_tokens` (text that tokenizes to nothing, with neither BOS nor EOS
 added) is decided after tokenization."""
-SUFFIX_FORMATS = {".jsonl": "jsonl", ".jsonl.gz": "jsonl", ".json": "json", ".json.gz": "json",
-                  ".txt": "text", ".txt.gz": "text", ".md": "text", ".parquet": "parquet",
-                  ".arrow": "arrow"}
-EXPECTED = (f"files ending in {', '.join(SUFFIX_FORMATS)}, or a folder written by "
-            "datasets' save_to_disk")
-BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "[BOS]", "<|startoftext|>", "<|endoftext|>")
-EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "[EOS]", "<|endoftext|>")
 
 # Row kinds: what the payload of a row is.
 JSON_LINE = "json_line"  # bytes of one JSON lines line
@@ -54,107 +55,6 @@ Row = tuple[str, str, int, object]
 
 class DataError(ValueError):
     """Bad input data: a bad row with data.strict=true, or no valid document at all."""
-
-
-class TokenizerMismatch(ValueError):
-    """A data.* or preprocess.* setting that does not fit the tokenizer (a configuration error)."""
-
-
-@dataclass(frozen=True)
-class Input:
-    kind: str
-    """jsonl | json | text | parquet | arrow | disk (a save_to_disk folder) | hub."""
-    path: str
-    """File or folder path, or the hub dataset name."""
-
-
-def hub_offline() -> bool:
-    return any(os.environ.get(k, "").lower() in ("1", "true", "yes", "on")
-               for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-
-
-def _looks_like_hub(spec: str) -> bool:
-    """`name` or `owner/name`, and no file suffix we would read."""
-    return (re.fullmatch(r"[\w.-]+(/[\w.-]+)?", spec) is not None and not spec.startswith(".")
-            and _suffix_format(spec) is None)
-
-
-def _suffix_format(name: str) -> str | None:
-    name = name.lower()
-    return next((fmt for suffix, fmt in SUFFIX_FORMATS.items() if name.endswith(suffix)), None)
-
-
-def _is_saved_dataset(folder: Path) -> bool:
-    return ((folder / "state.json").is_file() and (folder / "dataset_info.json").is_file()) or (
-        folder / "dataset_dict.json").is_file()
-
-
-def _is_token_dataset(folder: Path) -> bool:
-    """An `lctrain preprocess` output: never corpus input."""
-    return (folder / "meta.json").is_file() and (folder / "docs-00000.npy").is_file()
-
-
-def _saved_root(path: Path) -> Path | None:
-    """The save_to_disk folder that is `path` or holds it directly."""
-    return next((d for d in (path, path.parent) if d.is_dir() and _is_saved_dataset(d)), None)
-
-
-def _file_input(path: Path, forced: str) -> Input | None:
-    """The input a file is read as (None: not a file we read)."""
-    kind = forced if forced not in ("auto", "hub") else _suffix_format(path.name)
-    return None if kind is None else Input(kind, str(path))
-
-
-def _from_glob(pattern: str, forced: str) -> list[Input]:
-    """Files matched by a glob ('**' recursive), sorted by path; a save_to_disk folder is one
-    input, and an `lctrain preprocess` output is none."""
-    found: dict[str, Input] = {}
-    for match in glob.glob(os.path.expanduser(pattern), recursive=True):
-        path = Path(match)
-        root = _saved_root(path) if forced in ("auto", "arrow") else None
-        if root is not None:  # its folders and .arrow files stand for it, its .json files not
-            if path.is_dir() or path.suffix == ".arrow":
-                found[str(root)] = Input("disk", str(root))
-        elif path.is_file() and not _is_token_dataset(path.parent) and (
-                i := _file_input(path, forced)) is not None:
-            found[i.path] = i
-    saved = [Path(i.path) for i in found.values() if i.kind == "disk"]
-    return sorted((i for i in found.values()  # a DatasetDict's splits go with it
-                   if not any(s in Path(i.path).parents for s in saved)), key=lambda i: i.path)
-
-
-def resolve_inputs(data: DataConfig) -> list[Input]:
-    """The inputs data.path names, in reading order; ValueError if it names nothing readable."""
-    spec, forced = data.path, data.format
-    if forced == "hub":
-        return [_hub_input(spec)]
-    path = Path(spec).expanduser()
-    if path.is_dir() and _is_token_dataset(path):
-        raise ValueError(f"data.path={spec!r} is already a preprocessed token dataset; train on it "
-                         f"with data.source=tokens data.path={spec}")
-    if path.is_dir():  # hidden names are skipped, as by any glob
-        inputs = _from_glob(os.path.join(glob.escape(str(path)), "**"), forced)
-    elif path.is_file():
-        inputs = [i] if (i := _file_input(path, forced)) else []
-    elif glob.has_magic(spec):
-        inputs = _from_glob(spec, forced)
-    elif forced == "auto" and _looks_like_hub(spec):
-        return [_hub_input(spec)]
-    else:
-        raise ValueError(f"data.path={spec!r} does not exist; give a file, a folder, a glob such "
-                         "as 'corpus/*.jsonl' or a hub dataset name")
-    if not inputs:
-        raise ValueError(f"data.path={spec!r} has nothing to read; expected {EXPECTED} (or set "
-                         "data.format to read other files as jsonl, json or text)")
-    return inputs
-
-
-def _hub_input(spec: str) -> Input:
-    if hub_offline():
-        raise ValueError(f"data.path={spec!r} does not exist locally and the Hugging Face hub is "
-                         "offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE); point data.path at a "
-                         "local file, folder or glob, or go online to read the hub dataset")
-    return Input("hub", spec)
 
 
 def _open(path: str) -> IO[bytes]:
@@ -313,119 +213,3 @@ def check_row(kind: str, payload: object, text_field: str) -> tuple[str | None, 
     if not isinstance(value, str):
         return None, "not_a_string", f"{text_field!r} is {type(value).__name__}, not a string"
     return _checked_text(value)
-
-
-@dataclass(frozen=True)
-class TokenizerInfo:
-    """What preprocessing needs of a tokenizer, as plain data (workers rebuild it from `json`)."""
-
-    spec: str
-    json: str = field(repr=False)
-    """The tokenizer.json text."""
-    sha256: str
-    vocab_sha256: str
-    """sha256 of the (token, id) pairs: the same vocabulary whatever the file's formatting."""
-    vocab_size: int
-    bos_token: str | None
-    bos_id: int | None
-    """Put before every document; None when data.add_bos=false."""
-    eos_token: str | None
-    eos_id: int | None
-
-
-def _token_string(value: object) -> str | None:
-    """A tokenizer_config.json special token: a string or an AddedToken dict."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) and value else None
-
-
-def _tokenizer_files(spec: str) -> tuple[Path, dict]:
-    """tokenizer.json and the tokenizer_config.json beside it ({} if none)."""
-    path = Path(spec).expanduser()
-    convert = (f"data.tokenizer={spec!r} is a sentencepiece model; convert it to tokenizer.json "
-               "(transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)) and point "
-               "data.tokenizer at it")
-    if path.is_file():
-        if path.suffix == ".model":
-            raise ValueError(convert)
-        return path, {}
-    if path.is_dir():
-        if not (path / "tokenizer.json").is_file():
-            if (path / "tokenizer.model").is_file():
-                raise ValueError(convert)
-            raise ValueError(f"data.tokenizer={spec!r} is a folder without tokenizer.json")
-        return path / "tokenizer.json", _read_json(path / "tokenizer_config.json")
-    if not _looks_like_hub(spec) or hub_offline():
-        raise ValueError(f"data.tokenizer={spec!r} does not exist locally"
-                         + (" and the Hugging Face hub is offline" if hub_offline() else "")
-                         + "; give a tokenizer.json file or a folder holding one")
-    return _hub_tokenizer_files(spec)
-
-
-def _hub_tokenizer_files(name: str) -> tuple[Path, dict]:
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
-    try:
-        file = Path(hf_hub_download(name, "tokenizer.json"))
-    except Exception as e:  # any hub failure is one message
-        raise ValueError(f"data.tokenizer={name!r}: cannot fetch tokenizer.json from the hub "
-                         f"({type(e).__name__}: {e})") from e
-    try:
-        config = _read_json(Path(hf_hub_download(name, "tokenizer_config.json")))
-    except EntryNotFoundError:
-        config = {}
-    return file, config
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from e
-    return value if isinstance(value, dict) else {}
-
-
-def _special(tok, which: str, explicit: str | None, config: dict, names: tuple[str, ...],
-             spec: str) -> tuple[str, int]:
-    """The BOS or EOS token and id: data.<which>_token, tokenizer_config.json, the usual names."""
-    key = f"data.{which}_token"
-    if explicit is not None:
-        tid = tok.token_to_id(explicit)
-        if tid is None:
-            raise TokenizerMismatch(f"{key}={explicit!r} is not in the vocabulary of "
-                                    f"data.tokenizer={spec!r}; pick a token it has")
-        return explicit, tid
-    for name in (_token_string(config.get(f"{which}_token")), *names):
-        if name is not None and (tid := tok.token_to_id(name)) is not None:
-            return name, tid
-    raise TokenizerMismatch(f"data.add_{which}=true but data.tokenizer={spec!r} has no "
-                            f"{which.upper()} token (tokenizer_config.json names none, and none "
-                            f"of {', '.join(names)} is in the vocabulary); set {key}=TOKEN or "
-                            f"data.add_{which}=false")
-
-
-def load_tokenizer(data: DataConfig) -> TokenizerInfo:
-    """Read data.tokenizer and resolve the BOS/EOS tokens that data.add_bos/add_eos need."""
-    from tokenizers import Tokenizer
-
-    file, config = _tokenizer_files(data.tokenizer)
-    raw = file.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-        tok = Tokenizer.from_str(text)
-    except Exception as e:  # tokenizers raises a bare Exception
-        raise ValueError(f"data.tokenizer={data.tokenizer!r}: {file} is not a readable "
-                         f"tokenizer.json ({e})") from e
-    bos = (_special(tok, "bos", data.bos_token, config, BOS_NAMES, data.tokenizer)
-           if data.add_bos else (None, None))
-    eos = (_special(tok, "eos", data.eos_token, config, EOS_NAMES, data.tokenizer)
-           if data.add_eos else (None, None))
-    vocab = json.dumps(sorted(tok.get_vocab(with_added_tokens=True).items())).encode()
-    return TokenizerInfo(spec=data.tokenizer, json=text, sha256=hashlib.sha256(raw).hexdigest(),
-                         vocab_sha256=hashlib.sha256(vocab).hexdigest(),
-                         vocab_size=tok.get_vocab_size(with_added_tokens=True),
-                         bos_token=bos[0], bos_id=bos[1], eos_token=eos[0], eos_id=eos[1])

@@ -98,10 +98,6 @@ class Run(NamedTuple):
         """`position` clamped into [start, end]."""
         return min(max(position, self.start), self.end)
 
-    def local_slice(self, lo: int, hi: int) -> slice:
-        """Local indices of its tokens at global positions [lo, hi)."""
-        return slice(self.local + lo - self.start, self.local + hi - self.start)
-
     def part(self, offset: int, length: int) -> Run:
         """The sub-run of `length` tokens starting `offset` tokens in."""
         return Run(self.local + offset, self.start + offset, length)

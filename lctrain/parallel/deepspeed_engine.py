@@ -1,6 +1,7 @@
 """The DeepSpeed ZeRO engine (parallel.dp_engine=deepspeed): the DeepSpeed JSON config lctrain
-derives from its own keys, the mpu that hands DeepSpeed lctrain's groups, and the engine around
-an already built model and lctrain's AdamW.
+derives from its own keys, the mpu that hands DeepSpeed lctrain's groups, the engine around
+an already built model and lctrain's AdamW, one step's micro-batches under it (`micro_steps`,
+called by lctrain.training.loop with its token-weighted loss scale), and its checkpoints.
 
 Groups: DeepSpeed's data-parallel group is dp x cp, so ZeRO shards and averages over the same
 ranks as FSDP, and every cp algorithm runs unchanged inside the model (`GroupsForDeepSpeed`).
@@ -20,6 +21,7 @@ from torch import nn
 
 from lctrain.config import LctrainConfig
 from lctrain.config.deepspeed import lctrain_keys
+from lctrain.data.batch import MicroBatch
 from lctrain.parallel.runtime import Runtime
 
 INSTALL = ('pip install -e ".[deepspeed]" (the first process on a machine compiles DeepSpeed\'s '
@@ -131,6 +133,30 @@ def is_engine(model: nn.Module) -> bool:
     """Whether `model` is a DeepSpeed engine (deepspeed is not imported for the question)."""
     deepspeed = sys.modules.get("deepspeed")
     return deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine)
+
+
+def micro_steps(engine: nn.Module, micro_batches: list[MicroBatch], loss_scale: float,
+                rt: Runtime) -> torch.Tensor:
+    """Forward and backward of every micro-batch of one step; the sum of this rank's token
+    losses. The backward loss is the token-loss sum times `loss_scale` (the training loop's
+    token weighting): DeepSpeed's own division by the accumulation steps is off. The engine
+    steps its optimizer at the accumulation boundary only, after its global clipping, and skips
+    a step with a non-finite gradient norm (`was_step_applied`)."""
+    loss_sum = torch.zeros((), device=rt.device, dtype=torch.float32)
+    for mb in micro_batches:
+        mb = mb.to(rt.device)
+        with rt.autocast():
+            loss = engine(mb.inputs, mb.positions, mb.doc_ids, labels=mb.labels)
+        engine.backward(loss * loss_scale, scale_wrt_gas=False)
+        engine.step()  # the optimizer steps at the accumulation boundary only
+        loss_sum += loss.detach().float()
+    return loss_sum
+
+
+def grad_norm(engine: nn.Module) -> float:
+    """The global gradient norm of the engine's last step (nan when DeepSpeed has none)."""
+    norm = engine.get_global_grad_norm()
+    return float("nan") if norm is None or norm < 0 else float(norm)
 
 
 TAG = "deepspeed"

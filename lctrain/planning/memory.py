@@ -14,6 +14,7 @@ import dataclasses
 from functools import cache
 
 from lctrain.config import LctrainConfig, ModelConfig, derive
+from lctrain.config.cp_algorithms import LayerShape, MemoryTerms, cp_algorithm
 from lctrain.layout.stages import (
     block_params,
     rank_of,
@@ -95,27 +96,29 @@ def state_parts(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[s
 
 def attention_buffer_bytes(cfg: LctrainConfig, world_size: int, batch: int) -> float:
     """Device bytes a context-parallel attention layer holds for a moment beyond what the block
-    keeps (docs/parallelism.md §16), at its peak, the backward:
+    keeps (docs/parallelism.md §16), at its peak, the backward: the algorithm's
+    `MemoryTerms.buffers`:
       - ring (and USP's ring over cp_ring ranks): the K/V block arriving while the held one is
         computed, [B, S/cp_ring, k H_kv/(tp u), d] x 2 in the compute dtype, and the float32
         accumulators dQ [B, S/cp_ring, H/(tp u), d] and three dK/dV pairs (the rank's own, the
         one being sent, the one arriving);
       - all-gather KV: the gradients of the gathered K and V, [B, S, H_kv/tp, d] x 2 in the
         compute dtype, before their reduce-scatter;
-      - Ulysses' all-to-all buffers are not modelled (0)."""
-    m, p = cfg.model, cfg.parallel
-    if p.cp == 1:
+      - Ulysses' all-to-all buffers are not modelled (0; `MemoryTerms.unmodelled`)."""
+    if cfg.parallel.cp == 1:
         return 0.0
-    dv, a = derive(cfg, world_size), dtype_bytes(cfg, world_size)[0]
-    hd, S = m.dim // m.n_heads, cfg.train.seq_len
-    if p.attention == "allgather":
-        return 2 * a * batch * S * m.n_kv_heads // p.tp * hd
-    if p.attention == "ulysses" or dv.cp_ring == 1:
-        return 0.0
-    u, tokens = dv.cp_ulysses, batch * S // dv.cp_ring
-    kv = tokens * m.n_kv_heads * dv.kv_replication // (p.tp * u) * hd
-    q = tokens * m.n_heads // (p.tp * u) * hd
-    return 2 * kv * a + 4 * (q + 3 * 2 * kv)
+    return cp_algorithm(cfg.parallel.attention).memory.buffers(
+        layer_shape(cfg, world_size, batch))
+
+
+def layer_shape(cfg: LctrainConfig, world_size: int, batch: int) -> LayerShape:
+    """One attention layer of `batch` sequences on one rank, as the registry's memory formulas
+    read it."""
+    m, p, d = cfg.model, cfg.parallel, derive(cfg, world_size)
+    return LayerShape(batch=batch, seq_len=cfg.train.seq_len, cp=p.cp, ulysses=d.cp_ulysses,
+                      tp=p.tp, dim=m.dim, heads=m.n_heads, kv_heads=m.n_kv_heads,
+                      kv_replication=d.kv_replication,
+                      compute_bytes=dtype_bytes(cfg, world_size)[0])
 
 
 ALLOCATOR_FRACTION = 0.10
@@ -177,8 +180,9 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int) -> float
     N = (4 D + 4 + r D)/s + a D, one norm (`_norm_bytes`). Per token, in bytes:
       none:      2 N + a (2 D + 2 k D_kv + 4 F)/t + 4 H/t  [+ a D/t Ulysses/USP]
                  the two norms, then q, k, v, the attention output, its fp32 lse and the four
-                 SwiGLU tensors on the TP shard. All-gather KV keeps the gathered K/V:
-                 a 2 D_kv (cp - 1)/t more. With casts, per block (not per token), a bf16 copy of
+                 SwiGLU tensors on the TP shard; at cp > 1 what the algorithm keeps besides
+                 (its registry entry's `kept_per_token`): Ulysses' and USP's output copy a D/t,
+                 all-gather KV's gathered K/V a 2 D_kv (cp - 1)/t. With casts, per block (not per token), a bf16 copy of
                  every matmul weight: a W/t. train.mlp_chunk: the FFN keeps its chunks' inputs
                  (a copy of the norm output, which it no longer keeps itself) instead of
                  a 4 F/t, and no copy of its weights; plus each chunk's int64 token index
@@ -206,10 +210,9 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int) -> float
     attention_weights = D * hd * (2 * H + 2 * m.n_kv_heads) // t
     mlp_weights = 3 * D * F // t
     per_token = 2 * _norm_bytes(D, s, a, r) + a * (2 * D + 2 * k * dkv) / t + 4 * H / t
-    if p.cp > 1 and p.attention in ("ulysses", "usp"):
-        per_token += a * D / t
-    if p.cp > 1 and p.attention == "allgather":
-        per_token += a * 2 * dkv * (p.cp - 1) / t
+    if p.cp > 1:  # what the algorithm keeps besides (`MemoryTerms.kept_per_token`)
+        per_token += cp_algorithm(p.attention).memory.kept_per_token(
+            layer_shape(cfg, world_size, batch))
     if cfg.train.mlp_chunk:
         per_block = 8 * cfg.train.seq_len // p.cp + (a * attention_weights if casts else 0)
         return n * per_token + per_block
@@ -247,14 +250,16 @@ def rope_table_bytes(cfg: LctrainConfig, world_size: int, batch: int) -> float:
 def planning_bytes(cfg: LctrainConfig, batch: int) -> float:
     """Host bytes the attention's call plans keep during a forward, planned in the first block
     for all of them (CPU tensors: device memory only in a CPU run): the int64 document ids of
-    every attention block (packed documents; Ulysses, USP and all-gather KV also hold them for
-    the gathered tokens), and for Ulysses and USP over zigzag shards the position order of the
-    tokens they attend over (sort index, inverse and sorted positions)."""
+    the attention blocks (packed documents: `MemoryTerms.doc_ids`; every token once, Ulysses
+    and USP twice, in rank and in position order, all-gather KV its own tokens' and every
+    token's), and for an algorithm that `sorts_positions` (Ulysses and USP) over zigzag shards
+    the position order of the tokens it attends over (sort index, inverse and sorted
+    positions)."""
     p, S = cfg.parallel, cfg.train.seq_len
-    gathered = p.cp > 1 and p.attention in ("ulysses", "usp", "allgather")
-    total = 8 * batch * S * (2 if gathered else 1) if cfg.data.document_masking else 0
-    if p.cp > 1 and p.attention in ("ulysses", "usp") and p.load_balance != "none":
-        total += 24 * S
+    terms = cp_algorithm(p.attention).memory if p.cp > 1 else MemoryTerms()
+    total = 8 * terms.doc_ids(batch * S, p.cp) if cfg.data.document_masking else 0
+    if terms.sorts_positions and p.load_balance != "none":
+        total += 24 * S  # three int64 tensors of S: sort index, inverse, sorted positions
     return total
 
 

@@ -17,6 +17,7 @@ byte for byte (docs/parallelism.md §16).
 from __future__ import annotations
 
 from lctrain.config import LctrainConfig, derive
+from lctrain.config.cp_algorithms import cp_algorithm
 from lctrain.config.derived import slurm_ranks_per_node
 from lctrain.config.validation import warnings_for
 from lctrain.layout.stages import bubble_fraction, split_layers, stages_of
@@ -234,14 +235,14 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
 def memory_notes(cfg: LctrainConfig) -> list[str]:
     """What memory_per_rank counts: the allocator rule, where the logits and loss buffers are,
     and what is not modelled."""
-    a = cfg.parallel.attention if cfg.parallel.cp > 1 else "local"
     notes = [f"allocator_allowance = {ALLOCATOR_FRACTION:.0%} of the modelled bytes + "
              f"{ALLOCATOR_FIXED_GIB:g} GiB (caching allocator, CUDA context, NCCL and kernel "
              "workspaces); the verdict compares the total with plan.gpu_memory_gib",
              "logits and loss buffers: in activations_kept (the log-softmax) and "
              "backward_working_set (the larger of one block's backward and the loss head's)"]
-    if a in ("ulysses", "usp"):
-        notes.append("not modelled: Ulysses' all-to-all buffers")
+    unmodelled = cp_algorithm(cfg.parallel.attention).memory.unmodelled
+    if cfg.parallel.cp > 1 and unmodelled:
+        notes.append(f"not modelled: {unmodelled}")
     if cfg.parallel.dp_engine == "deepspeed":
         notes.append("not modelled: DeepSpeed's buckets and communication buffers")
     return notes

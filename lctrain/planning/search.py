@@ -19,7 +19,8 @@ import multiprocessing
 import os
 from dataclasses import dataclass
 
-from lctrain.config import LctrainConfig, derive
+from lctrain.config import LctrainConfig, ParallelConfig, derive
+from lctrain.config.cp_algorithms import CP_ALGORITHMS
 from lctrain.config.validation import layout_problems
 from lctrain.planning.plan import rank_memory
 from lctrain.planning.timing import Hardware, StepTime, predict_step_time
@@ -81,12 +82,12 @@ def divisors(n: int) -> list[int]:
 
 
 def attentions(cp: int) -> list[tuple[str, int]]:
-    """(parallel.attention, parallel.ulysses_degree) for `cp` ranks: ring, Ulysses, all-gather
-    KV and USP at every Ulysses degree strictly between 1 and cp."""
+    """(parallel.attention, parallel.ulysses_degree) for `cp` ranks: every registered algorithm
+    at the degrees its entry searches (`CPAlgorithm.searched_degrees`: USP at every Ulysses
+    degree strictly between 1 and cp, the others at 1); at cp = 1 the default alone."""
     if cp == 1:
-        return [("ring", 1)]
-    return [("ring", 1), ("ulysses", 1), ("allgather", 1),
-            *(("usp", u) for u in divisors(cp) if 1 < u < cp)]
+        return [(ParallelConfig().attention, 1)]
+    return [(a.name, u) for a in CP_ALGORITHMS.entries() for u in a.searched_degrees(cp)]
 
 
 def layouts(cfg: LctrainConfig, world_size: int, ranks_per_node: int):

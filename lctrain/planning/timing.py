@@ -17,12 +17,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lctrain.config import LctrainConfig, derive
+from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm
 from lctrain.config.derived import slurm_ranks_per_node
 from lctrain.layout.stages import bubble_fraction, layer_costs, split_layers, stages_of
 from lctrain.layout.topology import Topology
 from lctrain.planning.flops import train_flops_per_step
 from lctrain.planning.memory import local_params
-from lctrain.planning.traffic import cp_step_bytes, dp_step_bytes, step_traffic_bytes
+from lctrain.planning.traffic import (
+    cp_step_bytes,
+    cp_step_groups,
+    cp_transfers,
+    dp_step_bytes,
+    step_traffic_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -122,21 +129,16 @@ def group_bandwidth_gbps(topology: Topology, group: str, hw: Hardware) -> float:
     return hw.intra_node_gbps if intra else hw.inter_node_gbps
 
 
-CP_GROUPS = {"ring": "cp_ring", "all_to_all": "cp_ulysses", "all_gather": "cp",
-             "reduce_scatter": "cp"}
-"""The group that carries each collective of `cp_step_bytes` (by its name's prefix)."""
-
-
 def cp_group_bytes(cfg: LctrainConfig, world_size: int) -> dict[str, float]:
-    """Bytes one rank sends per step in the context-parallel attention, by group: "cp_ring"
-    (ring P2P), "cp_ulysses" (all-to-all), "cp" (all-gather KV): `cp_step_bytes` (recompute
-    included) of the pipeline rank with the most."""
+    """Bytes one rank sends per step in the context-parallel attention, by the group each
+    transfer names (`cp_step_groups`: "cp_ring" ring P2P, "cp_ulysses" all-to-all, "cp"
+    all-gather KV): `cp_step_bytes` (recompute included) of the pipeline rank with the most."""
+    groups = cp_step_groups(cfg, world_size)
     out: dict[str, float] = {}
     for r in range(cfg.parallel.pp):
         mine: dict[str, float] = {}
         for name, nbytes in cp_step_bytes(cfg, world_size, r).items():
-            group = next(g for prefix, g in CP_GROUPS.items() if name.startswith(prefix))
-            mine[group] = mine.get(group, 0.0) + nbytes
+            mine[groups[name]] = mine.get(groups[name], 0.0) + nbytes
         out = max(out, mine, key=lambda x: sum(x.values()))
     return out
 
@@ -165,10 +167,11 @@ def collective_calls(cfg: LctrainConfig, world_size: int) -> dict[str, float]:
     """Collective calls one rank makes per step, by group (those besides FSDP/DDP, whose calls
     the calibrated block overhead already holds): per block and micro-batch, TP's 4 forward and
     4 backward (all-gather / reduce-scatter with SP, all-reduce without: 2 and 2) and the
-    recompute's 3 (1); the ring's R - 1 forward exchanges, 2 (R - 1) backward and R - 1 again
-    when recomputed; the Ulysses all-to-alls, 4 each way and 4 recomputed; the all-gather of
-    K/V and the reduce-scatter of their gradients, 2 each way; the pipeline's send and receive
-    of each micro-batch, forward and backward, per stage boundary the rank holds."""
+    recompute's 3 (1); the attention's transfers' calls (`Transfer.calls`: the ring's R - 1
+    forward exchanges, 2 (R - 1) backward; the Ulysses all-to-alls, 4 each way; the all-gather
+    of K/V and the reduce-scatter of their gradients, 2 each way), the forward's again when
+    recomputed; the pipeline's send and receive of each micro-batch, forward and backward, per
+    stage boundary the rank holds."""
     p, t, d = cfg.parallel, cfg.train, derive(cfg, world_size)
     stages, mine = split_layers(cfg), stages_of(cfg, 0)
     blocks = max(sum(len(stages[s]) for s in stages_of(cfg, r)) for r in range(p.pp))
@@ -176,13 +179,9 @@ def collective_calls(cfg: LctrainConfig, world_size: int) -> dict[str, float]:
     per_block: dict[str, float] = {}
     if p.tp > 1:
         per_block["tp"] = 8 + (3 if again else 0) if p.sp else 4 + (1 if again else 0)
-    if p.cp > 1 and p.attention == "allgather":
-        per_block["cp"] = 4 + (2 if again else 0)
-    elif p.cp > 1:
-        if d.cp_ring > 1:
-            per_block["cp_ring"] = (d.cp_ring - 1) * (4 if again else 3)
-        if d.cp_ulysses > 1:
-            per_block["cp_ulysses"] = 8 + (4 if again else 0)
+    for x in cp_transfers(cfg, world_size):  # the forward's again when recomputed
+        times = 2 if again and x.direction == "fwd" else 1
+        per_block[x.group] = per_block.get(x.group, 0) + times * x.calls
     out = {g: n * blocks * d.grad_accum for g, n in per_block.items()}
     if p.pp > 1:
         out["pp"] = 4 * len(mine) * d.grad_accum
@@ -193,9 +192,8 @@ FIXED_COST_LAYOUTS: dict[str, dict] = {
     "single": {},
     "base": {"dp": 2},
     "tp": {"tp": 2, "sp": True, "dp": 1},
-    "ring": {"cp": 2, "attention": "ring", "dp": 1},
-    "ulysses": {"cp": 2, "attention": "ulysses", "dp": 1},
-    "allgather": {"cp": 2, "attention": "allgather", "dp": 1},
+    **{a.name: {"cp": 2, "attention": a.name, "dp": 1} for a in CP_ALGORITHMS.entries()
+       if a.timing.calibrated},
     "pp": {"pp": 2, "dp": 1},
     "ddp": {"dp": 2, "dp_engine": "ddp"},
     "selective": {"activation_checkpointing": "selective"},
@@ -203,8 +201,9 @@ FIXED_COST_LAYOUTS: dict[str, dict] = {
 }
 """The layouts whose fixed costs `lctrain plan --calibrate` measures (parallel.* overrides,
 and train.activation_checkpointing): "single" one process, "base" 2-rank data parallelism
-(FSDP), the others one feature each on 2 ranks, but the checkpointing modes: one process
-each (what they add is work of the rank, the same beside any engine)."""
+(FSDP), the others one feature each on 2 ranks (a context-parallel algorithm's when its
+registry entry says `calibrated`), but the checkpointing modes: one process each (what they add
+is work of the rank, the same beside any engine)."""
 SINGLE_RANK_FEATURES = ("selective", "full")
 """Fixed-cost features measured against "single", not "base"."""
 TRAIN_KEYS = ("activation_checkpointing",)
@@ -213,7 +212,8 @@ TRAIN_KEYS = ("activation_checkpointing",)
 
 def fixed_seconds(cfg: LctrainConfig, world_size: int, hw: Hardware) -> float:
     """The step's fixed costs on the busiest rank: per block and micro-batch, "base" plus the
-    extra of each feature the layout uses (the ring's x (R - 1), its exchanges per block; DDP's
+    extra of each feature the layout uses (the attention's as its registry entry counts them,
+    `TimingTerms.fixed_costs`: the ring's x (R - 1), its exchanges per block; DDP's
     against FSDP; a checkpointing mode's against one process without it),
     times the rank's blocks; per micro-batch besides the blocks (the embedding, the loss head,
     the loader, and the optimizer step's share), "base" plus the same extras; both times the
@@ -221,10 +221,9 @@ def fixed_seconds(cfg: LctrainConfig, world_size: int, hw: Hardware) -> float:
     if not hw.fixed_costs:
         return 0.0
     p, d, mode = cfg.parallel, derive(cfg, world_size), cfg.train.activation_checkpointing
-    used = {"base": 1.0, "tp": float(p.tp > 1), "pp": float(p.pp > 1),
-            "allgather": float(p.cp > 1 and p.attention == "allgather"),
-            "ring": float(d.cp_ring - 1) if p.cp > 1 and p.attention != "allgather" else 0.0,
-            "ulysses": float(d.cp_ulysses > 1),
+    attention = (cp_algorithm(p.attention).timing.fixed_costs(d.cp_ring, d.cp_ulysses)
+                 if p.cp > 1 else {})
+    used = {"base": 1.0, "tp": float(p.tp > 1), "pp": float(p.pp > 1), **attention,
             "ddp": float(p.dp_engine == "ddp" and d.dp * p.cp > 1),
             "selective": float(mode == "selective"), "full": float(mode == "full")}
     base = "base" if world_size > 1 else "single"

@@ -8,38 +8,38 @@ the bytes one rank sends per step in the groups whose collectives lctrain does n
 `record_traffic` counts them (§16).
 
 L: global sequence (one sample), d = H * head_dim and d_kv = H_kv * r * head_dim per TP rank
-(r = KV replication), P = cp, u = Ulysses degree, R = ring degree = P / u.
+(r = KV replication), P = cp, u = Ulysses degree, R = ring degree = P / u. The attention's
+formulas are its registry entry's (`lctrain.config.cp_algorithms`); this module adds them up.
 """
 
 from __future__ import annotations
 
 from lctrain.config import LctrainConfig, derive
+from lctrain.config.cp_algorithms import Transfer, cp_algorithm
 from lctrain.layout.stages import split_layers, stages_of
 from lctrain.planning.memory import local_params, pipeline_buffer_bytes
+
+DIRECTIONS = {"fwd": "forward", "bwd": "backward"}
+"""`Transfer.direction` -> the key of `attention_traffic`."""
 
 
 def attention_traffic(algorithm: str, seq_len: int, d: int, d_kv: int, cp: int, ulysses: int,
                       batch: int = 1) -> dict[str, float]:
-    """{'forward': elements, 'backward': elements} sent per rank."""
-    L, P, u = seq_len, cp, ulysses
-    if P == 1:
-        return {"forward": 0.0, "backward": 0.0}
-    if algorithm == "allgather":
-        # forward all-gathers K and V; backward reduce-scatters dK and dV: same volume
-        fwd = (P - 1) * 2 * (L / P) * d_kv
-        return {"forward": batch * fwd, "backward": batch * fwd}
-    if algorithm == "ulysses":
-        u = P
-    elif algorithm == "ring":
-        u = 1
-    R = P // u
-    tokens = L / R  # tokens of one Ulysses group
-    # all-to-all of Q, K, V and the output forward; of dO, dQ, dK, dV backward (same sizes)
-    a2a = (2 * d + 2 * d_kv) * tokens * (u - 1) / u**2
-    # ring: K, V blocks of L/R tokens with the 1/u of the heads this rank holds after the a2a;
-    # backward sends K, V again plus the travelling dK, dV accumulators
-    ring = (R - 1) * 2 * (L / R) * d_kv / u
-    return {"forward": batch * (a2a + ring), "backward": batch * (a2a + 2 * ring)}
+    """{'forward': elements, 'backward': elements} sent per rank: the sum of the algorithm's
+    transfers (`CPAlgorithm.transfers`); `ulysses` is parallel.ulysses_degree (an algorithm
+    whose degree is fixed ignores it)."""
+    out = {"forward": 0.0, "backward": 0.0}
+    if cp == 1:
+        return out
+    for x in _transfers(algorithm, seq_len, d, d_kv, cp, ulysses):
+        out[DIRECTIONS[x.direction]] += batch * x.elements
+    return out
+
+
+def _transfers(algorithm: str, seq_len: int, d: float, d_kv: float, cp: int,
+               ulysses: int) -> tuple[Transfer, ...]:
+    a = cp_algorithm(algorithm)
+    return a.transfers(seq_len, d, d_kv, cp, a.degree(cp, ulysses))
 
 
 def tp_block_traffic(tokens: int, dim: int, tp: int) -> float:
@@ -137,37 +137,51 @@ def _tp_step_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int) -> float:
     return d.grad_accum * (_compute_bytes(cfg) * compute + 4 * fp32)
 
 
+def cp_transfers(cfg: LctrainConfig, world_size: int) -> tuple[Transfer, ...]:
+    """The collectives of one attention layer and sequence of this layout's algorithm at its
+    widths per TP rank (KV replication included); () when cp = 1."""
+    d, m, p, t = derive(cfg, world_size), cfg.model, cfg.parallel, cfg.train
+    if p.cp == 1:
+        return ()
+    hd = m.dim // m.n_heads
+    dq, dkv = m.dim // p.tp, m.n_kv_heads * hd // p.tp * d.kv_replication
+    return _transfers(p.attention, t.seq_len, dq, dkv, p.cp, p.ulysses_degree)
+
+
+RECOMPUTED = "_recompute"
+"""The suffix of `cp_step_bytes`' keys for a forward collective sent again in the backward."""
+
+
+def cp_step_groups(cfg: LctrainConfig, world_size: int) -> dict[str, str]:
+    """The topology group that carries each key of `cp_step_bytes`."""
+    out = {}
+    for x in cp_transfers(cfg, world_size):
+        out[x.key] = x.group
+        if x.direction == "fwd":
+            out[x.collective + RECOMPUTED] = x.group
+    return out
+
+
 def cp_step_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[str, float]:
     """Bytes one rank of pipeline rank `pp_rank` sends in the cp group per optimizer step, by
     collective and direction (docs/parallelism.md §5-8, §16): what `record_traffic` counts and
-    the loop logs as `cp_bytes_sent`. Per layer and micro-batch `attention_traffic`'s elements:
-    all-to-alls (Q, K, V, output; backward dO, dQ, dK, dV) and ring K/V blocks in the compute
-    dtype, the ring's dK/dV accumulators in float32, the all-gather of K/V in the compute
-    dtype and the reduce-scatter of their gradients in float32; "..._recompute" the forward's
-    collectives again in the backward when checkpointing recomputes the attention (selective
-    at cp > 1, full). Times the rank's layers and the step's micro-batches. {} when cp = 1."""
-    d, m, p, t = derive(cfg, world_size), cfg.model, cfg.parallel, cfg.train
-    if p.cp == 1:
+    the loop logs as `cp_bytes_sent`. Per layer and micro-batch the algorithm's transfers
+    (`cp_transfers`), each in the compute dtype or, for those marked float32 (the ring's dK/dV
+    accumulators, the reduce-scatter of all-gather's dK/dV), in float32, keyed
+    `{collective}_{fwd|bwd}`; "..._recompute" the forward's collectives again in the backward
+    when checkpointing recomputes the attention (selective at cp > 1, full). Times the rank's
+    layers and the step's micro-batches. {} when cp = 1."""
+    d, t = derive(cfg, world_size), cfg.train
+    transfers = cp_transfers(cfg, world_size)
+    if not transfers:
         return {}
-    a = 2 if t.dtype == "bf16" else 4
-    hd = m.dim // m.n_heads
-    dq, dkv = m.dim // p.tp, m.n_kv_heads * hd // p.tp * d.kv_replication
-    total = attention_traffic(p.attention, t.seq_len, dq, dkv, p.cp, d.cp_ulysses,
-                              batch=t.micro_batch)
-    if p.attention == "allgather":
-        parts = {"all_gather_fwd": a * total["forward"],
-                 "reduce_scatter_bwd": 4 * total["backward"]}
-        forward = ["all_gather_fwd"]
-    else:
-        # the ring's K/V hold the 1/u of the heads the rank keeps after the all-to-all
-        ring = attention_traffic("ring", t.seq_len, 0, dkv / d.cp_ulysses, d.cp_ring, 1,
-                                 batch=t.micro_batch)["forward"]
-        a2a = total["forward"] - ring
-        parts = {"all_to_all_fwd": a * a2a, "all_to_all_bwd": a * a2a} if a2a else {}
-        if ring:
-            parts |= {"ring_kv_fwd": a * ring, "ring_kv_bwd": a * ring, "ring_grad_bwd": 4 * ring}
-        forward = [k for k in parts if k.endswith("_fwd")]
+    a = _compute_bytes(cfg)
+    parts: dict[str, float] = {}
+    for x in transfers:
+        parts[x.key] = parts.get(x.key, 0.0) + (4 if x.float32 else a) * (t.micro_batch
+                                                                          * x.elements)
     if t.activation_checkpointing != "none":
-        parts |= {k.replace("_fwd", "_recompute"): parts[k] for k in forward}
+        parts |= {x.collective + RECOMPUTED: parts[x.key] for x in transfers
+                  if x.direction == "fwd"}
     times = sum(len(split_layers(cfg)[s]) for s in stages_of(cfg, pp_rank))
     return {k: v * times * d.grad_accum for k, v in parts.items()}

@@ -23,46 +23,56 @@ damaged checkpoint is skipped with a warning for the previous complete one.
 Nothing is unpickled: tensors load with weights_only, DCP's metadata through an unpickler that
 admits only DCP's own metadata classes, everything else is JSON. The schedule is not saved: it
 is a function of the step (lctrain.training.optim.lr_at), so it resumes exactly in any layout.
+
+This module saves and resumes (`Checkpointer`, collective); the files' names, the manifest
+check, the safe metadata reader and the RNG states are lctrain.training.checkpoint_format's,
+re-exported here.
 """
 
 from __future__ import annotations
 
 import datetime
-import hashlib
-import io
 import json
 import os
-import pickle
-import random
-import re
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
 
-from lctrain.models.llama import Llama
 from lctrain.parallel import deepspeed_engine
+from lctrain.training.checkpoint_format import (
+    MANIFEST,
+    STATE,
+    SafeReader,
+    complete_checkpoints,
+    damaged_files,
+    full_weights,
+    rng_state,
+    set_rng_state,
+    sha256_file,
+    step_dir,
+    tensor_state,
+    write_json,
+)
 from lctrain.training.files import describe_os_error, errnos_in, write_advice, write_synced
 from lctrain.training.optim import resume_scheduler
 
-MANIFEST = "manifest.json"
-STATE = "train_state.json"
-_NAME = re.compile(r"^step-(\d{8})$")
+__all__ = [  # with checkpoint_format's names, which commands, tools and bench import here
+    "MANIFEST", "STATE", "CheckpointError", "Checkpointer", "SafeReader", "TrainState",
+    "complete_checkpoints", "damaged_files", "full_weights", "rng_state", "set_rng_state",
+    "step_dir", "tensor_state",
+]
 
 
 class CheckpointError(RuntimeError):
@@ -77,51 +87,6 @@ class TrainState:
     tokens: int = 0
 
 
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:08d}"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _write_json(path: Path, value: object) -> None:
-    write_synced(path, json.dumps(value, indent=1, sort_keys=True).encode())
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's .metadata is a pickle: admit only the classes it is made of."""
-
-    ALLOWED = {("torch", "Size"), ("torch", "device"), ("torch.serialization", "_get_layout"),
-               ("collections", "OrderedDict"), ("pathlib", "PosixPath"),
-               ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
-
-    def find_class(self, module: str, name: str):
-        if module.startswith("torch.distributed.checkpoint.") or (module, name) in self.ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is "
-                                     "not part of a DCP checkpoint; refusing to load it")
-
-
-class SafeReader(dcp.FileSystemReader):
-    """FileSystemReader whose metadata load can run no code."""
-
-    def read_metadata(self, *args, **kwargs):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
 def _describe(error: BaseException, rank: int) -> str:
     """One line per failed rank: DCP's CheckpointException carries every rank's exception; an
     OSError says which file, why, and its errno."""
@@ -131,61 +96,6 @@ def _describe(error: BaseException, rank: int) -> str:
         where = f"{error.filename}: " if error.filename else ""
         return f"rank {rank}: {where}{describe_os_error(error)}"
     return f"rank {rank}: {type(error).__name__}: {error}"
-
-
-def rng_state() -> dict:
-    """This rank's Python, NumPy and torch RNG states as JSON-able values."""
-    py = random.getstate()
-    out = {"python": [py[0], list(py[1]), py[2]], "numpy": None,
-           "torch": torch.get_rng_state().tolist()}
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    out["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state().tolist()
-    return out
-
-
-def set_rng_state(state: dict) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
-
-
-def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """({"model": ..., "optim": ...} tensors for DCP, the optimizer's full state dict)."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd["state"]}, optim_sd
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Checkpoint directories under `root` that have a manifest, newest first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: p.name, reverse=True)
-
-
-def damaged_files(path: Path, rank: int = 0, world: int = 1, hashes: bool = True) -> list[str]:
-    """What is wrong with a checkpoint's files (this rank checks every world-th file)."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError) as e:
-        return [f"{path / MANIFEST}: unreadable ({e})"]
-    problems = []
-    for i, (name, entry) in enumerate(sorted(files.items())):
-        file = path / name
-        if not file.is_file():
-            problems.append(f"{file} is missing")
-        elif file.stat().st_size != entry["size"]:
-            problems.append(f"{file} holds {file.stat().st_size} bytes, not {entry['size']}")
-        elif hashes and i % world == rank and _sha256(file) != entry["sha256"]:
-            problems.append(f"{file} does not match its sha256 (the file is corrupt)")
-    return problems
 
 
 class Checkpointer:
@@ -281,9 +191,9 @@ class Checkpointer:
             if staged is not None:
                 staged.result()
             rng_file = tmp / f"rng-{rank:05d}.json"
-            _write_json(rng_file, rng)
+            write_json(rng_file, rng)
             for file in [*tmp.glob(f"__{rank}_*"), rng_file]:
-                hashes[file.name] = {"size": file.stat().st_size, "sha256": _sha256(file)}
+                hashes[file.name] = {"size": file.stat().st_size, "sha256": sha256_file(file)}
         except (Exception, CheckpointException) as e:  # noqa: BLE001 (reported on every rank)
             error = _describe(e, rank)
         gathered = self._gather((error, hashes))
@@ -299,14 +209,14 @@ class Checkpointer:
 
     def _publish(self, tmp: Path, step: int, extra: dict, files: dict) -> None:
         """Rank 0: the remaining files, the manifest last, then the rename that makes it real."""
-        _write_json(tmp / STATE, extra)
+        write_json(tmp / STATE, extra)
         write_synced(tmp / "config.yaml", self.config_yaml.encode())
         engine_files = sorted(str(f.relative_to(tmp)) for f in (tmp / deepspeed_engine.TAG).rglob(
             "*") if f.is_file())
         for name in [n for n in (".metadata", STATE, "config.yaml") if (tmp / n).is_file()] + \
                 engine_files:
-            files[name] = {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
-        _write_json(tmp / MANIFEST, {"step": step, "files": files})
+            files[name] = {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
+        write_json(tmp / MANIFEST, {"step": step, "files": files})
         final = step_dir(self.root, step)
         aside = self.root / f".{final.name}.replaced.partial"  # removed by the next run if left
         if final.exists():  # a checkpoint of the same step from an earlier attempt
@@ -442,10 +352,3 @@ class Checkpointer:
             dcp.load(weights, storage_reader=SafeReader(path), process_group=self.pg)
             set_model_state_dict(model, weights["model"])
 
-
-def full_weights(path: Path, cfg) -> dict[str, torch.Tensor]:
-    """The whole weights of a DCP checkpoint (any layout), read by this process alone."""
-    model = Llama(cfg.model)  # unsharded, on the CPU: DCP reshards any layout into it
-    weights = {"model": get_model_state_dict(model)}
-    dcp.load(weights, storage_reader=SafeReader(path), no_dist=True)
-    return weights["model"]

@@ -2,22 +2,25 @@
 the steps; train_step() is one optimizer step; forward_backward() is one micro-batch. It runs on
 every rank (`lctrain.commands.train` starts the ranks).
 
-Loss (docs/parallelism.md §10): the sum of token losses over valid targets, divided by the
-number of valid targets summed over dp x cp and over the accumulation micro-steps of the step
-(token-weighted, never a mean of per-rank means). Gradient reduction averages over dp x cp, so
-the backward loss is scaled by that group size to make the reduced gradient the exact gradient
-of the global token mean.
+Loss (docs/parallelism.md §10; `_token_weighted_loss`, shared by every data-parallel engine):
+the sum of token losses over valid targets, divided by the number of valid targets summed over
+dp x cp and over the accumulation micro-steps of the step (token-weighted, never a mean of
+per-rank means). Gradient reduction averages over dp x cp, so the backward loss is scaled by
+that group size to make the reduced gradient the exact gradient of the global token mean.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.optim.lr_scheduler import LambdaLR
 
 from lctrain.config import LctrainConfig
 from lctrain.config.resolved import as_dict, to_yaml
@@ -78,20 +81,30 @@ def _micro_steps(model: nn.Module, micro_batches: list[MicroBatch], loss_scale: 
     return loss_sum
 
 
-def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[MicroBatch],
-               cfg: LctrainConfig, rt: Runtime) -> dict:
-    """One optimizer step over this rank's accumulation micro-batches."""
+def _token_weighted_loss(micro_batches: list[MicroBatch], rt: Runtime,
+                         micro_steps: Callable[[float], Tensor]) -> tuple[Tensor, Tensor]:
+    """Runs `micro_steps(loss_scale)` (forward and backward of every micro-batch, returning
+    the sum of this rank's token losses) and returns (the global token-mean loss, the valid
+    targets summed over dp x cp and the accumulation micro-steps). Gradient reduction averages
+    over dp x cp, so the loss scale dp_cp / tokens makes the reduced gradient the exact gradient
+    of that global mean (docs/parallelism.md §10)."""
     local_tokens = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in micro_batches)
     # float64: exact token counts far beyond float32's 2^24
     tokens = _all_reduce(torch.tensor(float(local_tokens), dtype=torch.float64,
                                       device=rt.device), rt)
+    loss_sum = micro_steps(rt.topology.group_size("dp_cp") / tokens.item())
+    return _all_reduce(loss_sum, rt) / tokens, tokens
+
+
+def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[MicroBatch],
+               cfg: LctrainConfig, rt: Runtime) -> dict:
+    """One optimizer step over this rank's accumulation micro-batches."""
     if deepspeed_engine.is_engine(model):
-        return _deepspeed_step(model, scheduler, micro_batches, tokens, rt)
-    loss_scale = rt.topology.group_size("dp_cp") / tokens.item()
-    loss_sum = _micro_steps(model, micro_batches, loss_scale, rt)
+        return _deepspeed_step(model, scheduler, micro_batches, rt)
+    loss, tokens = _token_weighted_loss(
+        micro_batches, rt, lambda loss_scale: _micro_steps(model, micro_batches, loss_scale, rt))
     grad_norm = clip_grad_norm_(list(model.parameters()), cfg.optim.grad_clip,
                                 rt.group("pp") if rt.topology.pp > 1 else None)
-    loss = _all_reduce(loss_sum, rt) / tokens
     lr = scheduler.get_last_lr()[0]
     # the same global values on every rank, so every rank takes the same decision
     finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
@@ -109,28 +122,20 @@ def _step_metrics(loss: Tensor, lr: float, grad_norm: float, tokens: Tensor,
 
 
 def _deepspeed_step(engine: nn.Module, scheduler, micro_batches: list[MicroBatch],
-                    tokens: Tensor, rt: Runtime) -> dict:
-    """train_step under the DeepSpeed engine: the same token-weighted loss (DeepSpeed's own
-    division by the accumulation steps is off; it averages gradients over dp x cp as FSDP
-    does), its global clipping, and lctrain's lr schedule, advanced only when DeepSpeed applied
-    the step (it skips a step with a non-finite gradient norm)."""
-    loss_scale = rt.topology.group_size("dp_cp") / tokens.item()
-    loss_sum = torch.zeros((), device=rt.device, dtype=torch.float32)
-    for mb in micro_batches:
-        mb = mb.to(rt.device)
-        with rt.autocast():
-            loss = engine(mb.inputs, mb.positions, mb.doc_ids, labels=mb.labels)
-        engine.backward(loss * loss_scale, scale_wrt_gas=False)
-        engine.step()  # the optimizer steps at the accumulation boundary only
-        loss_sum += loss.detach().float()
-    loss = _all_reduce(loss_sum, rt) / tokens
+                    rt: Runtime) -> dict:
+    """train_step under the DeepSpeed engine: the same token-weighted loss (DeepSpeed averages
+    gradients over dp x cp as FSDP does), its global clipping, and lctrain's lr schedule,
+    advanced only when DeepSpeed applied the step (it skips a step with a non-finite gradient
+    norm)."""
+    loss, tokens = _token_weighted_loss(
+        micro_batches, rt,
+        lambda loss_scale: deepspeed_engine.micro_steps(engine, micro_batches, loss_scale, rt))
     lr = scheduler.get_last_lr()[0]
     applied = engine.was_step_applied()
     if applied:
         scheduler.step()
-    norm = engine.get_global_grad_norm()
-    grad_norm = float("nan") if norm is None or norm < 0 else float(norm)
-    return _step_metrics(loss, lr, grad_norm, tokens, applied and bool(torch.isfinite(loss)))
+    return _step_metrics(loss, lr, deepspeed_engine.grad_norm(engine), tokens,
+                         applied and bool(torch.isfinite(loss)))
 
 
 def _launched_by_torchrun(rt: Runtime) -> bool:
@@ -175,43 +180,31 @@ def _check_finite(out: dict, step: int, cfg: LctrainConfig, metrics: MetricsLogg
 
 
 def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
-    """Train on this rank; returns the metrics of every step run (identical on all ranks)."""
+    """Train on this rank; returns the metrics of every step run (identical on all ranks).
+
+    Setup builds every part inside the `try`, so a part that fails to build still closes those
+    built before it (`_Closing`); the step loop runs to the last step or to a stop; teardown
+    waits for the last checkpoint and, after the last step, exports the weights."""
     rt = setup_distributed(cfg)
     run_dir = _agree_run_dir(Path(run_dir), rt)
-    watcher = PreemptionWatcher(run_dir / "STOP", rt.rank)
-    record = progress.ProgressRecord(
-        run_dir, rt.rank, rt.world_size, progress.named_groups(rt.mesh.meshes if rt.mesh else None),
-        stall_s=cfg.launch.stall_s if rt.rank == 0 and _launched_by_torchrun(rt) else 0)
-    if rt.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(run_dir / "config.yaml", to_yaml(cfg))  # a failed write keeps the old
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg, rt)
-    optimizer = build_optimizer(model, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
-    if data_parallel_engine(cfg, rt) == "deepspeed":
-        model = deepspeed_engine.initialize(model, optimizer, cfg, rt)
-    loader = build_loader(cfg, rt.topology, rt.rank, rt.derived.grad_accum)
-    metrics = MetricsLogger(cfg.logging, run_dir, rt.rank, cfg.train.steps, as_dict(cfg))
-    metrics.info(f"lctrain: {rt.world_size} rank(s) on {rt.device.type}, layout "
-                 f"{rt.topology.shape} (pp, dp, cp_ring, cp_ulysses, tp), grad_accum "
-                 f"{rt.derived.grad_accum}, {param_count(cfg.model):,} parameters")
-    if isinstance(model, PipelinedModel):
-        metrics.info(f"lctrain: pipeline {cfg.parallel.pp_schedule}, layers per stage "
-                     f"{[len(s) for s in split_layers(cfg)]}, {rt.derived.grad_accum} "
-                     f"micro-batches per step")
-    if loader.dropped:
-        metrics.info(f"lctrain: data.long_docs=drop skips {loader.dropped:,} documents longer "
-                     f"than train.seq_len={cfg.train.seq_len}")
-    meter = StepMeter(cfg, rt, metrics.info)  # on the CPU: times a matmul on every rank
-    checkpointer = Checkpointer(cfg, rt, run_dir, to_yaml(cfg), metrics.info)
-    evaluator = Evaluator(cfg, rt)
-    history: list[dict] = []
-    outcome = "failed"
+    closing, history = _Closing(), []
     try:
+        # ---- setup, in data-flow order
+        closing.watcher = watcher = PreemptionWatcher(run_dir / "STOP", rt.rank)
+        closing.record = _progress_record(cfg, rt, run_dir)
+        _write_config(cfg, rt, run_dir)
+        model, optimizer, scheduler, loader = _build_training(cfg, rt)
+        closing.metrics = metrics = MetricsLogger(cfg.logging, run_dir, rt.rank, cfg.train.steps,
+                                                  as_dict(cfg))
+        _log_layout(metrics, cfg, rt, model, loader)
+        meter = StepMeter(cfg, rt, metrics.info)  # on the CPU: times a matmul on every rank
+        closing.checkpointer = checkpointer = Checkpointer(cfg, rt, run_dir, to_yaml(cfg),
+                                                           metrics.info)
+        evaluator = Evaluator(cfg, rt)
         state = checkpointer.maybe_resume(model, optimizer, scheduler, loader)
         metrics.start(state.step)  # metrics.jsonl keeps each step once
         meter.start()
+        # ---- the step loop
         for step in range(state.step + 1, cfg.train.steps + 1):
             progress.mark(step=step, micro_step=0, phase="train")
             out = _timed_step(model, optimizer, scheduler, loader, cfg, rt)
@@ -219,13 +212,7 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
             _check_finite(out, step, cfg, metrics)
             state.step, state.tokens = step, state.tokens + rt.derived.tokens_per_step
             out.update(step=step, tokens=state.tokens)
-            evaluated = evaluator.should_run(step)
-            if evaluated:
-                progress.mark(phase="eval")
-                results = evaluator.run(model)
-                out.update(results)
-                for line in format_table(results, cfg.eval.tasks):
-                    metrics.info(line)
+            evaluated = _maybe_evaluate(evaluator, step, model, out, cfg, metrics)
             stop = watcher.requested(rt)
             if checkpointer.should_save(step) or stop:
                 out["checkpoint_stall"] = _save(checkpointer, step, model, optimizer, loader,
@@ -238,22 +225,108 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
                 metrics.info(f"lctrain: stopping after step {step} ({watcher.reason}); the "
                              "checkpoint is saved: run again with checkpoint.resume=auto")
                 break
+        # ---- teardown
         checkpointer.wait()
-        completed = state.step == cfg.train.steps
-        outcome = "done" if completed else "stopped"
-        if completed:
-            watcher.completed()
-        if cfg.checkpoint.export_hf is not None and completed:
-            parameters = (model.full_parameters() if isinstance(model, PipelinedModel)
-                          else full_parameters(unwrap(model)))
-            export_hf(parameters, cfg.model, cfg.checkpoint.export_hf, rt.rank)
-            metrics.info(f"lctrain: exported Hugging Face weights to {cfg.checkpoint.export_hf}")
+        closing.outcome = "done" if state.step == cfg.train.steps else "stopped"
+        if closing.outcome == "done":
+            _complete(cfg, rt, model, watcher, metrics)
     finally:
-        checkpointer.close()
-        watcher.restore()
-        record.close(outcome)
-        metrics.close()
+        closing.close()
     return history
+
+
+class _Closing:
+    """The parts of a run that hold something to give back, set by train() as it builds them
+    (None until then), and closed by `close` whatever happened: the checkpointer first (its
+    background save commits or fails), then the signal handlers, then the progress record with
+    `outcome` as its last phase (its stall watch ends before wandb's upload), the metrics
+    logger last."""
+
+    def __init__(self):
+        self.checkpointer: Checkpointer | None = None
+        self.watcher: PreemptionWatcher | None = None
+        self.record: progress.ProgressRecord | None = None
+        self.metrics: MetricsLogger | None = None
+        self.outcome = "failed"
+
+    def close(self) -> None:
+        """Close every part built, in the order above; one that fails to close does not keep
+        the others open (its error is raised once all are closed)."""
+        with contextlib.ExitStack() as stack:  # runs its callbacks last-pushed first
+            if self.metrics is not None:
+                stack.callback(self.metrics.close)
+            if self.record is not None:
+                stack.callback(lambda: self.record.close(self.outcome))
+            if self.watcher is not None:
+                stack.callback(self.watcher.restore)
+            if self.checkpointer is not None:
+                stack.callback(self.checkpointer.close)
+
+
+def _progress_record(cfg: LctrainConfig, rt: Runtime, run_dir: Path) -> progress.ProgressRecord:
+    """This rank's progress record; rank 0 under torchrun or srun also watches for a stall."""
+    return progress.ProgressRecord(
+        run_dir, rt.rank, rt.world_size, progress.named_groups(rt.mesh.meshes if rt.mesh else None),
+        stall_s=cfg.launch.stall_s if rt.rank == 0 and _launched_by_torchrun(rt) else 0)
+
+
+def _write_config(cfg: LctrainConfig, rt: Runtime, run_dir: Path) -> None:
+    if rt.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir / "config.yaml", to_yaml(cfg))  # a failed write keeps the old
+
+
+def _build_training(cfg: LctrainConfig, rt: Runtime) -> tuple[nn.Module, torch.optim.AdamW,
+                                                             LambdaLR, DataLoader]:
+    """The model (under its data-parallel engine), AdamW, the lr schedule and the data loader."""
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg, rt)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    if data_parallel_engine(cfg, rt) == "deepspeed":
+        model = deepspeed_engine.initialize(model, optimizer, cfg, rt)
+    loader = build_loader(cfg, rt.topology, rt.rank, rt.derived.grad_accum)
+    return model, optimizer, scheduler, loader
+
+
+def _log_layout(metrics: MetricsLogger, cfg: LctrainConfig, rt: Runtime, model: nn.Module,
+                loader: DataLoader) -> None:
+    metrics.info(f"lctrain: {rt.world_size} rank(s) on {rt.device.type}, layout "
+                 f"{rt.topology.shape} (pp, dp, cp_ring, cp_ulysses, tp), grad_accum "
+                 f"{rt.derived.grad_accum}, {param_count(cfg.model):,} parameters")
+    if isinstance(model, PipelinedModel):
+        metrics.info(f"lctrain: pipeline {cfg.parallel.pp_schedule}, layers per stage "
+                     f"{[len(s) for s in split_layers(cfg)]}, {rt.derived.grad_accum} "
+                     f"micro-batches per step")
+    if loader.dropped:
+        metrics.info(f"lctrain: data.long_docs=drop skips {loader.dropped:,} documents longer "
+                     f"than train.seq_len={cfg.train.seq_len}")
+
+
+def _maybe_evaluate(evaluator: Evaluator, step: int, model: nn.Module, out: dict,
+                    cfg: LctrainConfig, metrics: MetricsLogger) -> bool:
+    """Evaluate after `step` if it is an eval step (the same steps on every rank): the results
+    go into the step's metrics `out` and the log. Returns whether it evaluated."""
+    if not evaluator.should_run(step):
+        return False
+    progress.mark(phase="eval")
+    results = evaluator.run(model)
+    out.update(results)
+    for line in format_table(results, cfg.eval.tasks):
+        metrics.info(line)
+    return True
+
+
+def _complete(cfg: LctrainConfig, rt: Runtime, model: nn.Module, watcher: PreemptionWatcher,
+              metrics: MetricsLogger) -> None:
+    """After the last step: nothing to requeue; the Hugging Face export, if asked for."""
+    watcher.completed()
+    if cfg.checkpoint.export_hf is None:
+        return
+    parameters = (model.full_parameters() if isinstance(model, PipelinedModel)
+                  else full_parameters(unwrap(model)))
+    export_hf(parameters, cfg.model, cfg.checkpoint.export_hf, rt.rank)
+    metrics.info(f"lctrain: exported Hugging Face weights to {cfg.checkpoint.export_hf}")
 
 
 def _save(checkpointer: Checkpointer, step: int, model, optimizer, loader, state: TrainState,

@@ -62,8 +62,16 @@ TAKEOVER_S = 10.0
 """A takeover marker older than this was left by a contender that died mid-takeover."""
 
 
-class RunDirLocked(ConfigError):
-    """Another job holds the run dir (printed by lctrain.cli, exit 2)."""
+class RunDirLocked(Exception):
+    """A live job holds the run dir. Not a ConfigError: nothing in the command line is wrong,
+    the run dir is busy, so lctrain.cli prints it with its own exit code (3), which a wrapper
+    can tell from a configuration error's 2 (wait, or pick another run dir)."""
+
+    header = "the run dir is in use"
+
+    def __init__(self, problem: str):
+        self.problems = [problem]
+        super().__init__(f"{self.header}: {problem}")
 
 
 @dataclass(frozen=True)
@@ -258,7 +266,7 @@ def acquire(run_dir: str | os.PathLike, *, heartbeat_s: float = HEARTBEAT_S,
                 if time.monotonic() < wait_until:
                     time.sleep(min(1.0, heartbeat_s))
                     continue
-            raise RunDirLocked([locked_message(run_dir, state)], header="the run dir is in use")
+            raise RunDirLocked(locked_message(run_dir, state))
     except OSError as e:
         raise ConfigError([f"hydra.run.dir={run_dir}: cannot create its lock file {path}: {e}; "
                            "set hydra.run.dir to a writable directory"],

@@ -1,0 +1,139 @@
+"""What a checkpoint directory holds and how it is read: the file names (the layout is listed in
+lctrain.training.checkpoint's docstring), the manifest check, a DCP metadata reader that runs no
+code, the per-rank RNG states, the tensors DCP saves, and whole weights read by one process.
+
+Pure file access with no collectives, so the checkpointer, `lctrain status`, tools/export_hf.py
+and the fault benchmarks all verify and read checkpoints the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import pickle
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+from lctrain.models.llama import Llama
+from lctrain.training.files import write_synced
+
+MANIFEST = "manifest.json"
+STATE = "train_state.json"
+_NAME = re.compile(r"^step-(\d{8})$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:08d}"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_json(path: Path, value: object) -> None:
+    write_synced(path, json.dumps(value, indent=1, sort_keys=True).encode())
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle: admit only the classes it is made of."""
+
+    ALLOWED = {("torch", "Size"), ("torch", "device"), ("torch.serialization", "_get_layout"),
+               ("collections", "OrderedDict"), ("pathlib", "PosixPath"),
+               ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
+
+    def find_class(self, module: str, name: str):
+        if module.startswith("torch.distributed.checkpoint.") or (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is "
+                                     "not part of a DCP checkpoint; refusing to load it")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """FileSystemReader whose metadata load can run no code."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def rng_state() -> dict:
+    """This rank's Python, NumPy and torch RNG states as JSON-able values."""
+    py = random.getstate()
+    out = {"python": [py[0], list(py[1]), py[2]], "numpy": None,
+           "torch": torch.get_rng_state().tolist()}
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    out["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state().tolist()
+    return out
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+
+
+def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """({"model": ..., "optim": ...} tensors for DCP, the optimizer's full state dict)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd["state"]}, optim_sd
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint directories under `root` that have a manifest, newest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def damaged_files(path: Path, rank: int = 0, world: int = 1, hashes: bool = True) -> list[str]:
+    """What is wrong with a checkpoint's files (this rank checks every world-th file)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return [f"{path / MANIFEST}: unreadable ({e})"]
+    problems = []
+    for i, (name, entry) in enumerate(sorted(files.items())):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{file} is missing")
+        elif file.stat().st_size != entry["size"]:
+            problems.append(f"{file} holds {file.stat().st_size} bytes, not {entry['size']}")
+        elif hashes and i % world == rank and sha256_file(file) != entry["sha256"]:
+            problems.append(f"{file} does not match its sha256 (the file is corrupt)")
+    return problems
+
+
+def full_weights(path: Path, cfg) -> dict[str, torch.Tensor]:
+    """The whole weights of a DCP checkpoint (any layout), read by this process alone."""
+    model = Llama(cfg.model)  # unsharded, on the CPU: DCP reshards any layout into it
+    weights = {"model": get_model_state_dict(model)}
+    dcp.load(weights, storage_reader=SafeReader(path), no_dist=True)
+    return weights["model"]
