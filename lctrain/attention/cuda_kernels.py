@@ -63,8 +63,10 @@ def _deterministic(on: bool):
         torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
+@cache
 def _no_dropout_state(device: torch.device) -> tuple[Tensor, Tensor]:
-    """The (rng_state, unused) pair torch's flash backward takes; read only with dropout."""
+    """The (rng_state, unused) pair torch's flash backward takes; read only with dropout, so
+    made once per device rather than at every backward call."""
     return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
 
 

@@ -26,9 +26,6 @@ from lctrain.attention.calls import ALL_ROWS, Block, VarlenGroup
 from lctrain.attention.varlen_reference import varlen_backward, varlen_forward
 
 _NEG_INF = float("-inf")
-BACKENDS = ("cpu", "torch", "flash_attn", "reference")
-CUDA_BACKENDS = ("torch", "flash_attn")
-"""Backends whose kernels run on CUDA only; `cpu` and `reference` run on the CPU only."""
 
 
 def auto_backend(device_type: str) -> str:
@@ -116,6 +113,9 @@ _VARLEN = {"reference": (_reference_varlen_fwd, _reference_varlen_bwd),
            "flash_attn": (cuda.flash_varlen_forward, cuda.flash_varlen_backward)}
 """The kernel registry: backend -> (forward, backward) for dense calls and for packed
 (variable-length) calls; a backend without a varlen entry runs documents call by call."""
+BACKENDS = tuple(_DENSE)
+"""Every backend: train.attention_kernel's values but auto (which of them run on CUDA only is
+`lctrain.config.validation.CUDA_KERNELS`)."""
 
 
 def _packed(qb: Block, kb: Block, causal: bool, backend: str) -> list[VarlenGroup] | None:
