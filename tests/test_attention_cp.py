@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from lctrain.attention import ContextParallelAttention, CPGroups
 from lctrain.attention.calls import Block, kernel_calls
-from lctrain.attention.kernels import KernelOptions, reference_attention
+from lctrain.attention.kernels import KernelOptions
 from lctrain.attention.local import local_attention
 from lctrain.attention.varlen_reference import register_cpu_flash_ops
 from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm
@@ -26,6 +26,7 @@ from lctrain.parallel.runtime import build_mesh
 from lctrain.parallel.runtime import cp_groups as runtime_cp_groups
 from lctrain.planning.traffic import attention_traffic
 from tests.helpers import on_ranks
+from tests.reference import reference_attention
 
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
@@ -166,7 +167,7 @@ def cases_for(world: int) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_algorithms_match_unsharded_reference(world):
     cases = cases_for(world)
     assert len(cases) >= 12

@@ -102,6 +102,7 @@ RESHARD = [  # (world, parallel) to load a checkpoint saved at tp2 x cp2 x dp2 (
 ]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_loads_under_other_layouts(tmp_path):
     saved_at = {"tp": 2, "sp": True, "cp": 2, "dp": 2, "attention": "ring"}
     train = {"global_batch": 8}
@@ -146,6 +147,7 @@ def test_damaged_checkpoints_are_skipped_or_refused(tmp_path):
     assert "holds 100 bytes" in ck.damaged_files(newest, hashes=False)[0]
 
 
+@pytest.mark.slow
 def test_async_save_does_not_block_training_and_equals_a_sync_save(tmp_path):
     import torch.distributed.checkpoint as dcp
 
@@ -221,6 +223,7 @@ def test_write_errors_keep_the_previous_checkpoint(tmp_path):
     assert not ck.damaged_files(run / "checkpoints" / "step-00000002")
 
 
+@pytest.mark.slow
 def test_preemption_signal_and_stop_file_checkpoint_and_stop(tmp_path):
     cfg = _cfg(8, checkpoint={"every": 0})
     ref = on_ranks(_train, 2, cfg, str(tmp_path / "ref"))[0]
@@ -303,6 +306,7 @@ def test_retention_keeps_the_newest(tmp_path):
         manifest["files"])
 
 
+@pytest.mark.slow
 def test_export_a_checkpoint_for_transformers(tmp_path):
     import subprocess
     import sys

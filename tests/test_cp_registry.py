@@ -19,14 +19,17 @@ from lctrain.attention import CP_ATTENTION, registered
 from lctrain.attention import kernels as kernels_module
 from lctrain.config import ParallelConfig, TrainConfig, choices_of, derive
 from lctrain.config.cp_algorithms import CP_ALGORITHMS, HEADS_OVER, LayerShape
+from lctrain.config.device_rules import CUDA_KERNELS, kernel_device_problems
 from lctrain.config.keys import keys
-from lctrain.config.validation import CUDA_KERNELS, kernel_device_problems, validate
+from lctrain.config.validation import validate
 from lctrain.layout.topology import GROUPS
 from lctrain.planning.plan import build_plan
 from lctrain.planning.search import attentions
 from lctrain.planning.timing import (
-    FIXED_COST_LAYOUTS,
+    CALIBRATED_LAYOUTS,
     Hardware,
+    StepShape,
+    calibrated_layout,
     collective_calls,
     predict_step_time,
 )
@@ -85,9 +88,9 @@ def test_every_algorithm_has_every_entry(name):
         assert term(SHAPE) >= 0
     assert a.memory.doc_ids(128, 4) >= 128  # every token's document at least once
     for feature, times in a.timing.fixed_costs(2, 2).items():
-        assert feature in FIXED_COST_LAYOUTS and times >= 0, (name, feature)
+        assert feature in {c.name for c in CALIBRATED_LAYOUTS} and times >= 0, (name, feature)
     if a.timing.calibrated:
-        assert FIXED_COST_LAYOUTS[name]["attention"] == name
+        assert calibrated_layout(name).parallel["attention"] == name
     # the implementation: one module, its own file, listed in docs/architecture.md
     module = run.attend.__module__
     assert module.startswith("lctrain.attention."), module
@@ -153,7 +156,7 @@ def test_a_toy_algorithm_validates_plans_trains_and_meets_its_traffic_formula(tm
     cfg = tiny_config(parallel={"cp": 2, "attention": toy.NAME, "dp": 1},
                       train={"steps": 3, "global_batch": 2, "micro_batch": 1})
     assert any(f"parallel.attention={toy.NAME!r} is not one of" in p for p in validate(cfg, 2))
-    hw = Hardware(1e-3, 1.0, 1.0, 1.0, 0.1, 0)
+    hw = Hardware(device_tflops=1e-3, intra_node_gbps=1.0, inter_node_gbps=0.1)
     with registered(toy.FACTS, toy.ATTENTION):
         # validates; `lctrain keys` lists it; the plan, the step time and the search ask for it
         assert validate(cfg, 2) == []
@@ -165,7 +168,7 @@ def test_a_toy_algorithm_validates_plans_trains_and_meets_its_traffic_formula(tm
         assert plan["predicted"]["cp_collectives"] == {
             "all_gather_fwd": 4 * per_layer * layers_steps,
             "reduce_scatter_bwd": 4 * per_layer * layers_steps}
-        assert collective_calls(cfg, 2) == {"cp": 2 * 2 * layers_steps}
+        assert collective_calls(StepShape.of(cfg, 2)) == {"cp": 2 * 2 * layers_steps}
         assert set(predict_step_time(cfg, 2, hw).comm_s) == {"cp", "dp"}
         assert (toy.NAME, 1) in attentions(2)
         # against the float64 reference, traffic counted = the formula (elements and bytes)

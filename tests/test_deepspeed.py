@@ -41,6 +41,7 @@ def _same(got, want, what):
         assert not g["skipped"]
 
 
+@pytest.mark.slow
 def test_zero_stages_match_fsdp(tmp_path):
     layout = {"dp": 2}
     ref = on_ranks(train, 2, _cfg(layout), str(tmp_path / "fsdp"))[0]
@@ -49,6 +50,7 @@ def test_zero_stages_match_fsdp(tmp_path):
             _same(history, ref, name)
 
 
+@pytest.mark.slow
 def test_zero3_with_context_parallel_and_documents_matches_fsdp(tmp_path):
     layout = {"dp": 2, "cp": 2, "attention": "ring", "load_balance": "zigzag"}
     data = {"document_masking": True}
@@ -113,6 +115,7 @@ def _ckpt(deepspeed, steps, checkpoint, parallel=None):
         checkpoint=dataclasses.replace(cfg.checkpoint, **checkpoint))
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact_and_weights_move_between_engines(tmp_path):
     from lctrain.training import checkpoint as ck
 
@@ -146,6 +149,7 @@ def test_resume_is_bit_exact_and_weights_move_between_engines(tmp_path):
                  str(tmp_path / "mismatch"))
 
 
+@pytest.mark.slow
 def test_export_a_deepspeed_checkpoint_for_transformers(tmp_path):
     import subprocess
     import sys

@@ -4,7 +4,9 @@ launch.timeout_s with a report naming it; no process is left, every complete che
 verifies, and the next run resumes (slow tier: a real run each). The progress records, the
 report and the subgroups' collective timeout are also checked on their own."""
 
+import functools
 import multiprocessing
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -23,16 +25,27 @@ def assert_meets_goal(row, limit_s: float) -> None:
     assert row.resumed, row
 
 
-@pytest.mark.slow  # 21 s on 2 cores: two launchers killed mid-run, each run resumed
+def side_by_side(*scenarios) -> list:
+    """The scenarios' rows, run at once: each mostly waits (for its ranks to start, its
+    timeout, its processes to go), so side by side they take about as long as the longest."""
+    with ThreadPoolExecutor(len(scenarios)) as pool:
+        return list(pool.map(lambda scenario: scenario(), scenarios))
+
+
+@pytest.mark.slow  # 12 s on 2 cores: two launchers killed mid-run, each run resumed
 def test_ranks_die_with_their_launcher(tmp_path):
-    assert_meets_goal(parent_sigkill(tmp_path), limit_s=5)
-    assert_meets_goal(agent_sigkill(tmp_path), limit_s=5)
+    for row in side_by_side(functools.partial(parent_sigkill, tmp_path),
+                            functools.partial(agent_sigkill, tmp_path)):
+        assert_meets_goal(row, limit_s=5)
 
 
-@pytest.mark.slow  # 16-18 s each on 2 cores: a run, its stall timeout, a resumed run
-@pytest.mark.parametrize("group", ["tp", "cp_ring", "pp"])
-def test_a_stopped_rank_is_named_within_the_timeout(tmp_path, group):
-    assert_meets_goal(rank_sigstop(tmp_path, group, TIMEOUT_S), limit_s=TIMEOUT_S + 10)
+@pytest.mark.slow  # 20 s on 2 cores: for each group a run, its stall timeout, a resumed run
+def test_a_stopped_rank_is_named_within_the_timeout(tmp_path):
+    groups = ("tp", "cp_ring", "pp")
+    rows = side_by_side(*(functools.partial(rank_sigstop, tmp_path, g, TIMEOUT_S) for g in groups))
+    for group, row in zip(groups, rows):
+        assert row.fault.endswith(f"({group} group; launch.timeout_s={TIMEOUT_S})"), row
+        assert_meets_goal(row, limit_s=TIMEOUT_S + 10)
 
 
 def record(rank, step, seq, written_ago=0.1, advanced_ago=0.1, phase="train", groups=None):

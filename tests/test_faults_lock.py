@@ -270,6 +270,7 @@ def _finish(proc: subprocess.Popen, run_dir: Path, name: str, timeout: float = 3
     return (run_dir.parent / f"{name}.err").read_text()
 
 
+@pytest.mark.slow
 def test_second_train_in_a_live_run_dir_exits_3_naming_the_first(tmp_path):
     run_dir = tmp_path / "run"
     first = _train(run_dir, "first", "train.steps=200")

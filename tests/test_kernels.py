@@ -14,11 +14,11 @@ from lctrain.attention.kernels import (
     KernelOptions,
     merge_into,
     new_accumulators,
-    reference_attention,
 )
 from lctrain.attention.local import local_attention
 from lctrain.attention.varlen_reference import register_cpu_flash_ops, varlen_forward
 from lctrain.layout import sequence
+from tests.reference import reference_attention
 
 
 def test_calls_are_planned_once_per_micro_batch(monkeypatch):

@@ -2,13 +2,16 @@
 others are stopped instead of hanging in a collective; a timeout is enforced."""
 
 import os
+import random
 import signal
+import socket
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from lctrain.parallel import launch
 from lctrain.parallel.launch import RankFailure, env_from_environment, run_ranks
 
 
@@ -99,3 +102,17 @@ def test_sigterm_to_the_launcher_reaches_every_rank(tmp_path):
     threading.Thread(target=send_when_ready, daemon=True).start()
     assert run_ranks(_wait_for_sigterm, 2, (str(tmp_path),), timeout_s=60) == [True, True]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the launcher put it back
+
+
+def test_rendezvous_ports_avoid_the_ephemeral_range_and_ports_in_use(monkeypatch):
+    low, high = launch._ephemeral_ports()
+    random.seed(0)
+    first = launch.free_port()
+    random.seed(0)  # two launchers seeded alike still draw different ports (the OS's randomness)
+    ports = {first} | {launch.free_port() for _ in range(20)}
+    assert len(ports) > 15 and not any(low <= p <= high for p in ports)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", first))
+        busy.listen()
+        monkeypatch.setattr(launch, "RENDEZVOUS_PORTS", (first, first + 2))
+        assert launch.free_port() == first + 1  # the one in use is skipped

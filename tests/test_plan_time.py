@@ -17,6 +17,8 @@ from lctrain.layout.topology import Topology
 from lctrain.planning.memory import local_params
 from lctrain.planning.timing import (
     Hardware,
+    StepShape,
+    calibrated_layout,
     collective_calls,
     cp_group_bytes,
     dp_bytes,
@@ -121,7 +123,7 @@ def test_ulysses_all_to_all_is_never_hidden_and_usp_splits_its_groups():
     assert "cp_ring" not in t.comm_s and t.comm_s["cp_ulysses"] > 0
     assert t.exposed_comm_s == pytest.approx(sum(t.comm_s.values()))
     usp = tiny_config(parallel={"cp": 4, "attention": "usp", "ulysses_degree": 2, "dp": 1})
-    parts = cp_group_bytes(usp, 4)
+    parts = cp_group_bytes(StepShape.of(usp, 4))
     assert set(parts) == {"cp_ring", "cp_ulysses"}
     assert sum(parts.values()) == pytest.approx(sum(cp_step_bytes(usp, 4).values()))
     # forward + backward elements x 2 blocks x 4 accumulation steps x 4 bytes
@@ -161,15 +163,15 @@ def test_checkpointing_and_tiling_add_the_forward_they_run_again():
 
 def test_each_collective_call_pays_the_latency():
     cfg = tiny_config(parallel={"tp": 2, "sp": True, "dp": 1})  # 4 micro-steps of 2 blocks
-    assert collective_calls(cfg, 2) == {"tp": 8 * 2 * 4}
+    assert collective_calls(StepShape.of(cfg, 2)) == {"tp": 8 * 2 * 4}
     slow = predict_step_time(cfg, 2, hardware(latency_s=1e-3))
     assert slow.comm_s["tp"] - predict_step_time(cfg, 2, hardware()).comm_s["tp"] == \
         pytest.approx(64e-3)
     ring = tiny_config(parallel={"cp": 4, "attention": "ring", "dp": 1},
                        train={"activation_checkpointing": "full"})
-    assert collective_calls(ring, 4) == {"cp_ring": 3 * 4 * 2 * 4}  # R-1 x (fwd, 2 bwd, again)
+    assert collective_calls(StepShape.of(ring, 4)) == {"cp_ring": 3 * 4 * 2 * 4}  # R-1 x (fwd, 2 bwd, again)
     pp = tiny_config(parallel={"pp": 2, "dp": 1})
-    assert collective_calls(pp, 2) == {"pp": 4 * 1 * 4}
+    assert collective_calls(StepShape.of(pp, 2)) == {"pp": 4 * 1 * 4}
 
 
 def test_fixed_costs_add_up_by_feature():
@@ -203,20 +205,20 @@ def test_data_parallel_bytes_where_lctrain_logs_none():
     assert "dp" not in step_traffic_bytes(pp, 4)
     blocks, root = max((local_params(pp, r) for r in range(2)), key=lambda x: 2 * x[0] + x[1])
     gathered, reduced = (2 - 1) / 2 * (2 * blocks + root), (2 - 1) / 2 * (blocks + root)
-    assert dp_bytes(pp, 4) == pytest.approx(4 * (gathered + reduced))
+    assert dp_bytes(StepShape.of(pp, 4)) == pytest.approx(4 * (gathered + reduced))
     # DeepSpeed: ZeRO-1/2 move DDP's all-reduce volume, ZeRO-3 FSDP's gathers too
     zero = {s: tiny_config(parallel={"dp": 2, "dp_engine": "deepspeed"},
                            deepspeed={"zero_stage": s}) for s in (2, 3)}
     ddp = tiny_config(parallel={"dp": 2, "dp_engine": "ddp"})
     fsdp = tiny_config(parallel={"dp": 2})
-    assert dp_bytes(zero[2], 2) == step_traffic_bytes(ddp, 2)["dp"]
-    assert dp_bytes(zero[3], 2) == step_traffic_bytes(fsdp, 2)["dp"]
+    assert dp_bytes(StepShape.of(zero[2], 2)) == step_traffic_bytes(ddp, 2)["dp"]
+    assert dp_bytes(StepShape.of(zero[3], 2)) == step_traffic_bytes(fsdp, 2)["dp"]
 
 
 def test_calibration_round_trip(tmp_path):
     path = tmp_path / "cache" / "lctrain" / "calibration.json"
     model = tiny_config().model
-    written = calibrate(path, model, 32, {"base": {"dp": 2}}, nbytes=1 << 16, repeats=2)
+    written = calibrate(path, model, 32, (calibrated_layout("base"),), nbytes=1 << 16, repeats=2)
     assert json.loads(path.read_text()) == written
     assert written["matmul_tflops"] > 0 and written["gloo_gbps"] > 0 and written["cores"] >= 1
     assert written["latency_s"] > 0 and set(written["fixed_costs"]) == {"base"}

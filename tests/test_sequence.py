@@ -62,8 +62,9 @@ def test_attention_rejects_bad_shapes_before_any_collective():
 def test_block_kernels_with_offsets_documents_and_empty_rows(dtype, tol):
     """Queries at 4..11 against keys at 0..5 and 10..13 with documents: offset diagonals,
     general masks and rows that see no key at all (lse -inf, output 0, zero gradients)."""
-    from lctrain.attention.kernels import Block, reference_attention
+    from lctrain.attention.calls import Block
     from lctrain.attention.local import local_attention
+    from tests.reference import reference_attention
 
     gen = torch.Generator().manual_seed(0)
     doc = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2], [0] * 7 + [1] * 7])

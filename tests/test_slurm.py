@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_cli
+
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
 JOB = ["+recipe=tiny", "slurm.gpus_per_node=0", "parallel.dp=1", "train.steps=12",
@@ -171,43 +173,47 @@ def test_submit_runs_stops_requeues_resubmits_and_sweeps(slurm, tmp_path):
     assert "step         12 / 12" in status.stdout
 
 
-@pytest.mark.slow  # 27 s on 2 cores where a Slurm runs (4 `lctrain submit` subprocesses)
-def test_cluster_mismatch_is_refused_before_submitting(slurm, tmp_path):
+@pytest.mark.slow  # a Slurm to ask (started by the fixture where none runs); 4 in-process submits
+def test_cluster_mismatch_is_refused_before_submitting(slurm, tmp_path, monkeypatch, capsys):
     cases = {
         "slurm.partition=nope": "slurm.partition=nope does not exist on this cluster; "
                                 "partitions: cpu",
-        "slurm.gpus_per_node=8 parallel.dp=-1": "offers 0 GPUs per node, so the job would never start; set "
-                                 "slurm.gpus_per_node=0",
+        "slurm.gpus_per_node=8 parallel.dp=-1": "offers 0 GPUs per node, so the job would never "
+                                                "start; set slurm.gpus_per_node=0",
         "slurm.nodes=2": "slurm.nodes=2 but partition cpu has 1 node(s)",
         "slurm.cpus_per_task=4096": "exceeds the",
     }
+    if "SLURM_CONF" in slurm:  # the cluster the fixture found or started
+        monkeypatch.setenv("SLURM_CONF", slurm["SLURM_CONF"])
+    monkeypatch.chdir(tmp_path)
     for override, message in cases.items():
         args = [a for a in JOB if not (override.startswith("slurm.gpus_per_node")
                                        and a.startswith("slurm.gpus_per_node"))]
-        done = lctrain(["submit", *args, *override.split(), f"hydra.run.dir={tmp_path / 'x'}"],
-                       slurm,
-                       tmp_path)
-        assert done.returncode == 2, (override, done.stderr)
-        assert message in done.stderr, (override, done.stderr)
+        code, _, err = run_cli(["submit", *args, *override.split(),
+                                f"hydra.run.dir={tmp_path / 'x'}"], capsys)
+        assert code == 2, (override, err)
+        assert message in err, (override, err)
     assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.slow  # 11 s on 2 cores: 4 `lctrain submit` subprocesses
-def test_bad_submissions_without_a_cluster(tmp_path):
-    """Refused with exit code 2 on any machine: what the layout or the PATH rules out."""
-    no_slurm = {**ENV, "PATH": str(Path(sys.executable).parent)}
-    done = lctrain(["submit", *JOB, f"hydra.run.dir={tmp_path / 'a'}"], no_slurm, tmp_path)
-    assert done.returncode == 2
-    assert "sbatch is not on PATH" in done.stderr and "--dry-run" in done.stderr
-    done = lctrain(["submit", *JOB, "slurm.nodes=3", "--dry-run"], ENV, tmp_path)
-    assert done.returncode == 2
+def test_bad_submissions_without_a_cluster(tmp_path, monkeypatch, capsys):
+    """Refused with exit code 2 on any machine: what the layout or the PATH rules out (the
+    command run in this process, as the installed one runs it)."""
+    monkeypatch.chdir(tmp_path)
+    with monkeypatch.context() as no_slurm:
+        no_slurm.setenv("PATH", str(Path(sys.executable).parent))
+        code, _, err = run_cli(["submit", *JOB, f"hydra.run.dir={tmp_path / 'a'}"], capsys)
+    assert code == 2
+    assert "sbatch is not on PATH" in err and "--dry-run" in err
+    code, _, err = run_cli(["submit", *JOB, "slurm.nodes=3", "--dry-run"], capsys)
+    assert code == 2
     assert "2 ranks (launch.nproc, default tp*cp*pp*dp) cannot be split evenly over " \
-           "slurm.nodes=3 CPU nodes" in done.stderr
-    done = lctrain(["submit", *JOB, "launch.nproc=6", "slurm.nodes=2", "--dry-run"], ENV,
-                   tmp_path)
-    assert done.returncode == 2 and "world size 6" in done.stderr
-    done = lctrain(["submit", "--multirun", *JOB, "parallel.cp=2,3", "--dry-run"], ENV,
-                   tmp_path)
-    assert done.returncode == 2 and "none of the sweep's 2 jobs was submitted" in done.stderr
-    assert "[parallel.cp=3]" in done.stderr and "[parallel.cp=2]" not in done.stderr
+           "slurm.nodes=3 CPU nodes" in err
+    code, _, err = run_cli(["submit", *JOB, "launch.nproc=6", "slurm.nodes=2", "--dry-run"],
+                           capsys)
+    assert code == 2 and "world size 6" in err
+    code, _, err = run_cli(["submit", "--multirun", *JOB, "parallel.cp=2,3", "--dry-run"],
+                           capsys)
+    assert code == 2 and "none of the sweep's 2 jobs was submitted" in err
+    assert "[parallel.cp=3]" in err and "[parallel.cp=2]" not in err
     assert not (tmp_path / "a").exists() and not list(tmp_path.glob("outputs"))

@@ -104,6 +104,7 @@ CP_LAYOUTS = [  # (world, parallel overrides)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("document_masking", [False, True])
 def test_context_parallel_training_matches_one_process(tmp_path, document_masking):
     data = {"document_masking": document_masking}

@@ -7,7 +7,8 @@ process started (the launcher is replaced by one that fails the test).
 import pytest
 
 from lctrain.commands.checks import preflight
-from lctrain.config.validation import nearest_multiple, warnings_for
+from lctrain.config.suggest import nearest_multiple
+from lctrain.config.validation import warnings_for
 from lctrain.parallel import launch
 from tests.helpers import exit_code, run_cli, tiny_config
 

@@ -44,23 +44,22 @@ import torch.distributed as dist  # noqa: E402
 from lctrain.attention import ContextParallelAttention  # noqa: E402
 from lctrain.attention.calls import Block  # noqa: E402
 from lctrain.attention.cuda_kernels import flash_attn_installed  # noqa: E402
-from lctrain.attention.kernels import KernelOptions, reference_attention  # noqa: E402
+from lctrain.attention.kernels import KernelOptions  # noqa: E402
 from lctrain.attention.local import local_attention  # noqa: E402
 from lctrain.attention.varlen_reference import register_cpu_flash_ops  # noqa: E402
 from lctrain.config import LctrainConfig, ModelConfig  # noqa: E402
 from lctrain.data.batch import micro_batch_from_tokens  # noqa: E402
 from lctrain.layout import sequence  # noqa: E402
 from lctrain.layout.comm import check_collective_devices  # noqa: E402
+from lctrain.parallel.data_parallel import unwrap  # noqa: E402
 from lctrain.parallel.launch import RankFailure, run_ranks  # noqa: E402
-from lctrain.parallel.memory import (  # noqa: E402
-    build_measured_model,
-    measure_block_activations,
-)
+from lctrain.parallel.memory import build_measured_model, measure_activations  # noqa: E402
 from lctrain.parallel.runtime import setup_distributed  # noqa: E402
 from lctrain.planning.memory import activation_formula  # noqa: E402
 from lctrain.planning.plan import rank_memory  # noqa: E402
 from lctrain.planning.timing import hardware_for, predict_step_time  # noqa: E402
 from lctrain.training import loop  # noqa: E402
+from tests.reference import reference_attention  # noqa: E402
 
 H200_BF16_PEAK = 989e12
 """Dense bf16 FLOP/s of an H100/H200 SXM (datasheet), the MFU denominator."""
@@ -273,6 +272,13 @@ def check_train_tiny(ctx: Context, run_root: Path) -> dict:
             "losses_device": [round(h["loss"], 4) for h in dev],
             "detail": f"{steps} steps, largest relative loss difference {diff:.4f} "
                       f"(tolerance {tolerance})"}
+
+
+def measure_block_activations(cfg: LctrainConfig, batch: int) -> float:
+    """Bytes one block keeps for the backward, measured with one forward of `cfg`'s model on
+    one process: the last block's (the first also plans what every block shares)."""
+    model, run_forward = build_measured_model(cfg, batch)
+    return measure_activations(model, run_forward)[list(unwrap(model).layers)[-1]]
 
 
 def check_selective_memory(ctx: Context) -> dict:

@@ -115,7 +115,7 @@ _VARLEN = {"reference": (_reference_varlen_fwd, _reference_varlen_bwd),
 (variable-length) calls; a backend without a varlen entry runs documents call by call."""
 BACKENDS = tuple(_DENSE)
 """Every backend: train.attention_kernel's values but auto (which of them run on CUDA only is
-`lctrain.config.validation.CUDA_KERNELS`)."""
+`lctrain.config.device_rules.CUDA_KERNELS`)."""
 
 
 def _packed(qb: Block, kb: Block, causal: bool, backend: str) -> list[VarlenGroup] | None:
@@ -239,26 +239,3 @@ def attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
         dq_acc[bs, qs] += dq
         dk_acc[bs, ks] += dk
         dv_acc[bs, ks] += dv
-
-
-def reference_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal: bool,
-                        scale: float) -> tuple[Tensor, Tensor]:
-    """Plain-torch attention with an explicit mask (tests only; differentiable; any dtype).
-
-    Rows with no visible key give out 0 and lse -inf.
-    """
-    rep = q.shape[2] // k.shape[2]
-    kf, vf = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, kf) * scale
-    mask = (kb.pos[None, :] <= qb.pos[:, None])[None, None]
-    if not causal:
-        mask = torch.ones_like(mask)
-    if qb.doc is not None:
-        mask = mask & (qb.doc[:, None, :, None] == kb.doc[:, None, None, :])
-    mask = mask.to(q.device)
-    visible = mask.any(-1, keepdim=True)  # rows with at least one key
-    scores = scores.masked_fill(~mask, _NEG_INF).masked_fill(~visible, 0.0)  # finite lse, no NaN
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None]) * mask
-    out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
-    return out, lse.masked_fill(~visible[..., 0], _NEG_INF)

@@ -24,8 +24,8 @@ from lctrain.config import LctrainConfig, ModelConfig
 from lctrain.config.derived import local_world_size
 from lctrain.parallel.launch import run_ranks
 from lctrain.planning.timing import (
-    FIXED_COST_LAYOUTS,
-    TRAIN_KEYS,
+    CALIBRATED_LAYOUTS,
+    CalibratedLayout,
     calibration_path,
     hardware_from_calibration,
     predict_step_time,
@@ -65,21 +65,21 @@ def _measure(nbytes: int, repeats: int) -> tuple[float, float, float]:
 OVERHEAD_LAYERS = (2, 4)
 """Model depths of the two timed training runs per layout: the difference is blocks, the rest
 is per micro-batch."""
+MICRO_BATCHES = 4
+"""Micro-batches of one sample per step and rank in a timed run."""
 
 
-def overhead_config(model: ModelConfig, seq_len: int, layout: dict, layers: int,
+def overhead_config(model: ModelConfig, seq_len: int, layout: CalibratedLayout, layers: int,
                     steps: int = 6) -> LctrainConfig:
-    """`model` at depth `layers` trained in `layout` (a FIXED_COST_LAYOUTS value) on sequences
-    of `seq_len`, fp32, 4 micro-batches of 1 per step and rank."""
-    parallel = {k: v for k, v in layout.items() if k not in TRAIN_KEYS}
-    train_keys = {k: v for k, v in layout.items() if k in TRAIN_KEYS}
+    """`model` at depth `layers` trained in `layout` on sequences of `seq_len`, fp32,
+    MICRO_BATCHES micro-batches of 1 per step and rank."""
     cfg = LctrainConfig()
     cfg.model = dataclasses.replace(model, n_layers=layers)
-    cfg.parallel = dataclasses.replace(cfg.parallel, **{"dp": 1, **parallel})
+    cfg.parallel = dataclasses.replace(cfg.parallel, **{"dp": 1, **layout.parallel})
     cfg.train = dataclasses.replace(cfg.train, **{
         "steps": steps, "seq_len": seq_len, "micro_batch": 1,
-        "global_batch": 4 * cfg.parallel.dp, "device": "cpu",
-        "activation_checkpointing": "none", **train_keys})
+        "global_batch": MICRO_BATCHES * cfg.parallel.dp, "device": "cpu",
+        "activation_checkpointing": "none", **layout.train})
     cfg.eval = dataclasses.replace(cfg.eval, every=0)
     cfg.logging = dataclasses.replace(cfg.logging, progress=False, log_every=steps)
     cfg.checkpoint = dataclasses.replace(cfg.checkpoint, every=0)
@@ -100,27 +100,28 @@ def _measured_step_s(cfg: LctrainConfig, world: int) -> float:
 
 
 def fixed_costs(data: dict, model: ModelConfig, seq_len: int,
-                layouts: dict[str, dict]) -> dict[str, list[float]]:
+                layouts: tuple[CalibratedLayout, ...]) -> dict[str, list[float]]:
     """(seconds per block and micro-batch, seconds per micro-batch besides the blocks) each
     layout costs beyond its FLOPs, bytes and calls: two training runs that differ only in
     depth, each minus what the model predicts from the measured rate, bandwidth and latency;
     the depth's share is per block, the rest per micro-batch."""
     hw = hardware_from_calibration(data)
     out = {}
-    for name, layout in layouts.items():
+    for layout in layouts:
         rest = []
         for layers in OVERHEAD_LAYERS:
             cfg = overhead_config(model, seq_len, layout, layers)
             world = local_world_size(cfg)
             rest.append(_measured_step_s(cfg, world) - predict_step_time(cfg, world, hw).total_s)
-        pp = layout.get("pp", 1)
-        block = (rest[1] - rest[0]) / ((OVERHEAD_LAYERS[1] - OVERHEAD_LAYERS[0]) // pp * 4)
-        out[name] = [block, rest[0] / 4 - block * (OVERHEAD_LAYERS[0] // pp)]
+        pp = layout.parallel.get("pp", 1)
+        block = (rest[1] - rest[0]) / (
+            (OVERHEAD_LAYERS[1] - OVERHEAD_LAYERS[0]) // pp * MICRO_BATCHES)
+        out[layout.name] = [block, rest[0] / MICRO_BATCHES - block * (OVERHEAD_LAYERS[0] // pp)]
     return out
 
 
 def calibrate(path: Path, model: ModelConfig | None = None, seq_len: int = 256,
-              layouts: dict[str, dict] = FIXED_COST_LAYOUTS, nbytes: int = 4 << 20,
+              layouts: tuple[CalibratedLayout, ...] = CALIBRATED_LAYOUTS, nbytes: int = 4 << 20,
               repeats: int = 5) -> dict:
     """Measure and write the calibration JSON (parents created); returns what it wrote. The
     fixed costs are those of `model`'s blocks (default: the tiny preset) on `seq_len` tokens:
@@ -151,9 +152,10 @@ def run(args: CommandArgs) -> int:
     print(f"gloo latency (a 4-byte send): {data['latency_s'] * 1e6:.0f} us")
     print(f"fixed costs per micro-batch of 1 x {cfg.train.seq_len} tokens, model.dim="
           f"{cfg.model.dim} (ms per block / besides the blocks):")
-    for name, (block, rest) in data["fixed_costs"].items():
-        print(f"  {name:<10} {block * 1e3:8.2f} {rest * 1e3:8.2f}   " + " ".join(
-            f"{'train' if k in TRAIN_KEYS else 'parallel'}.{k}={v}"
-            for k, v in FIXED_COST_LAYOUTS[name].items()))
+    for layout in CALIBRATED_LAYOUTS:
+        block, rest = data["fixed_costs"][layout.name]
+        print(f"  {layout.name:<10} {block * 1e3:8.2f} {rest * 1e3:8.2f}   " + " ".join(
+            [f"parallel.{k}={v}" for k, v in layout.parallel.items()]
+            + [f"train.{k}={v}" for k, v in layout.train.items()]))
     print(f"{data['cores']} CPU cores; written to {path}")
     return 0

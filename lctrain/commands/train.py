@@ -22,11 +22,8 @@ from lctrain.commands.args import CommandArgs
 from lctrain.commands.checks import preflight
 from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.derived import local_world_size
-from lctrain.config.validation import (
-    cuda_problems,
-    kernel_device_problems,
-    warnings_for,
-)
+from lctrain.config.device_rules import cuda_problems, kernel_device_problems
+from lctrain.config.validation import warnings_for
 from lctrain.data.ingest import DataError
 from lctrain.parallel import launch, progress
 from lctrain.planning.memory import param_count

@@ -6,6 +6,7 @@ imported by path (`lctrain.config.validation`), so that reading the schema never
 
 from lctrain.config.derived import Derived, derive, kv_replication, ulysses_degree
 from lctrain.config.errors import ConfigError
+from lctrain.config.fields import choices_of
 from lctrain.config.schema import (
     CheckpointConfig,
     DataConfig,
@@ -21,7 +22,6 @@ from lctrain.config.schema import (
     PreprocessConfig,
     SlurmConfig,
     TrainConfig,
-    choices_of,
 )
 
 __all__ = ["CheckpointConfig", "ConfigError", "DataConfig", "Derived", "EvalConfig",

@@ -1,6 +1,7 @@
 """Every configuration key with its type, default, allowed values and meaning, read straight from
-the schema (`lctrain keys`): the meaning is the docstring under each field of
-lctrain/config/schema.py, found by parsing that file, so the listing never drifts from it.
+the schema (`lctrain keys`): the meaning is the docstring under each field, found by parsing the
+modules that define the sections (lctrain/config/schema.py, schema_launch.py), so the listing
+never drifts from them.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import dataclasses
 import inspect
 from dataclasses import dataclass
 
-from lctrain.config import schema
 from lctrain.config.schema import LctrainConfig
 
 
@@ -26,10 +26,13 @@ class Key:
 
 
 def _field_docs() -> dict[tuple[str, str], str]:
-    """(class name, field name) -> the docstring literal that follows the field."""
-    tree = ast.parse(inspect.getsource(schema))
+    """(class name, field name) -> the docstring literal that follows the field, in every module
+    that defines a section."""
+    root = LctrainConfig()
+    modules = {inspect.getmodule(type(getattr(root, f.name)))
+               for f in dataclasses.fields(LctrainConfig)}
     docs = {}
-    for node in tree.body:
+    for node in (n for m in modules for n in ast.parse(inspect.getsource(m)).body):
         if not isinstance(node, ast.ClassDef):
             continue
         for field, after in zip(node.body, node.body[1:]):

@@ -1,7 +1,7 @@
 """A registry: the entries of a choice that grows, by name, in registration order.
 
 A registry is also the live list of allowed values of the schema field it backs
-(`schema.one_of(registry=...)`): validation, `lctrain keys` and the layers that dispatch on the
+(`fields.one_of(registry=...)`): validation, `lctrain keys` and the layers that dispatch on the
 name all read it when they run, so registering an entry is the one step that makes a name valid
 everywhere. `registered` undoes itself (tests add toy entries without leaking them).
 """

@@ -20,16 +20,10 @@ import os
 from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm
 from lctrain.config.deepspeed import conflicts
 from lctrain.config.derived import ulysses_degree
+from lctrain.config.device_rules import cuda_problems, kernel_device_problems
+from lctrain.config.eval_rules import eval_problems, has_validation
 from lctrain.config.schema import LctrainConfig, ParallelConfig
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def nearest_multiple(x: int, m: int) -> int:
-    """The multiple of m closest to x (ties go up), never below m."""
-    return max(m, (x + m // 2) // m * m)
+from lctrain.config.suggest import divisors, nearest_multiple
 
 
 def _field_checks(node, prefix: str):
@@ -315,47 +309,6 @@ def _logging(cfg: LctrainConfig) -> list[str]:
     return problems
 
 
-def has_validation(cfg: LctrainConfig) -> bool:
-    """Whether a validation loss is configured (eval.val_data or data.val_fraction)."""
-    return cfg.eval.val_data is not None or cfg.data.val_fraction > 0
-
-
-def _validation(cfg: LctrainConfig) -> list[str]:
-    d, ev, problems = cfg.data, cfg.eval, []
-    if not d.val_fraction < 1:
-        problems.append(f"data.val_fraction={d.val_fraction} must lie in [0, 1); try "
-                        "data.val_fraction=0.01")
-    if d.val_fraction > 0 and d.source != "tokens":
-        problems.append(f"data.val_fraction={d.val_fraction} holds out documents of data.path, "
-                        f"which needs data.source=tokens (got {d.source}); use eval.val_data="
-                        "<preprocessed dir> for other sources")
-    if d.val_fraction > 0 and ev.val_data is not None:
-        problems.append(f"data.val_fraction={d.val_fraction} and eval.val_data={ev.val_data} both "
-                        "choose the validation data; set one of them")
-    return problems
-
-
-def _evals(cfg: LctrainConfig) -> list[str]:
-    """The eval grid (the tasks' own minimum lengths are checked by lctrain.data.sources)."""
-    ev, problems = cfg.eval, _validation(cfg)
-    if not ev.every:
-        return problems
-    if not ev.tasks:
-        if not has_validation(cfg):
-            problems.append("eval.tasks is empty and no validation data is set; try "
-                            "eval.tasks=[passkey] or data.val_fraction=0.01")
-        return problems  # the grid below is the tasks'
-    if ev.samples < 1:
-        problems.append(f"eval.samples={ev.samples} must be >= 1; try eval.samples=8")
-    problems += [f"eval.depths contains {x}; depths are fractions in [0, 1]"
-                 for x in ev.depths if not 0 <= x <= 1]
-    if not ev.depths:
-        problems.append("eval.depths is empty; try eval.depths=[0,0.5,1]")
-    problems += [f"eval.lengths contains {n}; each context length must lie in [1, train.seq_len="
-                 f"{cfg.train.seq_len}]" for n in ev.lengths if not 1 <= n <= cfg.train.seq_len]
-    return problems
-
-
 def validate(cfg: LctrainConfig, world_size: int) -> list[str]:
     """Every problem of `cfg` for `world_size` ranks (empty list = valid)."""
     problems = field_problems(cfg, blocking_only=True) + _dp(cfg)
@@ -376,60 +329,13 @@ def layout_problems(cfg: LctrainConfig, world_size: int, later: list[str] | None
     if later is None:
         later = _scalars(cfg) + _logging(cfg)
     world = _world(cfg, world_size)
-    problems = world + _heads(cfg) + _context(cfg) + _pipeline(cfg) + later + _evals(cfg)
+    problems = world + _heads(cfg) + _context(cfg) + _pipeline(cfg) + later + eval_problems(cfg)
     if cfg.train.device == "cuda":  # train.device=auto is resolved where the run starts
         problems += cuda_problems(cfg)
     elif cfg.train.device == "cpu":
         problems += kernel_device_problems(cfg, "cpu")
     if not world:
         problems += _batch(cfg, world_size)
-    return problems
-
-
-FLASH_HEAD_DIM_MAX = 256
-CUDA_KERNELS = ("torch", "flash_attn")
-"""train.attention_kernel values that run on CUDA only (cpu and reference run on the CPU only)."""
-
-
-def uses_lctrain_kernels(cfg: LctrainConfig) -> bool:
-    """Whether attention runs lctrain's kernel layer rather than PyTorch's SDPA: context
-    parallelism, packed documents, deterministic attention, or a kernel chosen by name."""
-    return (cfg.parallel.cp > 1 or cfg.data.document_masking or cfg.train.deterministic
-            or cfg.train.attention_kernel != "auto")
-
-
-def kernel_device_problems(cfg: LctrainConfig, device: str) -> list[str]:
-    """train.attention_kernel against the device the run trains on (cpu | cuda)."""
-    kernel = cfg.train.attention_kernel
-    if device == "cuda" and kernel in ("cpu", "reference"):
-        return [f"train.attention_kernel={kernel} runs on the CPU only, and this run trains on "
-                "CUDA; use train.attention_kernel=auto (or torch, flash_attn)"]
-    if device == "cpu" and kernel in CUDA_KERNELS:
-        return [f"train.attention_kernel={kernel} runs on CUDA only, and this run trains on the "
-                "CPU; use train.attention_kernel=auto (or cpu, reference) or train.device=cuda"]
-    return []
-
-
-def cuda_problems(cfg: LctrainConfig) -> list[str]:
-    """Rules for a run on CUDA: the flash kernels' dtypes and head sizes (torch's built-in and
-    flash-attn's alike), the kernel's device, and ranks that can use CUDA."""
-    m, problems = cfg.model, kernel_device_problems(cfg, "cuda")
-    if cfg.launch.start_method == "fork":
-        problems.append("launch.start_method=fork with CUDA: a forked rank cannot initialise "
-                        "CUDA; set launch.start_method=auto (spawn on CUDA)")
-    if not uses_lctrain_kernels(cfg):
-        return problems
-    why = ("context parallelism, packed documents, deterministic attention and a named "
-           "train.attention_kernel run flash attention on CUDA (torch's built-in or flash-attn)")
-    if cfg.train.dtype == "fp32":
-        problems.append(f"train.dtype=fp32 on CUDA: {why}, which takes bf16/fp16 only; set "
-                        "train.dtype=bf16 (weights and optimizer state stay fp32)")
-    if m.dim % m.n_heads == 0:
-        head_dim = m.dim // m.n_heads
-        if head_dim % 8 or head_dim > FLASH_HEAD_DIM_MAX:
-            problems.append(f"head dim model.dim / model.n_heads = {head_dim} on CUDA: {why}, "
-                            f"which needs a multiple of 8 up to {FLASH_HEAD_DIM_MAX}; try "
-                            f"model.dim={nearest_multiple(m.dim, 8 * m.n_heads)}")
     return problems
 
 

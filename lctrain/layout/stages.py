@@ -18,11 +18,15 @@ SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 """Schedules that run one stage per pipeline rank."""
 
 
+MLP_MATRICES = 3
+"""SwiGLU's gate, up and down projections, D x F each."""
+
+
 def block_params(m: ModelConfig) -> int:
-    """Weights of one transformer block (norms included)."""
+    """Weights of one transformer block: Q, K, V, O; the MLP's matrices; the two norms."""
     head_dim = m.dim // m.n_heads
     attention = m.dim * head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
-    return attention + 3 * m.dim * m.ffn_dim + 2 * m.dim
+    return attention + MLP_MATRICES * m.dim * m.ffn_dim + 2 * m.dim
 
 
 def layer_costs(m: ModelConfig, seq_len: int) -> tuple[float, list[float], float]:
@@ -33,11 +37,27 @@ def layer_costs(m: ModelConfig, seq_len: int) -> tuple[float, list[float], float
     return embedding, [block] * m.n_layers, output
 
 
+TRAIN_OVER_FORWARD = 3
+"""Training FLOPs per forward FLOP: the backward runs two matmuls for each forward one (the
+gradient of the input and that of the weight)."""
+FLOPS_PER_WEIGHT = 2
+"""A matmul's FLOPs per weight and token: a multiply and an add."""
+SOFTMAX_FLOPS = 5
+"""The loss's softmax per vocabulary entry and token: max, subtract, exp, sum, divide."""
+
+
+def attention_flops(m: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token of one block's causal attention: QK^T and PV take d_model
+    multiply-adds per key each, over S/2 keys on average, so 2 x 2 x D x S/2 = 2 S D forward."""
+    return TRAIN_OVER_FORWARD * 2 * seq_len * m.dim
+
+
 def _unit_costs(m: ModelConfig, seq_len: int) -> tuple[float, float, float]:
-    """`layer_costs` with one block's cost (every block costs the same)."""
-    block = 3 * (2 * block_params(m) + 2 * seq_len * m.dim)
-    output = 3 * (2 * m.dim * m.vocab_size + 5 * m.vocab_size)
-    return 3 * m.dim, block, output
+    """`layer_costs` with one block's cost (every block costs the same); the embedding a row
+    lookup, d_model per token."""
+    block = TRAIN_OVER_FORWARD * FLOPS_PER_WEIGHT * block_params(m) + attention_flops(m, seq_len)
+    output = TRAIN_OVER_FORWARD * (FLOPS_PER_WEIGHT * m.dim + SOFTMAX_FLOPS) * m.vocab_size
+    return TRAIN_OVER_FORWARD * m.dim, block, output
 
 
 def stage_count(cfg: LctrainConfig) -> int:

@@ -10,9 +10,11 @@ same helper with gloo.
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing as mp
 import os
 import pickle
+import random
 import signal
 import socket
 import sys
@@ -78,8 +80,35 @@ def cuda_devices() -> int:
             os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = previous
 
 
+RENDEZVOUS_PORTS = (20000, 32767)
+"""Where `free_port` looks: below Linux's default ephemeral range (32768-60999), from which the
+kernel takes the local port of every outgoing connection. A port the kernel handed out as free
+(bind to port 0) is in that range, so the connections of any other job on the machine (gloo
+opens dozens per group) could take it before rank 0 listens on it."""
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A free TCP port for the rendezvous of local ranks: a random one of RENDEZVOUS_PORTS
+    outside the ephemeral range that nothing listens on now."""
+    low, high = _ephemeral_ports()
+    candidates = [p for p in range(*RENDEZVOUS_PORTS) if not low <= p <= high]
+    # the OS's randomness: two launchers that seeded `random` alike must not pick alike
+    for port in random.SystemRandom().sample(candidates, min(64, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # all taken: any free one
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
@@ -126,6 +155,9 @@ PR_SET_PDEATHSIG = 1
 
 def _child(fn, args, rank, nproc, port, threads, backend, timeout_s, conn, parent_pid):
     die_with_parent(parent_pid)
+    # what a forked rank inherits lives as long as it does: the garbage collector need not walk
+    # it again (the launcher's heap, e.g. a test session's, would dominate every collection)
+    gc.freeze()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), LCTRAIN_LAUNCHER="local",

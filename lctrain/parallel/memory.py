@@ -205,12 +205,3 @@ def build_measured_model(cfg: LctrainConfig, batch: int, seed: int = 0):
             return model(mb.inputs, mb.positions, mb.doc_ids, labels=mb.labels)
 
     return model, run_forward
-
-
-def measure_block_activations(cfg: LctrainConfig, batch: int, seed: int = 0) -> float:
-    """Bytes one block keeps for the backward on this rank, measured with one forward on the
-    layout of `cfg` (call on every rank of an initialised world): the last block's (the first
-    also plans what every block shares, e.g. the Ulysses token order)."""
-    model, run_forward = build_measured_model(cfg, batch, seed)
-    per_layer = measure_activations(model, run_forward)
-    return per_layer[list(unwrap(model).layers)[-1]]

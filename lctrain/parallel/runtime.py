@@ -35,8 +35,26 @@ class ParallelMesh:
         return self.meshes[name].get_group()
 
 
+_MESHES: dict[tuple[tuple[int, ...], str], tuple[dist.ProcessGroup, ParallelMesh]] = {}
+"""The meshes this process built, by (layout shape, device type), each with the default group it
+was built under. Every gloo group holds a transport thread, two worker threads and its sockets
+until the process ends (torch keeps the groups of sliced meshes, so they cannot be given back),
+so a process that sets up the same layout again (tests, `lctrain plan --calibrate`, several runs
+in one process) reuses the groups it has instead of adding ~20 threads per run."""
+
+
+def mesh_for(topology: Topology, device_type: str) -> ParallelMesh:
+    """`build_mesh`, once per layout and default group (collective the first time: every rank
+    asks for the same layouts in the same order, as every rank runs the same code)."""
+    default, key = dist.distributed_c10d._get_default_group(), (topology.shape, device_type)
+    built = _MESHES.get(key)
+    if built is None or built[0] is not default:
+        built = _MESHES[key] = (default, build_mesh(topology, device_type))
+    return built[1]
+
+
 def build_mesh(topology: Topology, device_type: str) -> ParallelMesh:
-    """The 5-D DeviceMesh and its flattened groups (collective: call on all ranks, once). Every
+    """The 5-D DeviceMesh and its flattened groups (collective: call on all ranks). Every
     group keeps the default group's collective timeout (launch.timeout_s)."""
     options = group_options(device_type)
     root = init_device_mesh(device_type, topology.shape, mesh_dim_names=AXES,
@@ -166,4 +184,4 @@ def setup_distributed(cfg: LctrainConfig) -> Runtime:
             "cuda:nccl,cpu:gloo" if use_cuda else "gloo")
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.launch.timeout_s))
     return Runtime(dist.get_rank(), world, device, topology, derived,
-                   build_mesh(topology, device.type), **extra)
+                   mesh_for(topology, device.type), **extra)

@@ -7,23 +7,37 @@ attention it overlaps, fixed costs per block and per step, and the pipeline bubb
 `Hardware` comes from plan.* (a GPU cluster's datasheet numbers and efficiencies) or, for a CPU
 run, from the calibration file `lctrain plan --calibrate` writes (this machine's measured matmul
 rate, gloo bandwidth and latency, and the fixed costs of lctrain's training step).
+
+Every term reads one `StepShape`: the config, the world size and what follows from them (the
+derived sizes, the topology, the busiest rank's blocks), worked out once per prediction.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lctrain.config import LctrainConfig, derive
+from lctrain.config import Derived, LctrainConfig, derive
 from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm
 from lctrain.config.derived import slurm_ranks_per_node
-from lctrain.layout.stages import bubble_fraction, layer_costs, split_layers, stages_of
+from lctrain.layout.stages import (
+    FLOPS_PER_WEIGHT,
+    MLP_MATRICES,
+    TRAIN_OVER_FORWARD,
+    attention_flops,
+    bubble_fraction,
+    layer_costs,
+    split_layers,
+    stages_of,
+)
 from lctrain.layout.topology import Topology
 from lctrain.planning.flops import train_flops_per_step
 from lctrain.planning.memory import local_params
 from lctrain.planning.traffic import (
+    compute_bytes,
     cp_step_bytes,
     cp_step_groups,
     cp_transfers,
@@ -31,22 +45,24 @@ from lctrain.planning.traffic import (
     step_traffic_bytes,
 )
 
+# ---- the hardware ----------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, kw_only=True)
 class Hardware:
     """What one rank computes and sends per second, and what it pays regardless of size."""
 
     device_tflops: float
     """Peak TFLOP/s of one rank (a CPU: the calibrated fp32 matmul rate of one process)."""
-    matmul_efficiency: float
+    matmul_efficiency: float = 1.0
     """Fraction of the peak the linear layers reach."""
-    attention_efficiency: float
+    attention_efficiency: float = 1.0
     """Fraction of the peak the attention kernel reaches."""
     intra_node_gbps: float
     """GB/s one rank sends to ranks on its node."""
     inter_node_gbps: float
     """GB/s one rank sends to ranks on other nodes."""
-    ranks_per_node: int
+    ranks_per_node: int = 0
     """Ranks sharing a node (0: all ranks on one node)."""
     cores: int = 0
     """CPU cores the ranks share (a calibrated CPU): more ranks than cores divides each rank's
@@ -56,18 +72,23 @@ class Hardware:
     context makes a few thousand calls of ~10 us, under 1% of it)."""
     fixed_costs: dict[str, tuple[float, float]] = field(default_factory=dict)
     """(seconds per block and micro-batch, seconds per micro-batch besides the blocks) a step
-    costs beyond its FLOPs, bytes and calls, by `FIXED_COST_LAYOUTS` name: "base" for every layout, the others the
-    extra a layout with that feature pays (a CPU: Python, dispatch, memory-bound elementwise
-    kernels, FSDP's hooks, DTensor, the attention algorithm's loop). Empty for plan.*: on a
-    GPU at long context they are far below the kernels' time."""
+    costs beyond its FLOPs, bytes and calls, by `CALIBRATED_LAYOUTS` name (a CPU: Python,
+    dispatch, memory-bound elementwise kernels, FSDP's hooks, DTensor, the attention
+    algorithm's loop). Empty for plan.*: on a GPU at long context they are far below the
+    kernels' time."""
     source: str = "plan.*"
+
+    def flops_per_s(self, efficiency: float) -> float:
+        return self.device_tflops * 1e12 * efficiency
 
 
 def hardware_from_plan(cfg: LctrainConfig) -> Hardware:
     """The plan.* keys, ranks per node from slurm.* (`slurm_ranks_per_node`)."""
     p = cfg.plan
-    return Hardware(p.device_tflops, p.matmul_efficiency, p.attention_efficiency,
-                    p.intra_node_gbps, p.inter_node_gbps, slurm_ranks_per_node(cfg))
+    return Hardware(device_tflops=p.device_tflops, matmul_efficiency=p.matmul_efficiency,
+                    attention_efficiency=p.attention_efficiency,
+                    intra_node_gbps=p.intra_node_gbps, inter_node_gbps=p.inter_node_gbps,
+                    ranks_per_node=slurm_ranks_per_node(cfg))
 
 
 def calibration_path(cfg: LctrainConfig) -> Path:
@@ -78,10 +99,11 @@ def hardware_from_calibration(data: dict, source: str = "calibration") -> Hardwa
     """A CPU whose ranks all sit on this machine: the measured matmul rate (efficiency 1 for
     both kernel classes: the rate is already what a matmul reaches), the gloo bandwidth and
     latency between two local ranks for every group, and the step's fixed costs."""
-    gbps = data["gloo_gbps"]
-    costs = {name: tuple(v) for name, v in data.get("fixed_costs", {}).items()}
-    return Hardware(data["matmul_tflops"], 1.0, 1.0, gbps, gbps, 0, data["cores"],
-                    data.get("latency_s", 0.0), costs, source)
+    return Hardware(device_tflops=data["matmul_tflops"], intra_node_gbps=data["gloo_gbps"],
+                    inter_node_gbps=data["gloo_gbps"], cores=data["cores"],
+                    latency_s=data.get("latency_s", 0.0),
+                    fixed_costs={name: tuple(v) for name, v in data.get("fixed_costs", {}).items()},
+                    source=source)
 
 
 def hardware_for(cfg: LctrainConfig, gpu_available: bool) -> Hardware:
@@ -92,6 +114,266 @@ def hardware_for(cfg: LctrainConfig, gpu_available: bool) -> Hardware:
     if cpu and path.is_file():
         return hardware_from_calibration(json.loads(path.read_text()), str(path))
     return hardware_from_plan(cfg)
+
+
+# ---- the step being predicted ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One layout's step as every term reads it, worked out once."""
+
+    cfg: LctrainConfig
+    world_size: int
+    derived: Derived
+    topology: Topology
+    blocks: int
+    """Transformer blocks of the pipeline rank with the most (all of them at pp = 1)."""
+
+    @classmethod
+    def of(cls, cfg: LctrainConfig, world_size: int) -> StepShape:
+        stages = split_layers(cfg)
+        blocks = max(sum(len(stages[s]) for s in stages_of(cfg, r))
+                     for r in range(cfg.parallel.pp))
+        return cls(cfg, world_size, derive(cfg, world_size),
+                   Topology.from_config(cfg, world_size), blocks)
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches one rank runs per step."""
+        return self.derived.grad_accum
+
+    @property
+    def shards(self) -> int:
+        """Ranks that split the weights' gradients: dp x cp."""
+        return self.derived.dp * self.cfg.parallel.cp
+
+
+# ---- compute -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ComputeSeconds:
+    """One rank's share of the step's FLOPs, by kernel class, each at its efficiency."""
+
+    matmul_s: float
+    attention_s: float
+    recompute_s: float
+    """Forward FLOPs run a second time (checkpointing, the tiled loss and MLP)."""
+
+    @property
+    def total_s(self) -> float:
+        return self.matmul_s + self.attention_s + self.recompute_s
+
+
+def compute_seconds(step: StepShape, hw: Hardware) -> ComputeSeconds:
+    """The model FLOPs of one rank's share of the step, and the forward FLOPs run again: by
+    checkpointing (`full`: the blocks' forward; `selective` at cp > 1: the attention's forward;
+    at cp = 1 it recomputes only elementwise work), by the tiled loss (the output layer) and the
+    tiled MLP (its matmuls)."""
+    cfg, t, m = step.cfg, step.cfg.train, step.cfg.model
+    embedding, blocks, output = layer_costs(m, t.seq_len)
+    attention = attention_flops(m, t.seq_len) * m.n_layers
+    matmul = embedding + sum(blocks) + output - attention
+    matmul_rate = hw.flops_per_s(hw.matmul_efficiency)
+    attention_rate = hw.flops_per_s(hw.attention_efficiency)
+    again = 0.0  # forward FLOPs per token recomputed, in seconds per token
+    if t.activation_checkpointing == "full":
+        again = ((sum(blocks) - attention) / matmul_rate
+                 + attention / attention_rate) / TRAIN_OVER_FORWARD
+    elif t.activation_checkpointing == "selective" and cfg.parallel.cp > 1:
+        again = attention / TRAIN_OVER_FORWARD / attention_rate
+    tiled = (output / TRAIN_OVER_FORWARD if t.loss_chunk else 0) + (
+        FLOPS_PER_WEIGHT * MLP_MATRICES * m.dim * m.ffn_dim * m.n_layers if t.mlp_chunk else 0)
+    again += tiled / matmul_rate
+    tokens = step.derived.tokens_per_step / step.world_size
+    return ComputeSeconds(matmul_s=matmul * tokens / matmul_rate,
+                          attention_s=attention * tokens / attention_rate,
+                          recompute_s=again * tokens)
+
+
+# ---- communication -----------------------------------------------------------------------------
+
+TP_CALLS = {True: (4, 4, 3), False: (2, 2, 1)}
+"""Tensor parallelism's collective calls per block and micro-batch, (forward, backward,
+recomputed), with and without sequence parallelism (docs/parallelism.md §2, §15). With SP the
+forward all-gathers before attention and before the MLP and reduce-scatters after each, and the
+backward runs the mirror images; without it one all-reduce after each, and one per each in the
+backward. Recomputing under torch's non-reentrant checkpoint stops once the last tensor the
+backward saved is rebuilt, so the block's last collective is not run again."""
+PP_CALLS_PER_STAGE = 4
+"""The pipeline's calls per micro-batch and stage a rank holds: a send and a receive each way."""
+
+
+def group_bandwidth_gbps(topology: Topology, group: str, hw: Hardware) -> float:
+    """Intra-node bandwidth when every instance of the group has all its ranks on one node
+    (rank // ranks_per_node), else inter-node."""
+    n = hw.ranks_per_node
+    if n <= 0:
+        return hw.intra_node_gbps
+    intra = all(len({r // n for r in members}) == 1 for members in topology.groups(group))
+    return hw.intra_node_gbps if intra else hw.inter_node_gbps
+
+
+def cp_group_bytes(step: StepShape) -> dict[str, float]:
+    """Bytes one rank sends per step in the context-parallel attention, by the group each
+    transfer names (`cp_step_groups`: "cp_ring" ring P2P, "cp_ulysses" all-to-all, "cp"
+    all-gather KV): `cp_step_bytes` (recompute included) of the pipeline rank with the most."""
+    cfg, world = step.cfg, step.world_size
+    groups = cp_step_groups(cfg, world)
+    out: dict[str, float] = {}
+    for r in range(cfg.parallel.pp):
+        mine: dict[str, float] = {}
+        for name, nbytes in cp_step_bytes(cfg, world, r).items():
+            mine[groups[name]] = mine.get(groups[name], 0.0) + nbytes
+        out = max(out, mine, key=lambda x: sum(x.values()))
+    return out
+
+
+def dp_bytes(step: StepShape) -> float:
+    """Bytes one rank sends per step over dp x cp: the logged formula where lctrain has one
+    (`step_traffic_bytes`); under pipelining FSDP's weights gathered once per step (kept across
+    micro-batches); DeepSpeed as the engine it resembles (ZeRO-3: FSDP's gathers in every
+    micro-step; ZeRO-1/2: DDP's all-reduce volume as reduce-scatter + all-gather)."""
+    cfg, p = step.cfg, step.cfg.parallel
+    logged = step_traffic_bytes(cfg, step.world_size)
+    if step.shards == 1 or "dp" in logged:
+        return logged.get("dp", 0.0)
+    engine = p.dp_engine
+    if engine == "deepspeed":
+        engine = "fsdp" if cfg.deepspeed.zero_stage == 3 else "ddp"
+    gathers = 1 if p.pp > 1 else step.micro_batches
+    return max(dp_step_bytes(engine, *local_params(cfg, r), step.shards, gathers,
+                             compute_bytes(cfg)) for r in range(p.pp))
+
+
+def step_bytes(step: StepShape) -> dict[str, float]:
+    """Bytes one rank sends per step, by group ("dp" for the dp x cp group)."""
+    nbytes = {**step_traffic_bytes(step.cfg, step.world_size), **cp_group_bytes(step)}
+    nbytes.pop("dp", None)
+    if step.shards > 1:
+        nbytes["dp"] = dp_bytes(step)
+    return {group: b for group, b in nbytes.items() if b > 0}
+
+
+def collective_calls(step: StepShape) -> dict[str, float]:
+    """Collective calls one rank makes per step, by group, besides FSDP's and DDP's (whose calls
+    the calibrated fixed costs hold): per block and micro-batch, TP's (`TP_CALLS`) and the
+    attention's (`Transfer.calls`, the forward's again when checkpointing recomputes it); per
+    micro-batch, the pipeline's (`PP_CALLS_PER_STAGE` per stage the rank holds)."""
+    cfg, p = step.cfg, step.cfg.parallel
+    again = cfg.train.activation_checkpointing != "none"
+    per_block: dict[str, float] = {}
+    if p.tp > 1:
+        forward, backward, recomputed = TP_CALLS[p.sp]
+        per_block["tp"] = forward + backward + (recomputed if again else 0)
+    for x in cp_transfers(cfg, step.world_size):
+        times = 2 if again and x.direction == "fwd" else 1
+        per_block[x.group] = per_block.get(x.group, 0) + times * x.calls
+    out = {g: n * step.blocks * step.micro_batches for g, n in per_block.items()}
+    if p.pp > 1:
+        out["pp"] = PP_CALLS_PER_STAGE * len(stages_of(cfg, 0)) * step.micro_batches
+    return out
+
+
+def comm_seconds(step: StepShape, hw: Hardware) -> dict[str, float]:
+    """Per group: its bytes over its bandwidth, plus its calls x the latency."""
+    calls = collective_calls(step)
+    return {group: nbytes / (group_bandwidth_gbps(
+                step.topology, "dp_cp" if group == "dp" else group, hw) * 1e9)
+            + calls.get(group, 0) * hw.latency_s
+            for group, nbytes in step_bytes(step).items()}
+
+
+def exposed_seconds(comm: dict[str, float], attention_s: float, ring: int) -> float:
+    """Communication not hidden behind compute: all of it but the ring's P2P, whose R - 1
+    transfers each run behind the attention of one of the R blocks."""
+    ring_s = comm.get("cp_ring", 0.0)
+    return sum(comm.values()) - ring_s + max(0.0, ring_s - attention_s * (ring - 1) / ring)
+
+
+# ---- fixed costs -------------------------------------------------------------------------------
+
+
+def _never(_step: StepShape) -> float:
+    return 0.0
+
+
+def _attention_feature(name: str) -> Callable[[StepShape], float]:
+    """Times per block the layout pays algorithm `name`'s fixed cost, as the layout's own
+    algorithm's registry entry counts them (`TimingTerms.fixed_costs`)."""
+    def times(step: StepShape) -> float:
+        p, d = step.cfg.parallel, step.derived
+        if p.cp == 1:
+            return 0.0
+        return cp_algorithm(p.attention).timing.fixed_costs(d.cp_ring, d.cp_ulysses).get(name, 0)
+    return times
+
+
+@dataclass(frozen=True)
+class CalibratedLayout:
+    """A layout whose fixed costs `lctrain plan --calibrate` measures: a reference ("single",
+    "base"), or one feature beside the reference its extra is measured against."""
+
+    name: str
+    parallel: dict
+    """The parallel.* overrides of its calibration run."""
+    train: dict = field(default_factory=dict)
+    """The train.* overrides of its calibration run."""
+    reference: str | None = "base"
+    """The layout its extra is measured against: "base" (2 FSDP ranks), or "single" for what
+    is the rank's own work, the same beside any engine (the checkpointing modes). None: it is
+    a reference."""
+    times: Callable[[StepShape], float] = _never
+    """How many times per block a layout pays its extra (0: it does not use the feature)."""
+
+
+CALIBRATED_LAYOUTS: tuple[CalibratedLayout, ...] = (
+    CalibratedLayout("single", {}, reference=None),
+    CalibratedLayout("base", {"dp": 2}, reference=None),
+    CalibratedLayout("tp", {"tp": 2, "sp": True, "dp": 1},
+                     times=lambda s: float(s.cfg.parallel.tp > 1)),
+    *(CalibratedLayout(a.name, {"cp": 2, "attention": a.name, "dp": 1},
+                       times=_attention_feature(a.name))
+      for a in CP_ALGORITHMS.entries() if a.timing.calibrated),
+    CalibratedLayout("pp", {"pp": 2, "dp": 1}, times=lambda s: float(s.cfg.parallel.pp > 1)),
+    CalibratedLayout("ddp", {"dp": 2, "dp_engine": "ddp"},
+                     times=lambda s: float(s.cfg.parallel.dp_engine == "ddp" and s.shards > 1)),
+    *(CalibratedLayout(mode, {}, {"activation_checkpointing": mode}, reference="single",
+                       times=lambda s, mode=mode: float(
+                           s.cfg.train.activation_checkpointing == mode))
+      for mode in ("selective", "full")),
+)
+"""The layouts `lctrain plan --calibrate` trains and times, in its order: one process, 2-rank
+FSDP, then one feature each on 2 ranks (each context-parallel algorithm whose registry entry
+says `calibrated`), the checkpointing modes on one process."""
+
+
+def calibrated_layout(name: str) -> CalibratedLayout:
+    return next(c for c in CALIBRATED_LAYOUTS if c.name == name)
+
+
+def fixed_seconds(step: StepShape, hw: Hardware) -> float:
+    """The step's fixed costs on the busiest rank: per block and micro-batch, the reference's
+    ("base", "single" for one process) plus the extra of each feature the layout uses times how
+    often it pays it, times the rank's blocks; per micro-batch besides the blocks (the
+    embedding, the loss head, the loader, the optimizer step's share), the reference's plus the
+    same extras; both times the rank's micro-batches."""
+    if not hw.fixed_costs:
+        return 0.0
+    base = "base" if step.world_size > 1 else "single"
+    block, rest = hw.fixed_costs[base]
+    for feature in CALIBRATED_LAYOUTS:
+        times = feature.times(step)
+        if times and feature.name in hw.fixed_costs:
+            own = hw.fixed_costs[feature.name]
+            ref = hw.fixed_costs["single" if feature.reference == "single" else base]
+            block += times * (own[0] - ref[0])
+            rest += times * (own[1] - ref[1])
+    return (max(0.0, block) * step.blocks + max(0.0, rest)) * step.micro_batches
+
+
+# ---- the step ----------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -119,191 +401,38 @@ class StepTime:
     """Model FLOPs / (total_s x ranks x device_tflops)."""
 
 
-def group_bandwidth_gbps(topology: Topology, group: str, hw: Hardware) -> float:
-    """Intra-node bandwidth when every instance of the group has all its ranks on one node
-    (rank // ranks_per_node), else inter-node."""
-    n = hw.ranks_per_node
-    if n <= 0:
-        return hw.intra_node_gbps
-    intra = all(len({r // n for r in members}) == 1 for members in topology.groups(group))
-    return hw.intra_node_gbps if intra else hw.inter_node_gbps
-
-
-def cp_group_bytes(cfg: LctrainConfig, world_size: int) -> dict[str, float]:
-    """Bytes one rank sends per step in the context-parallel attention, by the group each
-    transfer names (`cp_step_groups`: "cp_ring" ring P2P, "cp_ulysses" all-to-all, "cp"
-    all-gather KV): `cp_step_bytes` (recompute included) of the pipeline rank with the most."""
-    groups = cp_step_groups(cfg, world_size)
-    out: dict[str, float] = {}
-    for r in range(cfg.parallel.pp):
-        mine: dict[str, float] = {}
-        for name, nbytes in cp_step_bytes(cfg, world_size, r).items():
-            mine[groups[name]] = mine.get(groups[name], 0.0) + nbytes
-        out = max(out, mine, key=lambda x: sum(x.values()))
-    return out
-
-
-def dp_bytes(cfg: LctrainConfig, world_size: int) -> float:
-    """Bytes one rank sends per step over dp x cp: the logged formula where lctrain has one
-    (`step_traffic_bytes`); under pipelining FSDP's weights gathered once per step (kept across
-    micro-batches); DeepSpeed as the engine it resembles (ZeRO-3: FSDP's gathers in every
-    micro-step; ZeRO-1/2: DDP's all-reduce volume as reduce-scatter + all-gather)."""
-    p, d = cfg.parallel, derive(cfg, world_size)
-    shards = d.dp * p.cp
-    logged = step_traffic_bytes(cfg, world_size)
-    if shards == 1 or "dp" in logged:
-        return logged.get("dp", 0.0)
-    compute = 2 if cfg.train.dtype == "bf16" else 4
-    engine, accum = p.dp_engine, d.grad_accum
-    if engine == "deepspeed":
-        engine = "fsdp" if cfg.deepspeed.zero_stage == 3 else "ddp"
-    if p.pp > 1:
-        accum = 1
-    return max(dp_step_bytes(engine, *local_params(cfg, r), shards, accum, compute)
-               for r in range(p.pp))
-
-
-def collective_calls(cfg: LctrainConfig, world_size: int) -> dict[str, float]:
-    """Collective calls one rank makes per step, by group (those besides FSDP/DDP, whose calls
-    the calibrated block overhead already holds): per block and micro-batch, TP's 4 forward and
-    4 backward (all-gather / reduce-scatter with SP, all-reduce without: 2 and 2) and the
-    recompute's 3 (1); the attention's transfers' calls (`Transfer.calls`: the ring's R - 1
-    forward exchanges, 2 (R - 1) backward; the Ulysses all-to-alls, 4 each way; the all-gather
-    of K/V and the reduce-scatter of their gradients, 2 each way), the forward's again when
-    recomputed; the pipeline's send and receive of each micro-batch, forward and backward, per
-    stage boundary the rank holds."""
-    p, t, d = cfg.parallel, cfg.train, derive(cfg, world_size)
-    stages, mine = split_layers(cfg), stages_of(cfg, 0)
-    blocks = max(sum(len(stages[s]) for s in stages_of(cfg, r)) for r in range(p.pp))
-    again = t.activation_checkpointing != "none"
-    per_block: dict[str, float] = {}
-    if p.tp > 1:
-        per_block["tp"] = 8 + (3 if again else 0) if p.sp else 4 + (1 if again else 0)
-    for x in cp_transfers(cfg, world_size):  # the forward's again when recomputed
-        times = 2 if again and x.direction == "fwd" else 1
-        per_block[x.group] = per_block.get(x.group, 0) + times * x.calls
-    out = {g: n * blocks * d.grad_accum for g, n in per_block.items()}
-    if p.pp > 1:
-        out["pp"] = 4 * len(mine) * d.grad_accum
-    return out
-
-
-FIXED_COST_LAYOUTS: dict[str, dict] = {
-    "single": {},
-    "base": {"dp": 2},
-    "tp": {"tp": 2, "sp": True, "dp": 1},
-    **{a.name: {"cp": 2, "attention": a.name, "dp": 1} for a in CP_ALGORITHMS.entries()
-       if a.timing.calibrated},
-    "pp": {"pp": 2, "dp": 1},
-    "ddp": {"dp": 2, "dp_engine": "ddp"},
-    "selective": {"activation_checkpointing": "selective"},
-    "full": {"activation_checkpointing": "full"},
-}
-"""The layouts whose fixed costs `lctrain plan --calibrate` measures (parallel.* overrides,
-and train.activation_checkpointing): "single" one process, "base" 2-rank data parallelism
-(FSDP), the others one feature each on 2 ranks (a context-parallel algorithm's when its
-registry entry says `calibrated`), but the checkpointing modes: one process each (what they add
-is work of the rank, the same beside any engine)."""
-SINGLE_RANK_FEATURES = ("selective", "full")
-"""Fixed-cost features measured against "single", not "base"."""
-TRAIN_KEYS = ("activation_checkpointing",)
-"""The keys of FIXED_COST_LAYOUTS that are train.* settings."""
-
-
-def fixed_seconds(cfg: LctrainConfig, world_size: int, hw: Hardware) -> float:
-    """The step's fixed costs on the busiest rank: per block and micro-batch, "base" plus the
-    extra of each feature the layout uses (the attention's as its registry entry counts them,
-    `TimingTerms.fixed_costs`: the ring's x (R - 1), its exchanges per block; DDP's
-    against FSDP; a checkpointing mode's against one process without it),
-    times the rank's blocks; per micro-batch besides the blocks (the embedding, the loss head,
-    the loader, and the optimizer step's share), "base" plus the same extras; both times the
-    rank's micro-steps."""
-    if not hw.fixed_costs:
-        return 0.0
-    p, d, mode = cfg.parallel, derive(cfg, world_size), cfg.train.activation_checkpointing
-    attention = (cp_algorithm(p.attention).timing.fixed_costs(d.cp_ring, d.cp_ulysses)
-                 if p.cp > 1 else {})
-    used = {"base": 1.0, "tp": float(p.tp > 1), "pp": float(p.pp > 1), **attention,
-            "ddp": float(p.dp_engine == "ddp" and d.dp * p.cp > 1),
-            "selective": float(mode == "selective"), "full": float(mode == "full")}
-    base = "base" if world_size > 1 else "single"
-    block, rest = hw.fixed_costs[base]
-    for name, times in used.items():
-        if name != "base" and times and name in hw.fixed_costs:
-            ref = hw.fixed_costs["single" if name in SINGLE_RANK_FEATURES else base]
-            block += times * (hw.fixed_costs[name][0] - ref[0])
-            rest += times * (hw.fixed_costs[name][1] - ref[1])
-    blocks = max(sum(len(split_layers(cfg)[s]) for s in stages_of(cfg, k)) for k in range(p.pp))
-    return (max(0.0, block) * blocks + max(0.0, rest)) * d.grad_accum
-
-
-def compute_seconds(cfg: LctrainConfig, world_size: int,
-                    hw: Hardware) -> tuple[float, float, float]:
-    """(matmul seconds, attention seconds, recompute seconds) of one rank's share of the step:
-    the model FLOPs, and the forward FLOPs run again: by checkpointing (`full`: the blocks'
-    forward; `selective` at cp > 1: the attention's forward; at cp = 1 it recomputes only
-    elementwise work), by the tiled loss (the output layer) and the tiled MLP (its three
-    matmuls)."""
-    embedding, blocks, output = layer_costs(cfg.model, cfg.train.seq_len)
-    attention_per_token = 3 * 2 * cfg.train.seq_len * cfg.model.dim * len(blocks)
-    tokens = derive(cfg, world_size).tokens_per_step / world_size
-    rate = hw.device_tflops * 1e12
-    matmul = (embedding + sum(blocks) + output - attention_per_token) * tokens
-    attention = attention_per_token * tokens
-    t, m = cfg.train, cfg.model
-    recompute = 0.0
-    if t.activation_checkpointing == "full":
-        recompute = ((sum(blocks) - attention_per_token) / (rate * hw.matmul_efficiency)
-                     + attention_per_token / (rate * hw.attention_efficiency)) * tokens / 3
-    elif t.activation_checkpointing == "selective" and cfg.parallel.cp > 1:
-        recompute = attention / 3 / (rate * hw.attention_efficiency)
-    # the tiled loss runs the output layer again in the backward, the tiled MLP its forward
-    tiled = (output / 3 if t.loss_chunk else 0) + (
-        2 * 3 * m.dim * m.ffn_dim * m.n_layers if t.mlp_chunk else 0)
-    recompute += tiled * tokens / (rate * hw.matmul_efficiency)
-    return (matmul / (rate * hw.matmul_efficiency),
-            attention / (rate * hw.attention_efficiency), recompute)
+def core_share(world_size: int, hw: Hardware) -> float:
+    """How many times slower each rank runs when the ranks share fewer cores than there are of
+    them (compute, gloo's copies and the fixed costs alike): ranks / cores, else 1."""
+    return world_size / hw.cores if hw.cores and world_size > hw.cores else 1.0
 
 
 def predict_step_time(cfg: LctrainConfig, world_size: int, hw: Hardware) -> StepTime:
     """The step-time model of docs/parallelism.md §15."""
-    topology = Topology.from_config(cfg, world_size)
-    d, p = derive(cfg, world_size), cfg.parallel
-    # ranks sharing too few cores run everything (compute, gloo's copies, the fixed costs) on a
-    # share of a core
-    share = world_size / hw.cores if hw.cores and world_size > hw.cores else 1.0
-    matmul_s, attention_s, recompute_s = (share * t for t in compute_seconds(cfg, world_size, hw))
-    nbytes = {**step_traffic_bytes(cfg, world_size), **cp_group_bytes(cfg, world_size)}
-    nbytes.pop("dp", None)
-    if d.dp * p.cp > 1:
-        nbytes["dp"] = dp_bytes(cfg, world_size)
-    calls = collective_calls(cfg, world_size)
-    comm = {g: share * (b / (group_bandwidth_gbps(topology, "dp_cp" if g == "dp" else g, hw)
-                             * 1e9) + calls.get(g, 0) * hw.latency_s)
-            for g, b in nbytes.items() if b > 0}
-    ring = comm.get("cp_ring", 0.0)
-    r = topology.cp_ring
-    # each of the R - 1 transfers runs behind the attention of one of the R blocks
-    exposed = sum(comm.values()) - ring + max(0.0, ring - attention_s * (r - 1) / r)
-    overhead = share * fixed_seconds(cfg, world_size, hw)
-    compute = matmul_s + attention_s + recompute_s
-    busy = compute + exposed + overhead
-    fraction = bubble_fraction(p.pp_schedule, p.pp, d.grad_accum, p.pp_virtual_stages)
+    step, p = StepShape.of(cfg, world_size), cfg.parallel
+    share = core_share(world_size, hw)
+    compute = compute_seconds(step, hw)
+    comm = {group: share * s for group, s in comm_seconds(step, hw).items()}
+    exposed = exposed_seconds(comm, share * compute.attention_s, step.topology.cp_ring)
+    overhead = share * fixed_seconds(step, hw)
+    busy = share * compute.total_s + exposed + overhead
+    fraction = bubble_fraction(p.pp_schedule, p.pp, step.micro_batches, p.pp_virtual_stages)
     bubble = busy * fraction / (1 - fraction)
     total = busy + bubble
-    flops = train_flops_per_step(cfg, d.tokens_per_step)
-    return StepTime(compute_s=compute, recompute_s=recompute_s, comm_s=comm,
-                    exposed_comm_s=exposed, overhead_s=overhead, bubble_s=bubble, total_s=total,
-                    tokens_per_s_per_rank=d.tokens_per_step / total / world_size,
-                    mfu=flops / (total * world_size * hw.device_tflops * 1e12))
+    tokens = step.derived.tokens_per_step
+    return StepTime(compute_s=share * compute.total_s, recompute_s=share * compute.recompute_s,
+                    comm_s=comm, exposed_comm_s=exposed, overhead_s=overhead, bubble_s=bubble,
+                    total_s=total, tokens_per_s_per_rank=tokens / total / world_size,
+                    mfu=train_flops_per_step(cfg, tokens)
+                    / (total * world_size * hw.flops_per_s(1.0)))
 
 
 def step_time_summary(cfg: LctrainConfig, world_size: int, hw: Hardware) -> dict:
     """`predict_step_time` as plain data for `lctrain plan`: its terms, tokens/s per rank and in
     all, MFU, and where the hardware numbers came from."""
-    t = predict_step_time(cfg, world_size, hw)
-    return {"hardware": hw.source, "total_s": t.total_s, "compute_s": t.compute_s,
-            "recompute_s": t.recompute_s, "comm_s": t.comm_s,
-            "exposed_comm_s": t.exposed_comm_s, "fixed_costs_s": t.overhead_s,
-            "bubble_s": t.bubble_s, "tokens_per_s_per_rank": t.tokens_per_s_per_rank,
-            "tokens_per_s": t.tokens_per_s_per_rank * world_size, "mfu": t.mfu}
+    step = predict_step_time(cfg, world_size, hw)
+    return {"hardware": hw.source, "total_s": step.total_s, "compute_s": step.compute_s,
+            "recompute_s": step.recompute_s, "comm_s": step.comm_s,
+            "exposed_comm_s": step.exposed_comm_s, "fixed_costs_s": step.overhead_s,
+            "bubble_s": step.bubble_s, "tokens_per_s_per_rank": step.tokens_per_s_per_rank,
+            "tokens_per_s": step.tokens_per_s_per_rank * world_size, "mfu": step.mfu}

@@ -111,11 +111,11 @@ def step_traffic_bytes(cfg: LctrainConfig, world_size: int) -> dict[str, float]:
                         for r in range(p.pp))
     if d.dp * p.cp > 1 and p.pp == 1 and p.dp_engine != "deepspeed":
         out["dp"] = dp_step_bytes(p.dp_engine, *local_params(cfg), d.dp * p.cp, d.grad_accum,
-                                  _compute_bytes(cfg))
+                                  compute_bytes(cfg))
     return out
 
 
-def _compute_bytes(cfg: LctrainConfig) -> int:
+def compute_bytes(cfg: LctrainConfig) -> int:
     return 2 if cfg.train.dtype == "bf16" else 4
 
 
@@ -134,7 +134,7 @@ def _tp_step_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int) -> float:
     compute = sum(len(stages[s]) for s in mine) * per_block
     compute += end if len(stages) - 1 in mine else 0
     fp32 = end if 0 in mine else 0
-    return d.grad_accum * (_compute_bytes(cfg) * compute + 4 * fp32)
+    return d.grad_accum * (compute_bytes(cfg) * compute + 4 * fp32)
 
 
 def cp_transfers(cfg: LctrainConfig, world_size: int) -> tuple[Transfer, ...]:
@@ -175,7 +175,7 @@ def cp_step_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict
     transfers = cp_transfers(cfg, world_size)
     if not transfers:
         return {}
-    a = _compute_bytes(cfg)
+    a = compute_bytes(cfg)
     parts: dict[str, float] = {}
     for x in transfers:
         parts[x.key] = parts.get(x.key, 0.0) + (4 if x.float32 else a) * (t.micro_batch

@@ -257,6 +257,9 @@ class Checkpointer:
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
+            if self.pg is not None:
+                dist.destroy_process_group(self.pg)
+                self.pg = None
 
     # ---- loading --------------------------------------------------------------------------
 

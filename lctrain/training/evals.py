@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lctrain.config import LctrainConfig
-from lctrain.config.validation import has_validation
+from lctrain.config.eval_rules import has_validation
 from lctrain.data.batch import build_micro_batch
 from lctrain.data.tasks import TASKS, EvalExample, eval_examples
 from lctrain.layout import sequence

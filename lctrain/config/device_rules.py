@@ -1,0 +1,56 @@
+"""The configuration rules that depend on the device a run trains on: the attention kernel
+named for it (train.attention_kernel), and on CUDA what the flash kernels take (dtype, head
+size) and how the ranks must start. `lctrain.config.validation` runs them when train.device
+names the device; `lctrain train` runs them again once train.device=auto is resolved.
+"""
+
+from __future__ import annotations
+
+from lctrain.config.schema import LctrainConfig
+from lctrain.config.suggest import nearest_multiple
+
+FLASH_HEAD_DIM_MAX = 256
+CUDA_KERNELS = ("torch", "flash_attn")
+"""train.attention_kernel values that run on CUDA only (cpu and reference run on the CPU only)."""
+
+
+def uses_lctrain_kernels(cfg: LctrainConfig) -> bool:
+    """Whether attention runs lctrain's kernel layer rather than PyTorch's SDPA: context
+    parallelism, packed documents, deterministic attention, or a kernel chosen by name."""
+    return (cfg.parallel.cp > 1 or cfg.data.document_masking or cfg.train.deterministic
+            or cfg.train.attention_kernel != "auto")
+
+
+def kernel_device_problems(cfg: LctrainConfig, device: str) -> list[str]:
+    """train.attention_kernel against the device the run trains on (cpu | cuda)."""
+    kernel = cfg.train.attention_kernel
+    if device == "cuda" and kernel in ("cpu", "reference"):
+        return [f"train.attention_kernel={kernel} runs on the CPU only, and this run trains on "
+                "CUDA; use train.attention_kernel=auto (or torch, flash_attn)"]
+    if device == "cpu" and kernel in CUDA_KERNELS:
+        return [f"train.attention_kernel={kernel} runs on CUDA only, and this run trains on the "
+                "CPU; use train.attention_kernel=auto (or cpu, reference) or train.device=cuda"]
+    return []
+
+
+def cuda_problems(cfg: LctrainConfig) -> list[str]:
+    """Rules for a run on CUDA: the flash kernels' dtypes and head sizes (torch's built-in and
+    flash-attn's alike), the kernel's device, and ranks that can use CUDA."""
+    m, problems = cfg.model, kernel_device_problems(cfg, "cuda")
+    if cfg.launch.start_method == "fork":
+        problems.append("launch.start_method=fork with CUDA: a forked rank cannot initialise "
+                        "CUDA; set launch.start_method=auto (spawn on CUDA)")
+    if not uses_lctrain_kernels(cfg):
+        return problems
+    why = ("context parallelism, packed documents, deterministic attention and a named "
+           "train.attention_kernel run flash attention on CUDA (torch's built-in or flash-attn)")
+    if cfg.train.dtype == "fp32":
+        problems.append(f"train.dtype=fp32 on CUDA: {why}, which takes bf16/fp16 only; set "
+                        "train.dtype=bf16 (weights and optimizer state stay fp32)")
+    if m.dim % m.n_heads == 0:
+        head_dim = m.dim // m.n_heads
+        if head_dim % 8 or head_dim > FLASH_HEAD_DIM_MAX:
+            problems.append(f"head dim model.dim / model.n_heads = {head_dim} on CUDA: {why}, "
+                            f"which needs a multiple of 8 up to {FLASH_HEAD_DIM_MAX}; try "
+                            f"model.dim={nearest_multiple(m.dim, 8 * m.n_heads)}")
+    return problems

@@ -1,0 +1,35 @@
+"""The schema's field helpers: a field with its allowed values beside it (`one_of`,
+`each_one_of`, `at_least`), kept in the field's metadata, where `lctrain.config.validation`
+checks them and `lctrain keys` lists them."""
+
+from __future__ import annotations
+
+from dataclasses import field, fields
+
+from lctrain.config.registry import Registry
+
+
+def one_of(*choices: str, default: str | None = None, registry: Registry | None = None):
+    """A string field whose value must be one of `choices` (the first is the default), or one
+    of the names in `registry` when it is read (a choice that grows: docs/extending.md)."""
+    if registry is not None:
+        assert not choices and default is not None, "a registry field names its default"
+        return field(default=default, metadata={"choices": registry})
+    return field(default=choices[0] if default is None else default,
+                 metadata={"choices": choices})
+
+
+def each_one_of(*choices: str, default: tuple[str, ...] = ()):
+    """A list field whose every element must be one of `choices`."""
+    return field(default_factory=lambda: list(default), metadata={"choices": choices})
+
+
+def at_least(minimum: int, default, hint: str | None = None):
+    """A number field that must be >= `minimum` (None allowed for optional fields); `hint` is
+    the fix the error message suggests instead of `key=minimum`."""
+    return field(default=default, metadata={"min": minimum, "hint": hint})
+
+
+def choices_of(schema: type, name: str) -> tuple[str, ...]:
+    """The allowed values of field `name` of the dataclass `schema` (a registry's, now)."""
+    return tuple(next(f for f in fields(schema) if f.name == name).metadata["choices"])
