@@ -28,8 +28,9 @@ from lctrain.config import LctrainConfig, derive  # noqa: E402
 from lctrain.config.compose import compose  # noqa: E402
 from lctrain.config.validation import layout_problems  # noqa: E402
 from lctrain.planning.flops import train_flops_per_step  # noqa: E402
+from lctrain.planning.hardware import hardware_from_plan  # noqa: E402
 from lctrain.planning.search import memory_gib  # noqa: E402
-from lctrain.planning.timing import StepTime, hardware_from_plan, predict_step_time  # noqa: E402
+from lctrain.planning.timing import StepTime, predict_step_time  # noqa: E402
 
 GPU = ["train.device=cuda", "train.dtype=bf16", "train.micro_batch=1", "data.source=synthetic"]
 LLAMA2_7B = ["model.vocab_size=32000", "model.n_kv_heads=32", "model.ffn_dim=11008",

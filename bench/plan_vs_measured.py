@@ -48,6 +48,7 @@ from lctrain.config.validation import validate  # noqa: E402
 from lctrain.parallel.launch import run_ranks  # noqa: E402
 from lctrain.parallel.memory import build_measured_model, measure_activations  # noqa: E402
 from lctrain.parallel.runtime import setup_distributed  # noqa: E402
+from lctrain.planning.hardware import hardware_for  # noqa: E402
 from lctrain.planning.memory import (  # noqa: E402
     activation_formula,
     head_activation_formula,
@@ -55,7 +56,7 @@ from lctrain.planning.memory import (  # noqa: E402
     state_parts,
 )
 from lctrain.planning.plan import build_plan  # noqa: E402
-from lctrain.planning.timing import hardware_for, predict_step_time  # noqa: E402
+from lctrain.planning.timing import predict_step_time  # noqa: E402
 from lctrain.training.loop import train  # noqa: E402
 
 TRAFFIC_KEYS = ("cp_bytes_sent", "traffic/cp", "traffic/tp", "traffic/pp", "traffic/dp")

@@ -23,11 +23,11 @@ from lctrain.config.device_rules import CUDA_KERNELS, kernel_device_problems
 from lctrain.config.keys import keys
 from lctrain.config.validation import validate
 from lctrain.layout.topology import GROUPS
+from lctrain.planning.hardware import Hardware
 from lctrain.planning.plan import build_plan
 from lctrain.planning.search import attentions
 from lctrain.planning.timing import (
     CALIBRATED_LAYOUTS,
-    Hardware,
     StepShape,
     calibrated_layout,
     collective_calls,

@@ -20,9 +20,10 @@ from lctrain.config import derive
 from lctrain.config.compose import compose
 from lctrain.config.validation import validate
 from lctrain.planning import search as search_module
+from lctrain.planning.hardware import hardware_from_plan
 from lctrain.planning.plan import build_plan
 from lctrain.planning.search import search
-from lctrain.planning.timing import hardware_from_plan, step_time_summary
+from lctrain.planning.timing import step_time_summary
 from tests.helpers import tiny_config
 from tests.test_recipes import inputs  # noqa: F401  (the production recipes' required keys)
 

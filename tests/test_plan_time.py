@@ -14,16 +14,15 @@ import pytest
 from lctrain.commands.calibrate import calibrate
 from lctrain.config.validation import validate
 from lctrain.layout.topology import Topology
+from lctrain.planning.hardware import Hardware, hardware_for
 from lctrain.planning.memory import local_params
 from lctrain.planning.timing import (
-    Hardware,
     StepShape,
     calibrated_layout,
     collective_calls,
     cp_group_bytes,
     dp_bytes,
     group_bandwidth_gbps,
-    hardware_for,
     predict_step_time,
 )
 from lctrain.planning.traffic import cp_step_bytes, step_traffic_bytes

@@ -55,9 +55,10 @@ from lctrain.parallel.data_parallel import unwrap  # noqa: E402
 from lctrain.parallel.launch import RankFailure, run_ranks  # noqa: E402
 from lctrain.parallel.memory import build_measured_model, measure_activations  # noqa: E402
 from lctrain.parallel.runtime import setup_distributed  # noqa: E402
+from lctrain.planning.hardware import hardware_for  # noqa: E402
 from lctrain.planning.memory import activation_formula  # noqa: E402
 from lctrain.planning.plan import rank_memory  # noqa: E402
-from lctrain.planning.timing import hardware_for, predict_step_time  # noqa: E402
+from lctrain.planning.timing import predict_step_time  # noqa: E402
 from lctrain.training import loop  # noqa: E402
 from tests.reference import reference_attention  # noqa: E402
 

@@ -13,14 +13,10 @@ from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.cp_algorithms import cp_algorithm
 from lctrain.config.derived import slurm_world
 from lctrain.layout.topology import AXES
+from lctrain.planning.hardware import Hardware, calibration_path, hardware_for
 from lctrain.planning.plan import build_plan
 from lctrain.planning.search import SearchResult, search
-from lctrain.planning.timing import (
-    Hardware,
-    calibration_path,
-    hardware_for,
-    step_time_summary,
-)
+from lctrain.planning.timing import step_time_summary
 
 
 def render_text(plan: dict, max_rows: int) -> str:

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from lctrain.config import LctrainConfig, ParallelConfig, derive
 from lctrain.config.cp_algorithms import CP_ALGORITHMS
 from lctrain.config.validation import layout_problems
+from lctrain.planning.hardware import Hardware
 from lctrain.planning.plan import rank_memory
-from lctrain.planning.timing import Hardware, StepTime, predict_step_time
+from lctrain.planning.timing import StepTime, predict_step_time
 
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), *(("interleaved_1f1b", v) for v in (1, 2, 4)),
              *(("zero_bubble", v) for v in (1, 2, 4)), ("zbv", 2))

@@ -4,9 +4,8 @@ group's ranks sit plus a latency per collective call, ring attention's P2P hidde
 attention it overlaps, fixed costs per block and per step, and the pipeline bubble
 (docs/parallelism.md §15). Pure arithmetic on a config and a `Hardware`: no process or device.
 
-`Hardware` comes from plan.* (a GPU cluster's datasheet numbers and efficiencies) or, for a CPU
-run, from the calibration file `lctrain plan --calibrate` writes (this machine's measured matmul
-rate, gloo bandwidth and latency, and the fixed costs of lctrain's training step).
+`Hardware` (`lctrain.planning.hardware`) comes from plan.* or from the calibration file
+`lctrain plan --calibrate` writes.
 
 Every term reads one `StepShape`: the config, the world size and what follows from them (the
 derived sizes, the topology, the busiest rank's blocks), worked out once per prediction.
@@ -14,15 +13,11 @@ derived sizes, the topology, the busiest rank's blocks), worked out once per pre
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from lctrain.config import Derived, LctrainConfig, derive
 from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm
-from lctrain.config.derived import slurm_ranks_per_node
 from lctrain.layout.stages import (
     FLOPS_PER_WEIGHT,
     MLP_MATRICES,
@@ -35,6 +30,7 @@ from lctrain.layout.stages import (
 )
 from lctrain.layout.topology import Topology
 from lctrain.planning.flops import train_flops_per_step
+from lctrain.planning.hardware import Hardware
 from lctrain.planning.memory import local_params
 from lctrain.planning.traffic import (
     compute_bytes,
@@ -44,77 +40,6 @@ from lctrain.planning.traffic import (
     dp_step_bytes,
     step_traffic_bytes,
 )
-
-# ---- the hardware ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class Hardware:
-    """What one rank computes and sends per second, and what it pays regardless of size."""
-
-    device_tflops: float
-    """Peak TFLOP/s of one rank (a CPU: the calibrated fp32 matmul rate of one process)."""
-    matmul_efficiency: float = 1.0
-    """Fraction of the peak the linear layers reach."""
-    attention_efficiency: float = 1.0
-    """Fraction of the peak the attention kernel reaches."""
-    intra_node_gbps: float
-    """GB/s one rank sends to ranks on its node."""
-    inter_node_gbps: float
-    """GB/s one rank sends to ranks on other nodes."""
-    ranks_per_node: int = 0
-    """Ranks sharing a node (0: all ranks on one node)."""
-    cores: int = 0
-    """CPU cores the ranks share (a calibrated CPU): more ranks than cores divides each rank's
-    rate, bandwidth and fixed costs by ranks / cores. 0: every rank has its own device."""
-    latency_s: float = 0.0
-    """Seconds of one collective call besides its bytes (0 for plan.*: a GPU step at long
-    context makes a few thousand calls of ~10 us, under 1% of it)."""
-    fixed_costs: dict[str, tuple[float, float]] = field(default_factory=dict)
-    """(seconds per block and micro-batch, seconds per micro-batch besides the blocks) a step
-    costs beyond its FLOPs, bytes and calls, by `CALIBRATED_LAYOUTS` name (a CPU: Python,
-    dispatch, memory-bound elementwise kernels, FSDP's hooks, DTensor, the attention
-    algorithm's loop). Empty for plan.*: on a GPU at long context they are far below the
-    kernels' time."""
-    source: str = "plan.*"
-
-    def flops_per_s(self, efficiency: float) -> float:
-        return self.device_tflops * 1e12 * efficiency
-
-
-def hardware_from_plan(cfg: LctrainConfig) -> Hardware:
-    """The plan.* keys, ranks per node from slurm.* (`slurm_ranks_per_node`)."""
-    p = cfg.plan
-    return Hardware(device_tflops=p.device_tflops, matmul_efficiency=p.matmul_efficiency,
-                    attention_efficiency=p.attention_efficiency,
-                    intra_node_gbps=p.intra_node_gbps, inter_node_gbps=p.inter_node_gbps,
-                    ranks_per_node=slurm_ranks_per_node(cfg))
-
-
-def calibration_path(cfg: LctrainConfig) -> Path:
-    return Path(os.path.expanduser(cfg.plan.calibration))
-
-
-def hardware_from_calibration(data: dict, source: str = "calibration") -> Hardware:
-    """A CPU whose ranks all sit on this machine: the measured matmul rate (efficiency 1 for
-    both kernel classes: the rate is already what a matmul reaches), the gloo bandwidth and
-    latency between two local ranks for every group, and the step's fixed costs."""
-    return Hardware(device_tflops=data["matmul_tflops"], intra_node_gbps=data["gloo_gbps"],
-                    inter_node_gbps=data["gloo_gbps"], cores=data["cores"],
-                    latency_s=data.get("latency_s", 0.0),
-                    fixed_costs={name: tuple(v) for name, v in data.get("fixed_costs", {}).items()},
-                    source=source)
-
-
-def hardware_for(cfg: LctrainConfig, gpu_available: bool) -> Hardware:
-    """The calibration file for a CPU run (train.device=cpu, or auto without a GPU) when it
-    exists, else plan.*."""
-    cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not gpu_available)
-    path = calibration_path(cfg)
-    if cpu and path.is_file():
-        return hardware_from_calibration(json.loads(path.read_text()), str(path))
-    return hardware_from_plan(cfg)
-
 
 # ---- the step being predicted ------------------------------------------------------------------
 
