@@ -19,13 +19,7 @@ import torch
 
 from lctrain.parallel.launch import RankFailure
 from lctrain.training import checkpoint as ck
-from tests.helpers import on_ranks, reference_model, tiny_config
-
-
-def _cfg(steps=8, parallel=None, checkpoint=None, train=None, **sections):
-    return tiny_config(train={"steps": steps, "global_batch": 4, "micro_batch": 1, **(train or {})},
-                       parallel={"dp": 2, **(parallel or {})},
-                       checkpoint={"every": 2, **(checkpoint or {})}, **sections)
+from tests.helpers import dp2_config, on_ranks, reference_model
 
 
 def _train(cfg, run_dir, fault=None):
@@ -62,7 +56,7 @@ def _losses(history):
 
 
 def test_kill_mid_run_and_mid_save_then_resume_bitwise(tmp_path):
-    cfg = _cfg()
+    cfg = dp2_config(8)
     ref = on_ranks(_train, 2, cfg, str(tmp_path / "ref"))[0]
     # rank 1 dies in step 5: checkpoints 2 and 4 are complete
     run = tmp_path / "run"
@@ -106,11 +100,12 @@ RESHARD = [  # (world, parallel) to load a checkpoint saved at tp2 x cp2 x dp2 (
 def test_a_checkpoint_loads_under_other_layouts(tmp_path):
     saved_at = {"tp": 2, "sp": True, "cp": 2, "dp": 2, "attention": "ring"}
     train = {"global_batch": 8}
-    ref = on_ranks(_train, 8, _cfg(6, saved_at, {"every": 3}, train), str(tmp_path / "ref"),
-                   timeout_s=300)[0]
+    saved = dp2_config(6, parallel=saved_at, checkpoint={"every": 3}, train=train)
+    ref = on_ranks(_train, 8, saved, str(tmp_path / "ref"), timeout_s=300)[0]
     step3 = tmp_path / "ref" / "checkpoints" / "step-00000003"
     for world, parallel in RESHARD:
-        cfg = _cfg(6, parallel, {"every": 0, "load": str(step3)}, train)
+        cfg = dp2_config(6, parallel=parallel, checkpoint={"every": 0, "load": str(step3)},
+                         train=train)
         for history in on_ranks(_train, world, cfg, str(tmp_path / str(parallel)),
                                 timeout_s=300):
             assert [h["step"] for h in history] == [4, 5, 6]
@@ -118,14 +113,15 @@ def test_a_checkpoint_loads_under_other_layouts(tmp_path):
                 assert got["loss"] == pytest.approx(want["loss"], rel=2e-5), parallel
                 assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), parallel
     # weights only: the same weights, but a fresh optimizer and data from the start
-    cfg = _cfg(2, {"dp": 2}, {"every": 0, "load": str(step3), "load_model_only": True}, train)
+    cfg = dp2_config(2, parallel={"dp": 2}, train=train, checkpoint={
+        "every": 0, "load": str(step3), "load_model_only": True})
     history = on_ranks(_train, 2, cfg, str(tmp_path / "weights"))[0]
     assert [h["step"] for h in history] == [1, 2] and history[0]["lr"] == ref[0]["lr"]
     assert history[0]["loss"] < ref[0]["loss"]  # trained weights, not a fresh init
 
 
 def test_damaged_checkpoints_are_skipped_or_refused(tmp_path):
-    cfg = _cfg(6)
+    cfg = dp2_config(6)
     ref = on_ranks(_train, 2, cfg, str(tmp_path / "ref"))[0]
     run = tmp_path / "run"
     on_ranks(_train, 2, cfg, str(run))
@@ -136,10 +132,10 @@ def test_damaged_checkpoints_are_skipped_or_refused(tmp_path):
     data[len(data) // 2] ^= 0xFF  # one flipped bit pattern, same size
     shard.write_bytes(bytes(data))
     assert any("sha256" in p for p in ck.damaged_files(newest))
-    explicit = _cfg(6, checkpoint={"every": 0, "load": str(newest)})
+    explicit = dp2_config(6, checkpoint={"every": 0, "load": str(newest)})
     with pytest.raises(RankFailure, match="cannot be used: .*sha256"):
         on_ranks(_train, 2, explicit, str(tmp_path / "explicit"))
-    resume = _cfg(6, checkpoint={"resume": "auto"})
+    resume = dp2_config(6, checkpoint={"resume": "auto"})
     got = on_ranks(_train, 2, resume, str(run))[0]
     assert _losses(got) == _losses(ref)[2:]  # from step 2, the previous complete checkpoint
     shard = newest / "__0_0.distcp"  # the step-4 checkpoint written again by the resumed run
@@ -178,10 +174,10 @@ def test_async_save_does_not_block_training_and_equals_a_sync_save(tmp_path):
         _train(cfg, run_dir, fault)
         return order
 
-    async_cfg = _cfg(4, checkpoint={"async_save": True})
+    async_cfg = dp2_config(4, checkpoint={"async_save": True})
     seen = on_ranks(run, 2, async_cfg, str(tmp_path / "async"), gate_write)[0]
     assert seen.index("step 4") < seen.index("write of step 2")
-    on_ranks(_train, 2, _cfg(4), str(tmp_path / "sync"))
+    on_ranks(_train, 2, dp2_config(4), str(tmp_path / "sync"))
     a, s = (tmp_path / name / "checkpoints" / "step-00000004" for name in ("async", "sync"))
     assert _load_tensors(a).keys() == _load_tensors(s).keys()
     for key, value in _load_tensors(a).items():
@@ -215,7 +211,7 @@ def test_write_errors_keep_the_previous_checkpoint(tmp_path):
 
     run = tmp_path / "run"
     with pytest.raises(RankFailure) as failure:
-        on_ranks(_train, 2, _cfg(6), str(run), disk_full)
+        on_ranks(_train, 2, dp2_config(6), str(run), disk_full)
     message = str(failure.value)
     assert "checkpoint of step 4 could not be written" in message
     assert "No space left on device" in message and "step-00000002 is intact" in message
@@ -225,7 +221,7 @@ def test_write_errors_keep_the_previous_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_preemption_signal_and_stop_file_checkpoint_and_stop(tmp_path):
-    cfg = _cfg(8, checkpoint={"every": 0})
+    cfg = dp2_config(8, checkpoint={"every": 0})
     ref = on_ranks(_train, 2, cfg, str(tmp_path / "ref"))[0]
     for name, fault in [
         ("sigusr1", _at_step(3, 1, lambda T: os.kill(os.getpid(), signal.SIGUSR1))),
@@ -237,7 +233,7 @@ def test_preemption_signal_and_stop_file_checkpoint_and_stop(tmp_path):
         assert all([h["step"] for h in hist] == list(range(1, stopped + 1)) for hist in histories)
         assert [p.name for p in ck.complete_checkpoints(run / "checkpoints")] == [
             f"step-{stopped:08d}"]
-        resume = _cfg(8, checkpoint={"every": 0, "resume": "auto"})
+        resume = dp2_config(8, checkpoint={"every": 0, "resume": "auto"})
         assert _losses(on_ranks(_train, 2, resume, str(run))[0]) == _losses(ref)[stopped:]
         assert not (run / "STOP").exists()
 
@@ -255,10 +251,10 @@ def test_non_finite_steps_stop_or_are_skipped(tmp_path, parallel):
             return torch.full_like(norm, float("inf")) if calls[0] == 3 else norm
         T.clip_grad_norm_ = clip
 
-    stop = _cfg(5, parallel, checkpoint={"every": 0})
+    stop = dp2_config(5, parallel=parallel, checkpoint={"every": 0})
     with pytest.raises(RankFailure, match="NonFiniteError: step 3: loss .* grad norm inf"):
         on_ranks(_train, 2, stop, str(tmp_path / "stop"), inf_norm)
-    skip = _cfg(5, parallel, checkpoint={"every": 0}, train={"on_nan": "skip"})
+    skip = dp2_config(5, parallel=parallel, checkpoint={"every": 0}, train={"on_nan": "skip"})
     histories = on_ranks(_train, 2, skip, str(tmp_path / "skip"), inf_norm)
     for history in histories:
         assert [h["skipped"] for h in history] == [0, 0, 1, 0, 0]
@@ -271,7 +267,7 @@ def test_loading_runs_no_code_and_secrets_stay_out(tmp_path, monkeypatch):
     from lctrain.config.compose import compose
     from lctrain.config.resolved import to_yaml
 
-    on_ranks(_train, 1, _cfg(2, parallel={"dp": 1}), str(tmp_path / "run"))
+    on_ranks(_train, 1, dp2_config(2, parallel={"dp": 1}), str(tmp_path / "run"))
     path = tmp_path / "run" / "checkpoints" / "step-00000002"
 
     class Evil:
@@ -290,7 +286,7 @@ def test_loading_runs_no_code_and_secrets_stay_out(tmp_path, monkeypatch):
     assert "s3cr3t-value-123" not in text and "<WANDB_API_KEY redacted>" in text
     assert cfg.slurm.job_name == code and not (tmp_path / "pwned").exists()  # a string only
     run = tmp_path / "secret_run"
-    on_ranks(_train, 1, dataclasses.replace(_cfg(2, parallel={"dp": 1}), logging=cfg.logging),
+    on_ranks(_train, 1, dataclasses.replace(dp2_config(2, parallel={"dp": 1}), logging=cfg.logging),
              str(run))
     for file in [run / "config.yaml", *run.glob("checkpoints/*/config.yaml"),
                  run / "metrics.jsonl"]:
@@ -298,7 +294,7 @@ def test_loading_runs_no_code_and_secrets_stay_out(tmp_path, monkeypatch):
 
 
 def test_retention_keeps_the_newest(tmp_path):
-    on_ranks(_train, 1, _cfg(7, parallel={"dp": 1}, checkpoint={"keep": 2}), str(tmp_path))
+    on_ranks(_train, 1, dp2_config(7, parallel={"dp": 1}, checkpoint={"keep": 2}), str(tmp_path))
     names = [p.name for p in ck.complete_checkpoints(tmp_path / "checkpoints")]
     assert names == ["step-00000007", "step-00000006"]  # every 2 steps and after the last
     manifest = json.loads((tmp_path / "checkpoints" / names[0] / ck.MANIFEST).read_text())
@@ -313,7 +309,7 @@ def test_export_a_checkpoint_for_transformers(tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    cfg = _cfg(2, parallel={"cp": 2, "dp": 1}, train={"global_batch": 2})
+    cfg = dp2_config(2, parallel={"cp": 2, "dp": 1}, train={"global_batch": 2})
     on_ranks(_train, 2, cfg, str(tmp_path / "run"))
     step = tmp_path / "run" / "checkpoints" / "step-00000002"
     done = subprocess.run([sys.executable, "tools/export_hf.py", str(step), str(tmp_path / "hf")],

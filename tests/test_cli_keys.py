@@ -10,25 +10,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 
 from lctrain import cli
 from lctrain.commands.args import CommandArgs
 from lctrain.config.schema import LctrainConfig
+from tests.helpers import run_cli
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _main(argv, capsys):
-    with pytest.raises(SystemExit) as done:
-        cli.main(argv)
-    captured = capsys.readouterr()
-    return done.value.code, captured.out, captured.err
-
-
 def test_keys_lists_every_field_with_its_docstring(capsys):
-    code, out, _ = _main(["keys"], capsys)
+    code, out, _ = run_cli(["keys"], capsys)
     assert code == 0
     root = LctrainConfig()
     for section in dataclasses.fields(LctrainConfig):
@@ -37,22 +30,22 @@ def test_keys_lists_every_field_with_its_docstring(capsys):
     # a line from a docstring, with the choices and the default beside the key
     assert "parallel.attention: str = 'ring'  [ulysses | ring | usp | allgather]" in out
     assert "Context-parallel attention: ulysses | ring | usp | allgather" in out
-    code, out, _ = _main(["keys", "deepspeed"], capsys)
+    code, out, _ = run_cli(["keys", "deepspeed"], capsys)
     assert code == 0 and out.startswith("deepspeed.zero_stage: int = 1  [>= 1]")
     assert "parallel." not in out
-    code, _, err = _main(["keys", "paralel"], capsys)
+    code, _, err = run_cli(["keys", "paralel"], capsys)
     assert code == 2 and "unknown section 'paralel'" in err
 
 
 def test_cfg_prints_the_resolved_config_and_runs_nothing(capsys, monkeypatch):
     monkeypatch.setattr("lctrain.training.loop.train", _refuse)
-    code, out, _ = _main(["train", "+recipe=tiny", "parallel.pp=2", "train.steps=7", "--cfg"],
+    code, out, _ = run_cli(["train", "+recipe=tiny", "parallel.pp=2", "train.steps=7", "--cfg"],
                          capsys)
     assert code == 0
     cfg = yaml.safe_load(out)
     assert cfg["parallel"]["pp"] == 2 and cfg["train"]["steps"] == 7
     assert cfg["parallel"]["cp"] == 2  # the recipe's
-    code, _, err = _main(["plan", "+recipe=tiny", "--cfgg"], capsys)
+    code, _, err = run_cli(["plan", "+recipe=tiny", "--cfgg"], capsys)
     assert code == 2 and "unknown flag --cfgg" in err
 
 
@@ -74,7 +67,7 @@ def test_every_command_module_has_one_run_signature():
 
 
 def test_usage_lists_every_command_its_flags_and_the_exit_codes(capsys):
-    code, out, _ = _main(["--help"], capsys)
+    code, out, _ = run_cli(["--help"], capsys)
     assert code == 0
     for name, command in cli.COMMANDS.items():
         line = next(line for line in out.splitlines() if line.startswith(f"  {name} "))

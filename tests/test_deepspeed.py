@@ -7,11 +7,10 @@ import dataclasses
 
 import pytest
 
-from lctrain import cli
 from lctrain.commands.checks import preflight
 from lctrain.parallel import deepspeed_engine
 from lctrain.training.loop import train
-from tests.helpers import on_ranks, tiny_config
+from tests.helpers import on_ranks, run_cli, tiny_config
 
 pytest.importorskip("deepspeed")
 
@@ -81,11 +80,10 @@ BAD = {  # deepspeed overrides -> substrings of the message
 def test_bad_deepspeed_settings_exit_2(name, capsys, tmp_path, monkeypatch):
     overrides, expected = BAD[name]
     monkeypatch.setattr("lctrain.training.loop.train", _refuse)
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["train", "+recipe=tiny", "parallel.cp=1", "parallel.dp=2", "launch.nproc=2",
-                  "parallel.dp_engine=deepspeed", *overrides, f"hydra.run.dir={tmp_path}"])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
+    code, _, err = run_cli(["train", "+recipe=tiny", "parallel.cp=1", "parallel.dp=2",
+                            "launch.nproc=2", "parallel.dp_engine=deepspeed", *overrides,
+                            f"hydra.run.dir={tmp_path}"], capsys)
+    assert code == 2
     for text in expected:
         assert text in err, err
 
@@ -98,11 +96,9 @@ def test_deepspeed_missing_is_a_configuration_error(monkeypatch, capsys, tmp_pat
     monkeypatch.setattr(deepspeed_engine.importlib.util, "find_spec",
                         lambda name: None if name == "deepspeed" else object())
     monkeypatch.setattr("lctrain.training.loop.train", _refuse)
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["train", "+recipe=tiny", "parallel.dp_engine=deepspeed",
-                  f"hydra.run.dir={tmp_path}"])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
+    code, _, err = run_cli(["train", "+recipe=tiny", "parallel.dp_engine=deepspeed",
+                            f"hydra.run.dir={tmp_path}"], capsys)
+    assert code == 2
     assert "deepspeed is not installed" in err and 'pip install -e ".[deepspeed]"' in err, err
     cfg = _cfg({"dp": 2})  # the other engines do not need it
     assert preflight(cfg, 2) == []

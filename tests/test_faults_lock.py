@@ -22,6 +22,7 @@ from lctrain.commands import run_lock
 from lctrain.commands.run_lock import LOCK_FILE, Holder, RunDirLocked
 from lctrain.commands.status import lock_row
 from lctrain.config import ConfigError
+from tests.helpers import run_cli
 
 FORK = mp.get_context("fork")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled"}
@@ -84,24 +85,18 @@ def test_second_acquire_is_refused_naming_host_and_pid(tmp_path, monkeypatch):
     assert lock_row(tmp_path).startswith("free")
 
 
-def _exit_code(argv: list[str], capsys) -> tuple[int, str]:
-    with pytest.raises(SystemExit) as done:
-        cli.main(argv)
-    return done.value.code, capsys.readouterr().err
-
-
 def test_cli_exits_3_for_a_run_dir_in_use_and_2_for_one_it_cannot_write(tmp_path, capsys,
                                                                        monkeypatch):
     monkeypatch.setattr("lctrain.training.loop.train", _refuse)
     monkeypatch.setattr("lctrain.parallel.launch.run_ranks", _refuse)
     train = ["train", "+recipe=tiny", "train.steps=1"]
     with run_lock.acquire(tmp_path / "run"):
-        code, err = _exit_code([*train, f"hydra.run.dir={tmp_path / 'run'}"], capsys)
+        code, _, err = run_cli([*train, f"hydra.run.dir={tmp_path / 'run'}"], capsys)
     assert code == cli.EXIT_RUN_DIR_LOCKED == 3, err
     assert "lctrain: the run dir is in use:\n  - hydra.run.dir=" in err
     assert f"pid {os.getpid()}" in err
     (tmp_path / "file").write_text("")
-    code, err = _exit_code([*train, f"hydra.run.dir={tmp_path / 'file' / 'run'}"], capsys)
+    code, _, err = run_cli([*train, f"hydra.run.dir={tmp_path / 'file' / 'run'}"], capsys)
     assert code == cli.EXIT_CONFIG == 2 and "cannot create its lock file" in err, err
     assert "Exit codes: 0 ok, 1 run failure (or data error), 2 configuration error, 3 run dir " \
            "in use by a live job." in cli.usage()

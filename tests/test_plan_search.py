@@ -13,7 +13,6 @@ import sys
 
 import pytest
 
-from lctrain import cli
 from lctrain.commands.checks import preflight
 from lctrain.commands.init_from import resolve_model
 from lctrain.config import derive
@@ -24,15 +23,13 @@ from lctrain.planning.hardware import hardware_from_plan
 from lctrain.planning.plan import build_plan
 from lctrain.planning.search import search
 from lctrain.planning.timing import step_time_summary
-from tests.helpers import tiny_config
+from tests.helpers import run_cli, tiny_config
 from tests.test_recipes import inputs  # noqa: F401  (the production recipes' required keys)
 
 
 def _cli_json(args: list[str], capsys) -> dict:
-    with pytest.raises(SystemExit) as exc:
-        cli.main(args)
-    out = capsys.readouterr().out
-    assert exc.value.code == 0, out
+    code, out, _ = run_cli(args, capsys)
+    assert code == 0, out
     return json.loads(out)
 
 
@@ -154,8 +151,6 @@ def test_plan_prints_the_predicted_step(capsys):
     assert t["tokens_per_s"] == pytest.approx(tokens / t["total_s"])
     assert t["total_s"] == pytest.approx(t["compute_s"] + t["exposed_comm_s"]
                                          + t["fixed_costs_s"] + t["bubble_s"])
-    with pytest.raises(SystemExit):
-        cli.main(["plan", "+recipe=tiny"])
-    out = capsys.readouterr().out
+    _, out, _ = run_cli(["plan", "+recipe=tiny"], capsys)
     assert "predicted step time (docs/parallelism.md §15; hardware: plan.*):" in out
     assert f"{t['tokens_per_s_per_rank']:,.0f} tokens/s per rank" in out
