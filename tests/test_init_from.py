@@ -5,6 +5,7 @@ must come from the model's tokenizer, and validation documents are never trained
 
 import dataclasses
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 import transformers
 
 from lctrain.commands.checks import preflight
-from lctrain.commands.init_from import resolve_model
+from lctrain.commands.init_from import resolve_model, same_value
 from lctrain.config import ConfigError, ModelConfig
 from lctrain.config.compose import compose
 from lctrain.data.shards import ShardWriter, TokenStore
@@ -100,6 +101,22 @@ def test_a_contradicting_override_is_exit_2_naming_both(hf_dirs, capsys, overrid
     assert code == 2 and "contradicts" in err, err
     assert f"={ours} on the command line" in err and f"which has {theirs}" in err
     assert f"model.hf_overrides=[{override.split('=')[0].split('.')[1]}]" in err
+
+
+def test_numbers_equal_as_float32_do_not_contradict(hf_dirs, tmp_path):
+    """config.json written from float32: rms_norm_eps 9.999999747378752e-06 is 1e-5."""
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_dirs["gqa_untied"], hf)
+    config = json.loads((hf / "config.json").read_text())
+    config["rms_norm_eps"] = 9.999999747378752e-06
+    (hf / "config.json").write_text(json.dumps(config))
+    composed = resolved("+recipe=tiny", f"model.init_from={hf}", "model.norm_eps=1e-5")
+    assert composed.cfg.model.norm_eps == 1e-5 and composed.origins["norm_eps"] == "config.json"
+    assert not any("norm_eps" in note for note in composed.notes)
+    with pytest.raises(ConfigError, match="model.norm_eps=1.0001e-05 on the command line"):
+        resolved("+recipe=tiny", f"model.init_from={hf}", "model.norm_eps=1.0001e-5")
+    assert same_value(2, 2.0) and same_value("a", "a") and not same_value(True, 1)
+    assert not same_value(2**24 + 1, 2**24)  # integers exactly
 
 
 def _train(cfg, run_dir):

@@ -4,13 +4,15 @@ decides every model.* field it defines, and each field's origin is recorded.
 A value from a recipe or a model preset yields to config.json (the change is reported). A
 value typed on the command line that contradicts config.json is an error naming both, unless
 the field is listed in model.hf_overrides, which keeps this config's value on purpose (context
-extension: rope_theta, rope scaling). Shape fields cannot be overridden. What lctrain cannot
+extension: rope_theta, rope scaling). Numbers are compared as float32 values (`same_value`),
+the precision checkpoints store them in. Shape fields cannot be overridden. What lctrain cannot
 compute (biases, other activations, sliding windows, other RoPE types) is refused by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import struct
 from pathlib import Path
 
 from lctrain.config import ConfigError, ModelConfig
@@ -18,6 +20,23 @@ from lctrain.config.compose import Composed
 from lctrain.models.hf_config import SHAPE_FIELDS, model_fields, read_hf_config, unsupported
 
 FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
+
+
+def _float32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def same_value(ours: object, theirs: object) -> bool:
+    """Whether a model field's value equals config.json's: a float as a float32 value, since
+    many config.json files were written from float32 (rms_norm_eps stored as
+    9.999999747378752e-06 is model.norm_eps=1e-5); booleans only to booleans; integers and
+    anything else exactly."""
+    if isinstance(ours, bool) or isinstance(theirs, bool):
+        return type(ours) is type(theirs) and ours == theirs
+    if isinstance(ours, float) or isinstance(theirs, float):
+        return isinstance(ours, int | float) and isinstance(theirs, int | float) and \
+            _float32(ours) == _float32(theirs)
+    return ours == theirs
 
 
 def typed_keys(overrides: list[str], section: str) -> set[str]:
@@ -71,16 +90,16 @@ def resolve_model(composed: Composed) -> Composed:
         ours = getattr(model, name)
         if name in model.hf_overrides:
             origins[name] = "hf_overrides"
-            if ours != theirs:
+            if not same_value(ours, theirs):
                 notes.append(f"model.{name}={ours!r} replaces config.json's {theirs!r} "
                              "(model.hf_overrides)")
-        elif name in typed and ours != theirs:
+        elif name in typed and not same_value(ours, theirs):
             problems.append(f"model.{name}={ours!r} on the command line contradicts "
                             f"{Path(model.init_from) / 'config.json'}, which has {theirs!r}; "
                             f"drop the override, or list it in model.hf_overrides=[{name}] to "
                             "change the model on purpose")
         else:
-            if ours != theirs:
+            if not same_value(ours, theirs):
                 notes.append(f"model.{name}: {ours!r} ({origins[name]}) -> {theirs!r} "
                              "(config.json)")
                 changes[name] = theirs
