@@ -4,8 +4,8 @@ decides every model.* field it defines, and each field's origin is recorded.
 A value from a recipe or a model preset yields to config.json (the change is reported). A
 value typed on the command line that contradicts config.json is an error naming both, unless
 the field is listed in model.hf_overrides, which keeps this config's value on purpose (context
-extension: rope_theta, rope scaling). Numbers are compared as float32 values (`same_value`),
-the precision checkpoints store them in. Shape fields cannot be overridden. What lctrain cannot
+extension: rope_theta, rope scaling). Floats are compared as float32 values (`same_value`),
+the precision many checkpoints store them in. Shape fields cannot be overridden. What lctrain cannot
 compute (biases, other activations, sliding windows, other RoPE types) is refused by name.
 """
 

@@ -25,6 +25,11 @@ from lctrain.layout.stages import (
 )
 
 
+def compute_bytes(cfg: LctrainConfig) -> int:
+    """Bytes of one element in the compute dtype (train.dtype): 2 for bf16, else 4."""
+    return 2 if cfg.train.dtype == "bf16" else 4
+
+
 def param_count(m: ModelConfig) -> int:
     """Parameters of the Llama of `m` (a tied output layer counted once)."""
     head = 0 if m.tie_embeddings else m.vocab_size * m.dim
@@ -86,7 +91,7 @@ def state_parts(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[s
         extra = 4 * m.vocab_size * m.dim * (p.tp - 1) // p.tp if whole_embedding else 0
         return {"weights": 4 * params, "gradients": 4 * params + extra,
                 "optimizer_state": 8 * params}
-    ds, a = cfg.deepspeed, (2 if cfg.train.dtype == "bf16" else 4)
+    ds, a = cfg.deepspeed, compute_bytes(cfg)
     offload = ds.offload_optimizer == "cpu"
     weights = 0 if ds.offload_param == "cpu" else a * params / (n if ds.zero_stage == 3 else 1)
     return {"weights": weights + (0.0 if offload else 4 * params / n),
@@ -147,7 +152,7 @@ def gathered_weight_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0)
     blocks, root = local_params(cfg, pp_rank)
     if cfg.parallel.pp == 1:
         blocks = 2 * blocks // cfg.model.n_layers
-    return (blocks + root) * (2 if cfg.train.dtype == "bf16" else 4)
+    return (blocks + root) * compute_bytes(cfg)
 
 
 def dtype_bytes(cfg: LctrainConfig, world_size: int) -> tuple[int, int, bool]:

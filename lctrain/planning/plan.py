@@ -27,6 +27,7 @@ from lctrain.planning.memory import (
     ALLOCATOR_FRACTION,
     allocator_allowance,
     attention_buffer_bytes,
+    compute_bytes,
     gathered_weight_bytes,
     in_flight_moments,
     local_params,
@@ -161,7 +162,7 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
     topo = Topology.from_config(cfg, world_size)
     m, p, t = cfg.model, cfg.parallel, cfg.train
     head_dim = m.dim // m.n_heads
-    bytes_act = 2 if t.dtype == "bf16" else 4
+    bytes_act = compute_bytes(cfg)
     n_params = param_count(m)
     tokens = t.micro_batch * d.local_seq_len         # per cp rank
     seq_div = p.tp if (p.sp and p.tp > 1) else 1

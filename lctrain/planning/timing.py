@@ -31,9 +31,8 @@ from lctrain.layout.stages import (
 from lctrain.layout.topology import Topology
 from lctrain.planning.flops import train_flops_per_step
 from lctrain.planning.hardware import Hardware
-from lctrain.planning.memory import local_params
+from lctrain.planning.memory import compute_bytes, local_params
 from lctrain.planning.traffic import (
-    compute_bytes,
     cp_step_bytes,
     cp_step_groups,
     cp_transfers,

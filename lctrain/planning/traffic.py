@@ -17,7 +17,7 @@ from __future__ import annotations
 from lctrain.config import LctrainConfig, derive
 from lctrain.config.cp_algorithms import Transfer, cp_algorithm
 from lctrain.layout.stages import split_layers, stages_of
-from lctrain.planning.memory import local_params, pipeline_buffer_bytes
+from lctrain.planning.memory import compute_bytes, local_params, pipeline_buffer_bytes
 
 DIRECTIONS = {"fwd": "forward", "bwd": "backward"}
 """`Transfer.direction` -> the key of `attention_traffic`."""
@@ -113,10 +113,6 @@ def step_traffic_bytes(cfg: LctrainConfig, world_size: int) -> dict[str, float]:
         out["dp"] = dp_step_bytes(p.dp_engine, *local_params(cfg), d.dp * p.cp, d.grad_accum,
                                   compute_bytes(cfg))
     return out
-
-
-def compute_bytes(cfg: LctrainConfig) -> int:
-    return 2 if cfg.train.dtype == "bf16" else 4
 
 
 def _tp_step_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int) -> float:
