@@ -71,9 +71,9 @@ def test_hf_round_trip(tmp_path, tied, parallel, sharded):
 def test_init_from_errors(tmp_path):
     cfg = tiny_config(model=MODEL).model
     assert "has no config.json" in check_hf_dir(str(tmp_path), cfg)[0]
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma2"}))
     (tmp_path / "model.safetensors").write_bytes(b"")
-    assert "model_type='mistral'" in check_hf_dir(str(tmp_path), cfg)[0]
+    assert "model_type='gemma2'" in check_hf_dir(str(tmp_path), cfg)[0]
     shape = {"model_type": "llama", "hidden_size": 128, "num_attention_heads": 4,
              "vocab_size": 128, "num_hidden_layers": 2, "intermediate_size": 96}
     (tmp_path / "config.json").write_text(json.dumps(shape))

@@ -65,6 +65,7 @@ class LayerShape:
     ulysses: int
     tp: int
     dim: int
+    """The queries' width H x d (the model's dim unless model.head_dim says otherwise)."""
     heads: int
     kv_heads: int
     kv_replication: int

@@ -47,10 +47,12 @@ def cuda_problems(cfg: LctrainConfig) -> list[str]:
     if cfg.train.dtype == "fp32":
         problems.append(f"train.dtype=fp32 on CUDA: {why}, which takes bf16/fp16 only; set "
                         "train.dtype=bf16 (weights and optimizer state stay fp32)")
-    if m.dim % m.n_heads == 0:
-        head_dim = m.dim // m.n_heads
-        if head_dim % 8 or head_dim > FLASH_HEAD_DIM_MAX:
-            problems.append(f"head dim model.dim / model.n_heads = {head_dim} on CUDA: {why}, "
-                            f"which needs a multiple of 8 up to {FLASH_HEAD_DIM_MAX}; try "
-                            f"model.dim={nearest_multiple(m.dim, 8 * m.n_heads)}")
+    if m.head_dim is not None or m.dim % m.n_heads == 0:
+        if m.d_head % 8 or m.d_head > FLASH_HEAD_DIM_MAX:
+            key = "model.head_dim" if m.head_dim is not None else \
+                "head dim model.dim / model.n_heads"
+            fix = (f"model.head_dim={nearest_multiple(m.d_head, 8)}" if m.head_dim is not None
+                   else f"model.dim={nearest_multiple(m.dim, 8 * m.n_heads)}")
+            problems.append(f"{key} = {m.d_head} on CUDA: {why}, which needs a multiple of 8 "
+                            f"up to {FLASH_HEAD_DIM_MAX}; try {fix}")
     return problems

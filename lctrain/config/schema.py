@@ -15,6 +15,7 @@ from typing import Any
 
 from lctrain.config.cp_algorithms import CP_ALGORITHMS
 from lctrain.config.fields import at_least, each_one_of, one_of
+from lctrain.config.model_families import MODEL_FAMILIES
 from lctrain.config.schema_launch import LaunchConfig, PlanConfig, SlurmConfig
 
 
@@ -22,6 +23,9 @@ from lctrain.config.schema_launch import LaunchConfig, PlanConfig, SlurmConfig
 class ModelConfig:
     name: str = "tiny"
     """Preset name, for logs only."""
+    family: str = one_of(registry=MODEL_FAMILIES, default="llama")
+    """Model family (config.json's model_type): llama | qwen2 (Q/K/V biases) | qwen3 (RMSNorm
+    of each Q and K head before RoPE) | mistral. The blocks differ; the layouts do not."""
     vocab_size: int = at_least(1, 512)
     """Vocabulary size (rows of the embedding and of the output layer)."""
     dim: int = at_least(1, 128)
@@ -29,9 +33,11 @@ class ModelConfig:
     n_layers: int = at_least(1, 4)
     """Number of transformer blocks."""
     n_heads: int = at_least(1, 8)
-    """Query heads H; head dim d = dim / n_heads."""
+    """Query heads H."""
     n_kv_heads: int = at_least(1, 2)
     """Key/value heads (GQA). Equal to n_heads for MHA, 1 for MQA."""
+    head_dim: int | None = at_least(1, None)
+    """Dims per head d; null: dim / n_heads. Qwen3 sets it (H x d need not be dim)."""
     ffn_dim: int = at_least(1, 384)
     """SwiGLU hidden size (w1/w3 output, w2 input)."""
     norm_eps: float = 1e-5
@@ -58,14 +64,35 @@ class ModelConfig:
     """Std of the normal init of linear and embedding weights (output projections scaled by depth)."""
     max_position_embeddings: int = at_least(1, 8192)
     """Context length the model declares (config.json's max_position_embeddings on export)."""
+    sliding_window: int | None = at_least(1, None)
+    """Attention window of the families that have one (mistral, qwen2, qwen3 with
+    use_sliding_window); null: the whole causal context. A window at least train.seq_len long
+    is the whole context; a shorter one is refused (sliding-window attention is not built)."""
     init_from: str | None = None
-    """Hugging Face Llama directory (config.json + *.safetensors) to start from, in any layout.
-    Its config.json decides every model field it defines; see model.hf_overrides."""
+    """Hugging Face directory (config.json + *.safetensors) of a model of a registered family
+    (model.family) to start from, in any layout. Its config.json decides every model field it
+    defines; see model.hf_overrides."""
     hf_overrides: list[str] = field(default_factory=list)
     """With model.init_from: the model fields whose value from this config (recipe, preset or
     command line) replaces config.json's on purpose, e.g. [rope_theta, rope_type, rope_factor]
     to extend the context; printed at start, kept in config.yaml and in an exported
     config.json. Shape fields cannot be listed: the weights fix them."""
+
+    @property
+    def d_head(self) -> int:
+        """Dims per head: head_dim, or dim / n_heads when it is null."""
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries and of the attention output, H x d (dim unless head_dim is set
+        otherwise)."""
+        return self.n_heads * self.d_head
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the keys (and of the values), H_kv x d."""
+        return self.n_kv_heads * self.d_head
 
 
 @dataclass

@@ -22,6 +22,7 @@ from lctrain.config.deepspeed import conflicts
 from lctrain.config.derived import ulysses_degree
 from lctrain.config.device_rules import cuda_problems, kernel_device_problems
 from lctrain.config.eval_rules import eval_problems, has_validation
+from lctrain.config.model_families import model_family
 from lctrain.config.schema import LctrainConfig, ParallelConfig
 from lctrain.config.suggest import divisors, nearest_multiple
 
@@ -82,12 +83,15 @@ def _heads(cfg: LctrainConfig) -> list[str]:
     """Head and width divisibility: RoPE pairs, GQA groups, TP shards, the Ulysses degree."""
     m, p = cfg.model, cfg.parallel
     problems = []
-    if m.dim % m.n_heads:
+    if m.head_dim is None and m.dim % m.n_heads:
         problems.append(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; try "
-                        f"model.dim={nearest_multiple(m.dim, m.n_heads)}")
-    elif (m.dim // m.n_heads) % 2:
-        problems.append(f"head dim model.dim / model.n_heads = {m.dim // m.n_heads} must be even "
+                        f"model.dim={nearest_multiple(m.dim, m.n_heads)} or set model.head_dim")
+    elif m.head_dim is None and m.d_head % 2:
+        problems.append(f"head dim model.dim / model.n_heads = {m.d_head} must be even "
                         f"for RoPE; try model.dim={nearest_multiple(m.dim, 2 * m.n_heads)}")
+    elif m.d_head % 2:
+        problems.append(f"model.head_dim={m.head_dim} must be even for RoPE; try "
+                        f"model.head_dim={m.head_dim + 1}")
     if m.n_heads % m.n_kv_heads:
         problems.append(f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads="
                         f"{m.n_kv_heads} (GQA groups); try n_kv_heads in {divisors(m.n_heads)}")
@@ -309,6 +313,24 @@ def _logging(cfg: LctrainConfig) -> list[str]:
     return problems
 
 
+def _window(cfg: LctrainConfig) -> list[str]:
+    """model.sliding_window: only where the family has one, and no shorter than the sequence
+    (a window that long is the whole causal context; sliding-window attention is not built)."""
+    m, s = cfg.model, cfg.train.seq_len
+    if m.sliding_window is None:
+        return []
+    if not model_family(m.family).sliding_window:
+        return [f"model.sliding_window={m.sliding_window} with model.family={m.family}, which "
+                "has no attention window; set model.sliding_window=null"]
+    if m.sliding_window < s:
+        return [f"model.sliding_window={m.sliding_window} is shorter than train.seq_len={s}, "
+                "and lctrain has no sliding-window attention (a window at least the sequence "
+                f"long is full attention); train at train.seq_len<={m.sliding_window}, or "
+                "attend over the whole context on purpose with model.sliding_window=null "
+                "(from a checkpoint: model.hf_overrides=[sliding_window])"]
+    return []
+
+
 def validate(cfg: LctrainConfig, world_size: int) -> list[str]:
     """Every problem of `cfg` for `world_size` ranks (empty list = valid)."""
     problems = field_problems(cfg, blocking_only=True) + _dp(cfg)
@@ -329,7 +351,8 @@ def layout_problems(cfg: LctrainConfig, world_size: int, later: list[str] | None
     if later is None:
         later = _scalars(cfg) + _logging(cfg)
     world = _world(cfg, world_size)
-    problems = world + _heads(cfg) + _context(cfg) + _pipeline(cfg) + later + eval_problems(cfg)
+    problems = (world + _heads(cfg) + _window(cfg) + _context(cfg) + _pipeline(cfg) + later
+                + eval_problems(cfg))
     if cfg.train.device == "cuda":  # train.device=auto is resolved where the run starts
         problems += cuda_problems(cfg)
     elif cfg.train.device == "cpu":

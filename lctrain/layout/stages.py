@@ -13,6 +13,7 @@ from __future__ import annotations
 from functools import cache
 
 from lctrain.config import LctrainConfig, ModelConfig
+from lctrain.config.model_families import model_family
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 """Schedules that run one stage per pipeline rank."""
@@ -22,11 +23,19 @@ MLP_MATRICES = 3
 """SwiGLU's gate, up and down projections, D x F each."""
 
 
+def block_split(m: ModelConfig) -> tuple[int, int]:
+    """(parameters TP shards, parameters TP replicates) of one transformer block: Q, K, V, O and
+    the MLP's matrices, plus the family's biases (`ModelFamily.block_extra_params`); the two
+    norms, plus the family's head norms."""
+    attention = m.dim * (2 * m.q_dim + 2 * m.kv_dim)
+    sharded, replicated = model_family(m.family).block_extra_params(m.d_head, m.n_heads,
+                                                                    m.n_kv_heads)
+    return attention + MLP_MATRICES * m.dim * m.ffn_dim + sharded, 2 * m.dim + replicated
+
+
 def block_params(m: ModelConfig) -> int:
-    """Weights of one transformer block: Q, K, V, O; the MLP's matrices; the two norms."""
-    head_dim = m.dim // m.n_heads
-    attention = m.dim * head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
-    return attention + MLP_MATRICES * m.dim * m.ffn_dim + 2 * m.dim
+    """Parameters of one transformer block, whole (`block_split`'s two parts)."""
+    return sum(block_split(m))
 
 
 def layer_costs(m: ModelConfig, seq_len: int) -> tuple[float, list[float], float]:
@@ -47,9 +56,10 @@ SOFTMAX_FLOPS = 5
 
 
 def attention_flops(m: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token of one block's causal attention: QK^T and PV take d_model
-    multiply-adds per key each, over S/2 keys on average, so 2 x 2 x D x S/2 = 2 S D forward."""
-    return TRAIN_OVER_FORWARD * 2 * seq_len * m.dim
+    """Training FLOPs per token of one block's causal attention: QK^T and PV take H x d
+    multiply-adds per key each (d_model unless model.head_dim says otherwise), over S/2 keys
+    on average, so 2 x 2 x Hd x S/2 = 2 S Hd forward."""
+    return TRAIN_OVER_FORWARD * 2 * seq_len * m.q_dim
 
 
 def _unit_costs(m: ModelConfig, seq_len: int) -> tuple[float, float, float]:

@@ -1,6 +1,6 @@
-"""Hugging Face Llama interop: config and name mapping (weights are identical), checking an HF
-directory against the model config, loading it into any layout (each rank reads only its
-slices), and exporting one.
+"""Hugging Face interop for every registered family: config and name mapping (weights are
+identical), checking an HF directory against the model config, loading it into any layout (each
+rank reads only its slices), and exporting one.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lctrain.config import ModelConfig
+from lctrain.config.model_families import MODEL_FAMILIES, model_family
 from lctrain.models.init import local_slices
+from lctrain.models.registry import FAMILY_CODE, family_code
 
-# lctrain name pattern -> HF name pattern ({i} = layer id)
+# lctrain module path inside a block -> HF module path (Llama's; a family adds its own)
 _LAYER_MAP = {
     "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
     "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
@@ -30,10 +32,18 @@ _LAYER_MAP = {
 _TOP_MAP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
 
 
+def _layer_map() -> dict[str, str]:
+    """Llama's block names and every registered family's own (they never collide)."""
+    out = dict(_LAYER_MAP)
+    for name in FAMILY_CODE:
+        out.update(FAMILY_CODE[name].hf_names)
+    return out
+
+
 def to_hf_name(name: str) -> str:
-    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", name)
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name)
     if m:
-        return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}.weight"
+        return f"model.layers.{m.group(1)}.{_layer_map()[m.group(2)]}.{m.group(3)}"
     return f"{_TOP_MAP[name.removesuffix('.weight')]}.weight"
 
 
@@ -45,12 +55,11 @@ def to_hf_state_dict(state: dict[str, Tensor], tie_embeddings: bool) -> dict[str
 
 
 def from_hf_state_dict(hf_state: dict[str, Tensor], tie_embeddings: bool) -> dict[str, Tensor]:
-    inverse = {}
+    inverse, ours_of = {}, {h: ours for ours, h in _layer_map().items()}
     for k, v in hf_state.items():
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", k)
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", k)
         if m:
-            name = {h: ours for ours, h in _LAYER_MAP.items()}[m.group(2)]
-            inverse[f"layers.{m.group(1)}.{name}.weight"] = v
+            inverse[f"layers.{m.group(1)}.{ours_of[m.group(2)]}.{m.group(3)}"] = v
         else:
             inverse[{h: o for o, h in _TOP_MAP.items()}[k.removesuffix(".weight")] + ".weight"] = v
     if tie_embeddings:
@@ -74,23 +83,27 @@ def rope_parameters(cfg: ModelConfig) -> dict:
 
 
 def hf_config(cfg: ModelConfig):
-    """A transformers LlamaConfig with the same architecture as `cfg`."""
-    from transformers import LlamaConfig  # lazy: transformers takes seconds to import
+    """A transformers config of the family's class (LlamaConfig, Qwen2Config, ...) with the
+    same architecture as `cfg`."""
+    import transformers  # lazy: transformers takes seconds to import
 
-    return LlamaConfig(
+    config_class = getattr(transformers, model_family(cfg.family).hf_class.replace(
+        "ForCausalLM", "Config"))
+    return config_class(
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads, rms_norm_eps=cfg.norm_eps,
-        rope_parameters=rope_parameters(cfg),
-        tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
-        max_position_embeddings=cfg.max_position_embeddings,
-    )
+        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.d_head, rms_norm_eps=cfg.norm_eps,
+        rope_parameters=rope_parameters(cfg), tie_word_embeddings=cfg.tie_embeddings,
+        max_position_embeddings=cfg.max_position_embeddings, hidden_act="silu",
+        **family_code(cfg).hf_config(cfg))
 
 
-# HF config key -> ModelConfig field, for the shape check of model.init_from
+# HF config key -> ModelConfig field, for the shape check of model.init_from (and model_type
+# -> family; head_dim, where config.json sets it, -> the head dim, set or derived)
 _HF_SHAPE = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
              "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
-             "intermediate_size": "ffn_dim", "tie_word_embeddings": "tie_embeddings"}
+             "intermediate_size": "ffn_dim", "tie_word_embeddings": "tie_embeddings",
+             "head_dim": "head_dim"}
 
 
 def check_hf_dir(path: str, cfg: ModelConfig) -> list[str]:
@@ -104,19 +117,24 @@ def check_hf_dir(path: str, cfg: ModelConfig) -> list[str]:
         return [f"model.init_from={path} has no *.safetensors file (pickled .bin weights are "
                 "never loaded); convert them with transformers' save_pretrained"]
     hf = json.loads(config_file.read_text())
-    if hf.get("model_type") != "llama":
+    if hf.get("model_type") not in MODEL_FAMILIES:
         return [f"model.init_from={path} is model_type={hf.get('model_type')!r}; lctrain loads "
-                "Llama checkpoints (model_type llama) only"]
+                f"the model types {', '.join(MODEL_FAMILIES)}"]
     hf.setdefault("num_key_value_heads", hf.get("num_attention_heads"))
     hf.setdefault("tie_word_embeddings", False)
-    return [f"model.init_from: {key}={hf[key]} in {config_file} but model.{ours}="
-            f"{getattr(cfg, ours)}; set model.{ours}={hf[key]}"
-            for key, ours in _HF_SHAPE.items() if key in hf and hf[key] != getattr(cfg, ours)]
+    if hf.get("head_dim") is None:  # derived from hidden_size, which is compared already
+        hf.pop("head_dim", None)
+    ours = {key: getattr(cfg, name) for key, name in _HF_SHAPE.items()}
+    ours.update(model_type=cfg.family, head_dim=cfg.d_head)
+    fields = {**_HF_SHAPE, "model_type": "family"}
+    return [f"model.init_from: {key}={hf[key]} in {config_file} but model.{fields[key]}="
+            f"{ours[key]}; set model.{fields[key]}={hf[key]}"
+            for key in ours if key in hf and hf[key] != ours[key]]
 
 
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, path: str) -> None:
-    """Copy an HF Llama directory's weights into `model` (plain or TP-sharded DTensors, before
+    """Copy an HF directory's weights into `model` (plain or TP-sharded DTensors, before
     FSDP). Each rank reads only the slices it holds, straight from the safetensors files."""
     where = {}
     for file in sorted(Path(path).glob("*.safetensors")):
@@ -129,8 +147,8 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
         seen.add(id(param))
         hf_name = to_hf_name(name)
         if hf_name not in where:
-            raise ValueError(f"{path} has no tensor {hf_name} (for {name}); is it a Llama "
-                             "checkpoint of this shape?")
+            raise ValueError(f"{path} has no tensor {hf_name} (for {name}); is it a checkpoint "
+                             "of this family and shape?")
         with safe_open(str(where[hf_name]), framework="pt") as f:
             piece = f.get_slice(hf_name)
             if tuple(piece.get_shape()) != tuple(param.shape):
@@ -155,8 +173,9 @@ def full_parameters(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
 @torch.no_grad()
 def export_hf(parameters: Iterable[tuple[str, Tensor | None]], cfg: ModelConfig, out_dir: str,
               rank: int, shard_bytes: int = SHARD_BYTES) -> None:
-    """Write a model as an HF Llama directory (config.json + safetensors, sharded with an index
-    beyond `shard_bytes`) that `transformers.AutoModelForCausalLM.from_pretrained` loads.
+    """Write a model as an HF directory of its family (config.json + safetensors, sharded with
+    an index beyond `shard_bytes`) that `transformers.AutoModelForCausalLM.from_pretrained`
+    loads.
 
     `parameters`: (lctrain name, whole tensor) pairs, produced one at a time (`full_parameters`,
     or a pipeline's, which brings every stage's to rank 0); only rank 0's tensors are used. Call

@@ -1,5 +1,6 @@
-"""What a Hugging Face Llama config.json says about the model: lctrain's `model.*` values, and
-the architecture features lctrain cannot honour.
+"""What a Hugging Face config.json says about the model: lctrain's `model.*` values (the family
+from model_type), and the architecture features lctrain cannot honour, for every registered
+family (`lctrain.config.model_families`: what each family has decides what is refused).
 
 Both layouts of the RoPE settings are read: the older top-level `rope_theta` + `rope_scaling`
 (the released Llama 3.x, SmolLM2 checkpoints) and transformers 5's `rope_parameters`.
@@ -11,6 +12,7 @@ import json
 from pathlib import Path
 
 from lctrain.config import ModelConfig, choices_of
+from lctrain.config.model_families import MODEL_FAMILIES, model_family
 
 # config.json key -> ModelConfig field (plain copies)
 _FIELDS = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
@@ -22,8 +24,8 @@ _ROPE = {"rope_theta": "rope_theta", "rope_type": "rope_type", "factor": "rope_f
          "low_freq_factor": "rope_low_freq_factor", "high_freq_factor": "rope_high_freq_factor",
          "original_max_position_embeddings": "rope_original_max_position",
          "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow"}
-SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim",
-                "tie_embeddings")
+SHAPE_FIELDS = ("family", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                "ffn_dim", "tie_embeddings")
 """Fields the weights fix: model.hf_overrides cannot change them."""
 
 
@@ -51,12 +53,26 @@ def _rope(hf: dict) -> dict:
     return params
 
 
+def window(hf: dict) -> int | None:
+    """The sliding attention window config.json turns on (None: none). Qwen2 and Qwen3 store a
+    window even when use_sliding_window is false, and then attend over everything."""
+    if hf.get("use_sliding_window") is False:
+        return None
+    return hf.get("sliding_window")
+
+
 def model_fields(hf: dict) -> dict:
     """lctrain's model.* values that config.json defines (fields it leaves out are absent)."""
     out = {ours: hf[key] for key, ours in _FIELDS.items() if key in hf}
+    if hf.get("model_type") in MODEL_FAMILIES:
+        out["family"] = hf["model_type"]
     if "num_key_value_heads" not in hf and "num_attention_heads" in hf:
         out["n_kv_heads"] = hf["num_attention_heads"]
-    out.setdefault("tie_embeddings", False)  # LlamaConfig's default
+    out.setdefault("tie_embeddings", False)  # the config classes' default
+    heads, dim, head_dim = hf.get("num_attention_heads"), hf.get("hidden_size"), hf.get("head_dim")
+    if heads and dim:  # a head dim of dim / n_heads is model.head_dim=null (derived)
+        out["head_dim"] = None if head_dim is None or head_dim * heads == dim else head_dim
+    out["sliding_window"] = window(hf)
     rope = _rope(hf)
     out.update({ours: rope[key] for key, ours in _ROPE.items() if key in rope})
     for name in ("rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
@@ -67,21 +83,33 @@ def model_fields(hf: dict) -> dict:
 
 
 def unsupported(hf: dict, path: str) -> list[str]:
-    """What config.json asks for that lctrain's Llama does not compute, by name."""
+    """What config.json asks for that lctrain's model of its family does not compute, by name.
+    (A sliding window shorter than the sequence is refused by validation, which knows
+    train.seq_len.)"""
     problems = []
     where = f"model.init_from={path}: config.json"
-    if hf.get("model_type") != "llama":
-        problems.append(f"model.init_from={path} is model_type={hf.get('model_type')!r}; "
-                        "lctrain loads Llama checkpoints (model_type llama) only")
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            problems.append(f"{where} sets {key}=true; lctrain's Llama has no biases")
+    kind = hf.get("model_type")
+    if kind not in MODEL_FAMILIES:
+        problems.append(f"model.init_from={path} is model_type={kind!r}; lctrain loads the "
+                        f"model types {', '.join(MODEL_FAMILIES)} (docs/extending.md: adding a "
+                        "model family)")
+        return problems
+    family = model_family(kind)
+    if hf.get("attention_bias") and not family.qkv_bias:
+        problems.append(f"{where} sets attention_bias=true; lctrain's {kind} has no attention "
+                        "biases (the qwen2 family has Q/K/V biases)")
+    if hf.get("mlp_bias"):
+        problems.append(f"{where} sets mlp_bias=true; lctrain's MLPs have no biases")
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
         problems.append(f"{where} sets hidden_act={hf['hidden_act']!r}; lctrain's SwiGLU uses "
                         "silu")
-    if hf.get("sliding_window") is not None:
-        problems.append(f"{where} sets sliding_window={hf['sliding_window']}; lctrain attends "
-                        "over the whole causal context")
+    if window(hf) is not None and not family.sliding_window:
+        problems.append(f"{where} sets sliding_window={hf['sliding_window']}; lctrain's {kind} "
+                        "attends over the whole causal context")
+    layer_types = set(hf.get("layer_types") or ()) - {"full_attention", "sliding_attention"}
+    if layer_types:
+        problems.append(f"{where} has layer_types {sorted(layer_types)}; lctrain computes "
+                        "full (and, up to the sequence length, sliding) attention only")
     rope = _rope(hf)
     if rope["rope_type"] not in choices_of(ModelConfig, "rope_type"):
         problems.append(f"{where} uses rope_type={rope['rope_type']!r}; lctrain implements "
@@ -90,8 +118,4 @@ def unsupported(hf: dict, path: str) -> list[str]:
     if extra:
         problems.append(f"{where} sets RoPE parameters lctrain does not implement: "
                         f"{', '.join(sorted(extra))}")
-    heads, dim = hf.get("num_attention_heads"), hf.get("hidden_size")
-    if heads and dim and hf.get("head_dim") not in (None, dim // heads):
-        problems.append(f"{where} sets head_dim={hf['head_dim']}, not hidden_size / "
-                        f"num_attention_heads = {dim // heads}; lctrain derives the head dim")
     return problems

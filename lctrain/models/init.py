@@ -5,7 +5,7 @@ by (train.seed, parameter name, block). A rank that holds a shard of a parameter
 both) draws only the row blocks its shard touches, one block at a time, and copies its slice:
 the same seed gives the same global weights at any tp / cp / pp / dp, and no rank ever holds more
 than its shard plus one block. A module says how its parameters start (`init_rules`): a normal
-with a given std, or ones.
+with a given std, ones (None) or zeros (`ZEROS`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 ROWS = 1024
 """Rows per random stream: the most one rank draws at a time is ROWS x (other dims)."""
+ZEROS = 0.0
+"""The init rule of a parameter that starts at zero (a bias): a normal of std 0, not drawn."""
 
 
 def local_slices(param: Tensor) -> tuple[slice, ...]:
@@ -52,7 +54,7 @@ def fill_normal(param: Tensor, std: float, seed: int, name: str) -> None:
 
 def init_weights(model: nn.Module, seed: int) -> None:
     """Initialise every parameter of `model` (plain, TP- or FSDP-sharded) by its module's
-    `init_rules()`: {relative name: std for a normal, or None for ones}."""
+    `init_rules()`: {relative name: std for a normal, None for ones, ZEROS for zeros}."""
     done: set[int] = set()
     for prefix, module in model.named_modules():
         rules = getattr(module, "init_rules", None)
@@ -62,8 +64,9 @@ def init_weights(model: nn.Module, seed: int) -> None:
             if id(param) in done:  # a tied weight: initialised through its first owner
                 continue
             done.add(id(param))
-            if std is None:
+            if std is None or std == ZEROS:
                 with torch.no_grad():
-                    (param.to_local() if isinstance(param, DTensor) else param).fill_(1.0)
+                    local = param.to_local() if isinstance(param, DTensor) else param
+                    local.fill_(1.0 if std is None else 0.0)
             else:
                 fill_normal(param, std, seed, name)

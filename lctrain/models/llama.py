@@ -1,6 +1,8 @@
-"""Single-device Llama: RMSNorm, RoPE, GQA, SwiGLU. Plain model code: tensor parallelism,
-activation checkpointing and data parallelism are applied to it from outside
-(`lctrain.parallel.parallelize`), and the untouched model is every test's reference.
+"""Single-device Llama: RMSNorm, RoPE, GQA, SwiGLU, and the decoder every registered family
+builds from it (a family brings its own attention block: `lctrain.models.families`). Plain
+model code: tensor parallelism, activation checkpointing and data parallelism are applied to it
+from outside (`lctrain.parallel.parallelize`), and the untouched model is every test's
+reference.
 
 Parameter names follow torchtitan (`tok_embeddings`, `layers.{i}.attention.wq`, ...); layers live
 in a ModuleDict keyed by their global id so that a pipeline split deletes modules without
@@ -29,7 +31,7 @@ from lctrain.attention.calls import Block
 from lctrain.attention.local import local_attention
 from lctrain.config import ModelConfig
 from lctrain.data.batch import IGNORE_INDEX
-from lctrain.models.init import init_weights
+from lctrain.models.init import ZEROS, init_weights
 from lctrain.models.rope import rope_frequencies
 
 AttentionCore = Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
@@ -116,14 +118,18 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, core: AttentionCore = sdpa_attention):
+    """Llama's attention: Q, K, V projections (with biases when `qkv_bias`: Qwen2), RoPE, the
+    core, the output projection. A family changes it by overriding `head_norms`."""
+
+    def __init__(self, cfg: ModelConfig, core: AttentionCore = sdpa_attention,
+                 qkv_bias: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
-        self.head_dim = cfg.dim // cfg.n_heads
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.head_dim = cfg.d_head
+        self.wq = nn.Linear(cfg.dim, cfg.q_dim, bias=qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_dim, bias=qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_dim, bias=qkv_bias)
+        self.wo = nn.Linear(cfg.q_dim, cfg.dim, bias=False)
         self.std, self.out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.core = core
         """The attention core (local SDPA or a context-parallel algorithm)."""
@@ -135,14 +141,22 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = self.head_norms(q, k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.core(q, k, v, doc_ids)  # [B, S, H, d]
         return self.wo(out.reshape(b, s, -1))
 
+    def head_norms(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """q [B, S, H, d], k [B, S, H_kv, d] before RoPE: Llama leaves them as they are."""
+        return q, k
+
     def init_rules(self) -> dict[str, float | None]:
         # the output projection feeds the residual stream: scaled down by depth
-        return {"wq.weight": self.std, "wk.weight": self.std, "wv.weight": self.std,
-                "wo.weight": self.out_std}
+        rules = {"wq.weight": self.std, "wk.weight": self.std, "wv.weight": self.std,
+                 "wo.weight": self.out_std}
+        if self.wq.bias is not None:
+            rules.update({"wq.bias": ZEROS, "wk.bias": ZEROS, "wv.bias": ZEROS})
+        return rules
 
 
 class FeedForward(nn.Module):
@@ -162,10 +176,11 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig, core: AttentionCore = sdpa_attention):
+    def __init__(self, cfg: ModelConfig, core: AttentionCore = sdpa_attention,
+                 attention: Callable[..., Attention] = Attention):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg, core)
+        self.attention = attention(cfg, core)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
@@ -176,12 +191,17 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: ModelConfig, core: AttentionCore = sdpa_attention):
+    """The decoder: embedding, blocks, final norm, output layer. `attention` builds each
+    block's attention (`Attention`, or a family's: `lctrain.models.families.new_model`)."""
+
+
+    def __init__(self, cfg: ModelConfig, core: AttentionCore = sdpa_attention,
+                 attention: Callable[..., Attention] = Attention):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.rope = RotaryEmbedding(cfg)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, core)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, core, attention)
                                      for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -224,5 +244,6 @@ class Llama(nn.Module):
         """Deterministic init from `seed`, the same global weights for every layout (each
         parameter has its own random streams: lctrain.models.init): normal(init_std) for the
         embedding, the output layer and the input projections, init_std / sqrt(2 n_layers) for
-        the projections that feed the residual stream, ones for the norms."""
+        the projections that feed the residual stream, ones for the norms, zeros for
+        biases."""
         init_weights(self, seed)

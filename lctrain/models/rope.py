@@ -15,7 +15,7 @@ from lctrain.config import ModelConfig
 
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    dim = cfg.dim // cfg.n_heads
+    dim = cfg.d_head
     base, factor = cfg.rope_theta, cfg.rope_factor
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (base ** exponents)

@@ -21,6 +21,7 @@ from lctrain.config import LctrainConfig
 from lctrain.models.hf import load_hf_weights
 from lctrain.models.init import init_weights
 from lctrain.models.llama import AttentionCore, Llama, sdpa_attention
+from lctrain.models.registry import new_model
 from lctrain.parallel.checkpointing import apply_activation_checkpointing
 from lctrain.parallel.data_parallel import apply_ddp, apply_fsdp, data_parallel_engine
 from lctrain.parallel.pipeline import PipelinedModel, my_stages, stage_model
@@ -113,7 +114,7 @@ def build_model(cfg: LctrainConfig, rt: Runtime) -> nn.Module:
                  for stage in my_stages(cfg, rt)}
         return PipelinedModel(parts, cfg, rt)
     with torch.device("meta"):
-        model = Llama(cfg.model, core)
+        model = new_model(cfg.model, core)
     return parallelize_model(model, cfg, rt, fill=fill)
 
 

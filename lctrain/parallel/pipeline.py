@@ -2,7 +2,7 @@
 (torch.distributed.pipelining), and a plain forward through every stage for evals.
 
 The model is cut into parallel.pp x pp_virtual_stages stages (lctrain.layout.stages). A stage is
-a Llama that holds only its layers, under their global ids, with the embedding on the first stage
+a model that holds only its layers, under their global ids, with the embedding on the first stage
 and the final norm, output layer and loss on the last, so checkpoint keys never depend on pp.
 Each stage is laid out as a whole model would be (TP + SP, tiling, checkpointing, then FSDP or
 DDP over the dp x cp group of its pipeline coordinate). Every rank of a pipeline reads the same
@@ -33,6 +33,7 @@ from lctrain.config import LctrainConfig
 from lctrain.data.batch import MicroBatch
 from lctrain.layout.stages import rank_of, split_layers, stage_count, stages_of
 from lctrain.models.llama import AttentionCore, Llama
+from lctrain.models.registry import new_model
 from lctrain.parallel.data_parallel import unwrap
 from lctrain.parallel.runtime import Runtime
 from lctrain.parallel.tensor import loss_value, vocab_parallel
@@ -52,7 +53,7 @@ def stage_model(cfg: LctrainConfig, core: AttentionCore, stage: int) -> Llama:
     embedding if it is the first stage, the final norm and output layer if it is the last."""
     layers = set(split_layers(cfg)[stage])
     with torch.device("meta"):
-        model = Llama(cfg.model, core)
+        model = new_model(cfg.model, core)
     for key in [k for k in model.layers if int(k) not in layers]:
         del model.layers[key]
     if stage > 0:
@@ -163,7 +164,7 @@ class PipelinedModel(nn.Module):
         owner_of = _owners(self.cfg)
         root_line = all(c == 0 for axis, c in topo.coords(rt.rank).items() if axis != "pp")
         with torch.device("meta"):
-            reference = Llama(self.cfg.model)
+            reference = new_model(self.cfg.model)
         for name, meta in reference.named_parameters():
             stage = owner_of(name)
             full = None

@@ -25,11 +25,15 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lctrain.models.families import LLAMA, FamilyCode
+from lctrain.models.registry import family_code
 
-def tp_plan(sp: bool) -> tuple[dict, dict]:
-    """(top-level plan, per-block plan): module name -> parallel style. The attention and
-    feed-forward modules take the hidden state as their only positional input (RoPE tables and
-    document ids are keywords, which the plan leaves alone)."""
+
+def tp_plan(sp: bool, family: FamilyCode = LLAMA) -> tuple[dict, dict]:
+    """(top-level plan, per-block plan): module name -> parallel style, with the family's own
+    entries (`FamilyCode.tp_plan`). The attention and feed-forward modules take the hidden
+    state as their only positional input (RoPE tables and document ids are keywords, which the
+    plan leaves alone). Biases shard with their columns (ColwiseParallel's Shard(0))."""
     seq = Shard(1) if sp else Replicate()  # layout of the hidden state between blocks
     top = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
@@ -48,6 +52,7 @@ def tp_plan(sp: bool) -> tuple[dict, dict]:
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        **family.tp_plan(),
     }
     if sp:
         top["norm"] = SequenceParallel()
@@ -57,9 +62,9 @@ def tp_plan(sp: bool) -> tuple[dict, dict]:
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> nn.Module:
-    """Shard a Llama in place over `tp_mesh`; returns it. Logits come out as a vocab-sharded
-    DTensor [B, S/cp, V] (Shard(-1)) for the vocab-parallel loss."""
-    top, block = tp_plan(sp)
+    """Shard a model (of any family) in place over `tp_mesh`; returns it. Logits come out as a
+    vocab-sharded DTensor [B, S/cp, V] (Shard(-1)) for the vocab-parallel loss."""
+    top, block = tp_plan(sp, family_code(model.cfg))
     tied = (model.tok_embeddings is not None and model.output is not None
             and model.output.weight is model.tok_embeddings.weight)
     for layer in model.layers.values():

@@ -17,6 +17,7 @@ from lctrain.config import LctrainConfig, ModelConfig, derive
 from lctrain.config.cp_algorithms import LayerShape, MemoryTerms, cp_algorithm
 from lctrain.layout.stages import (
     block_params,
+    block_split,
     rank_of,
     rank_stages,
     split_layers,
@@ -31,7 +32,7 @@ def compute_bytes(cfg: LctrainConfig) -> int:
 
 
 def param_count(m: ModelConfig) -> int:
-    """Parameters of the Llama of `m` (a tied output layer counted once)."""
+    """Parameters of the model of `m` (a tied output layer counted once)."""
     head = 0 if m.tie_embeddings else m.vocab_size * m.dim
     return m.vocab_size * m.dim + m.n_layers * block_params(m) + m.dim + head
 
@@ -42,10 +43,9 @@ def local_params(cfg: LctrainConfig, pp_rank: int = 0) -> tuple[int, int]:
     the blocks of its stages, the embedding if it runs the first stage, the final norm and an
     untied output layer if it runs the last."""
     m, p = cfg.model, cfg.parallel
-    head_dim = m.dim // m.n_heads
-    matmuls = m.dim * head_dim * (2 * m.n_heads + 2 * m.n_kv_heads) + 3 * m.dim * m.ffn_dim
+    sharded, replicated = block_split(m)
     stages, mine = split_layers(cfg), stages_of(cfg, pp_rank)
-    blocks = sum(len(stages[s]) for s in mine) * (matmuls // p.tp + 2 * m.dim)
+    blocks = sum(len(stages[s]) for s in mine) * (sharded // p.tp + replicated)
     vocab = m.vocab_size * m.dim // p.tp
     root = vocab if 0 in mine else 0
     if len(stages) - 1 in mine:
@@ -121,7 +121,7 @@ def layer_shape(cfg: LctrainConfig, world_size: int, batch: int) -> LayerShape:
     read it."""
     m, p, d = cfg.model, cfg.parallel, derive(cfg, world_size)
     return LayerShape(batch=batch, seq_len=cfg.train.seq_len, cp=p.cp, ulysses=d.cp_ulysses,
-                      tp=p.tp, dim=m.dim, heads=m.n_heads, kv_heads=m.n_kv_heads,
+                      tp=p.tp, dim=m.q_dim, heads=m.n_heads, kv_heads=m.n_kv_heads,
                       kv_replication=d.kv_replication,
                       compute_bytes=dtype_bytes(cfg, world_size)[0])
 
@@ -181,20 +181,21 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int) -> float
     measurements, fp32 and bf16.
 
     n = batch * S / cp local tokens; t = tp; s = t with SP, else 1; D, F model and SwiGLU
-    widths, D_kv = H_kv * d, H heads, k KV replication (Ulysses); a, r, casts: `dtype_bytes`;
+    widths, D_q = H * d the queries' width (D unless model.head_dim says otherwise), D_kv =
+    H_kv * d, H heads, k KV replication (Ulysses); a, r, casts: `dtype_bytes`;
     N = (4 D + 4 + r D)/s + a D, one norm (`_norm_bytes`). Per token, in bytes:
-      none:      2 N + a (2 D + 2 k D_kv + 4 F)/t + 4 H/t  [+ a D/t Ulysses/USP]
+      none:      2 N + a (2 D_q + 2 k D_kv + 4 F)/t + 4 H/t  [+ a D_q/t Ulysses/USP]
                  the two norms, then q, k, v, the attention output, its fp32 lse and the four
                  SwiGLU tensors on the TP shard; at cp > 1 what the algorithm keeps besides
-                 (its registry entry's `kept_per_token`): Ulysses' and USP's output copy a D/t,
+                 (its registry entry's `kept_per_token`): Ulysses' and USP's output copy a D_q/t,
                  all-gather KV's gathered K/V a 2 D_kv (cp - 1)/t. With casts, per block (not per token), a bf16 copy of
                  every matmul weight: a W/t. train.mlp_chunk: the FFN keeps its chunks' inputs
                  (a copy of the norm output, which it no longer keeps itself) instead of
                  a 4 F/t, and no copy of its weights; plus each chunk's int64 token index
                  (8 S/cp bytes per block).
-      selective: a ((D + 2 D_kv + 2 F)/t + 2 D) + r D/s  (matmul outputs, before any KV
+      selective: a ((D_q + 2 D_kv + 2 F)/t + 2 D) + r D/s  (matmul outputs, before any KV
                  replication; the two row-parallel partial sums at full width; the block input),
-                 plus (a D + 4 H)/t for the attention output and lse when cp = 1 (context-parallel
+                 plus (a D_q + 4 H)/t for the attention output and lse when cp = 1 (context-parallel
                  attention is recomputed instead).
       full:      r D/s (the block input only).
     """
@@ -202,19 +203,19 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int) -> float
     dv = derive(cfg, world_size)
     a, r, casts = dtype_bytes(cfg, world_size)
     n = batch * cfg.train.seq_len // p.cp
-    D, F, H, hd = m.dim, m.ffn_dim, m.n_heads, m.dim // m.n_heads
+    D, F, H, hd, Dq = m.dim, m.ffn_dim, m.n_heads, m.d_head, m.q_dim
     t, k = p.tp, dv.kv_replication
     s = t if (p.sp and t > 1) else 1
-    dkv = m.n_kv_heads * hd
+    dkv = m.kv_dim
     mode = cfg.train.activation_checkpointing
     if mode == "full":
         return n * r * D / s
     if mode == "selective":  # local attention: its output and lse are kept too
-        attention = n * (a * D + 4 * H) / t if p.cp == 1 else 0.0
-        return n * (a * ((D + 2 * dkv + 2 * F) / t + 2 * D) + r * D / s) + attention
+        attention = n * (a * Dq + 4 * H) / t if p.cp == 1 else 0.0
+        return n * (a * ((Dq + 2 * dkv + 2 * F) / t + 2 * D) + r * D / s) + attention
     attention_weights = D * hd * (2 * H + 2 * m.n_kv_heads) // t
     mlp_weights = 3 * D * F // t
-    per_token = 2 * _norm_bytes(D, s, a, r) + a * (2 * D + 2 * k * dkv) / t + 4 * H / t
+    per_token = 2 * _norm_bytes(D, s, a, r) + a * (2 * Dq + 2 * k * dkv) / t + 4 * H / t
     if p.cp > 1:  # what the algorithm keeps besides (`MemoryTerms.kept_per_token`)
         per_token += cp_algorithm(p.attention).memory.kept_per_token(
             layer_shape(cfg, world_size, batch))
@@ -249,7 +250,7 @@ def rope_table_bytes(cfg: LctrainConfig, world_size: int, batch: int) -> float:
     per sequence under document masking): part of `head_activation_formula`; under pipelining
     every stage computes and keeps its own."""
     rows = (batch if cfg.data.document_masking else 1) * cfg.train.seq_len // cfg.parallel.cp
-    return 2 * rows * (cfg.model.dim // cfg.model.n_heads) * dtype_bytes(cfg, world_size)[0]
+    return 2 * rows * cfg.model.d_head * dtype_bytes(cfg, world_size)[0]
 
 
 def planning_bytes(cfg: LctrainConfig, batch: int) -> float:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from lctrain.config import LctrainConfig, derive
 from lctrain.config.cp_algorithms import cp_algorithm
 from lctrain.config.derived import slurm_ranks_per_node
+from lctrain.config.model_families import model_family
 from lctrain.config.validation import warnings_for
 from lctrain.layout.stages import bubble_fraction, split_layers, stages_of
 from lctrain.layout.topology import AXES, GROUPS, Topology
@@ -56,9 +57,8 @@ def attention_traffic_per_layer(cfg: LctrainConfig, world_size: int) -> dict[str
     """Elements sent per rank by one layer's attention (micro-batch of sequences)."""
     d = derive(cfg, world_size)
     m, p = cfg.model, cfg.parallel
-    head_dim = m.dim // m.n_heads
-    t = attention_traffic(p.attention, cfg.train.seq_len, m.dim // p.tp,
-                          m.n_kv_heads * head_dim // p.tp * d.kv_replication, p.cp, d.cp_ulysses,
+    t = attention_traffic(p.attention, cfg.train.seq_len, m.q_dim // p.tp,
+                          m.kv_dim // p.tp * d.kv_replication, p.cp, d.cp_ulysses,
                           batch=cfg.train.micro_batch)
     return {f"{p.attention}_per_layer_fwd": t["forward"],
             f"{p.attention}_per_layer_bwd": t["backward"]}
@@ -161,7 +161,7 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
     d = derive(cfg, world_size)
     topo = Topology.from_config(cfg, world_size)
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    head_dim = m.dim // m.n_heads
+    head_dim = m.d_head
     bytes_act = compute_bytes(cfg)
     n_params = param_count(m)
     tokens = t.micro_batch * d.local_seq_len         # per cp rank
@@ -185,6 +185,9 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
                                                           for g in topo.groups(name)):
             notes.append(f"{name} groups span nodes ({per_node} ranks per node); keep "
                          f"tp x cp_ulysses <= {per_node} for intra-node links")
+    if model_family(m.family).qk_norm:
+        notes.append(f"model.family={m.family}: what its Q and K head norms keep for the backward "
+                     "is not in activation bytes (measured for the families without them)")
     if p.dp_engine == "deepspeed":
         notes.append(f"parallel.dp_engine=deepspeed: weights_grads_adam counts ZeRO-"
                      f"{cfg.deepspeed.zero_stage}'s shards on the device (offloaded parts "

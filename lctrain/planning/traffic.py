@@ -139,8 +139,7 @@ def cp_transfers(cfg: LctrainConfig, world_size: int) -> tuple[Transfer, ...]:
     d, m, p, t = derive(cfg, world_size), cfg.model, cfg.parallel, cfg.train
     if p.cp == 1:
         return ()
-    hd = m.dim // m.n_heads
-    dq, dkv = m.dim // p.tp, m.n_kv_heads * hd // p.tp * d.kv_replication
+    dq, dkv = m.q_dim // p.tp, m.kv_dim // p.tp * d.kv_replication
     return _transfers(p.attention, t.seq_len, dq, dkv, p.cp, p.ulysses_degree)
 
 

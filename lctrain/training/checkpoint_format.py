@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-from lctrain.models.llama import Llama
+from lctrain.models.registry import new_model
 from lctrain.training.files import write_synced
 
 MANIFEST = "manifest.json"
@@ -133,7 +133,7 @@ def damaged_files(path: Path, rank: int = 0, world: int = 1, hashes: bool = True
 
 def full_weights(path: Path, cfg) -> dict[str, torch.Tensor]:
     """The whole weights of a DCP checkpoint (any layout), read by this process alone."""
-    model = Llama(cfg.model)  # unsharded, on the CPU: DCP reshards any layout into it
+    model = new_model(cfg.model)  # unsharded, on the CPU: DCP reshards any layout into it
     weights = {"model": get_model_state_dict(model)}
     dcp.load(weights, storage_reader=SafeReader(path), no_dist=True)
     return weights["model"]

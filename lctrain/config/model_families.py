@@ -1,0 +1,56 @@
+"""The model families, as every layer but the model code sees them: one registry entry per family
+holding its name (config.json's `model_type`, the value of `model.family`) and the features
+that change what a block holds, so that validation, the parameter and FLOP counts, the memory
+formulas and the planner ask the entry instead of comparing names.
+
+The code of a family (its blocks, its Hugging Face names, its config.json rules, its TP plan
+entries) is registered under the same name in `lctrain.models.families`; docs/extending.md is
+the checklist for adding one. This module imports nothing from lctrain but the registry: it sits
+in the config layer, so that the schema reads its names (`one_of(registry=MODEL_FAMILIES)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lctrain.config.registry import Registry
+
+QK_NORMS = 2
+"""The per-head RMSNorms of a `qk_norm` family: one for Q, one for K."""
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    """config.json's model_type, and the value of model.family."""
+    hf_class: str
+    """The transformers model class of an exported checkpoint (its config class is the name
+    with Config for ForCausalLM)."""
+    qkv_bias: bool = False
+    """Q, K and V projections carry biases (sharded with their columns under TP)."""
+    qk_norm: bool = False
+    """An RMSNorm over each head's dims on Q and K, before RoPE (replicated under TP)."""
+    sliding_window: bool = False
+    """config.json may set a sliding attention window (model.sliding_window): a window at least
+    as long as the training sequence is full attention; a shorter one is refused."""
+
+    def block_extra_params(self, head_dim: int, n_heads: int, n_kv_heads: int) -> tuple[int, int]:
+        """(parameters TP shards, parameters TP replicates) one block holds beyond a Llama
+        block's: the Q/K/V biases (one per output column) and the two head norms."""
+        sharded = head_dim * (n_heads + 2 * n_kv_heads) if self.qkv_bias else 0
+        replicated = QK_NORMS * head_dim if self.qk_norm else 0
+        return sharded, replicated
+
+
+MODEL_FAMILIES: Registry[ModelFamily] = Registry("model family")
+for _family in (
+    ModelFamily("llama", "LlamaForCausalLM"),
+    ModelFamily("qwen2", "Qwen2ForCausalLM", qkv_bias=True, sliding_window=True),
+    ModelFamily("qwen3", "Qwen3ForCausalLM", qk_norm=True, sliding_window=True),
+    ModelFamily("mistral", "MistralForCausalLM", sliding_window=True),
+):
+    MODEL_FAMILIES.add(_family)
+
+
+def model_family(name: str) -> ModelFamily:
+    return MODEL_FAMILIES[name]

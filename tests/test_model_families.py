@@ -1,0 +1,362 @@
+"""Qwen2/Qwen2.5, Qwen3 and Mistral through the model registry, against transformers.
+
+Each family's random model is built here from transformers' own config class (not from lctrain's
+export), with every feature that differs from Llama switched on and away from its initial value
+(nonzero Q/K/V biases, head norms that are not ones, an explicit head_dim that is not dim /
+heads, a tied embedding, a sliding window longer than the sequence). `model.init_from` with no
+model.* override must then give transformers' logits at one rank, transformers' mean
+cross-entropy and every one of its gradients on cp2 ring zigzag with packed documents, on cp2 x
+tp2+sp Ulysses and on pp2, and an export that transformers loads with the same logits. What
+lctrain cannot compute is refused by name, and the planner counts every preset's parameters as
+the built model holds them.
+"""
+
+import dataclasses
+import json
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from torch.distributed.tensor import DTensor
+
+from lctrain.commands.checks import preflight
+from lctrain.commands.init_from import resolve_model
+from lctrain.config import ConfigError
+from lctrain.config.compose import compose
+from lctrain.config.model_families import MODEL_FAMILIES
+from lctrain.config.validation import validate
+from lctrain.data.batch import IGNORE_INDEX
+from lctrain.data.loader import build_loader
+from lctrain.layout.topology import Topology
+from lctrain.models.hf import export_hf, from_hf_state_dict, full_parameters, load_hf_weights
+from lctrain.models.registry import FAMILY_CODE, new_model
+from lctrain.parallel.parallelize import build_model
+from lctrain.parallel.runtime import setup_distributed
+from lctrain.planning.memory import param_count
+from lctrain.training.loop import _micro_steps, _token_weighted_loss
+from tests.helpers import on_ranks, run_cli, single_process, train_each
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
+         "rope_theta": 50000.0}
+FAMILIES = {  # model_type -> transformers config of a random model with the family's features
+    "llama": transformers.LlamaConfig(**{k: v for k, v in SHAPE.items() if k != "rope_theta"},
+                                      rope_parameters={
+        "rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),  # llama3 RoPE
+    "qwen2": transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                                      sliding_window=4096, use_sliding_window=False),
+    "qwen3": transformers.Qwen3Config(**SHAPE, head_dim=32, tie_word_embeddings=False,
+                                      rms_norm_eps=1e-6),
+    "mistral": transformers.MistralConfig(**SHAPE, head_dim=16, sliding_window=4096),
+}
+RUN = ["+recipe=tiny", "data.source=synthetic", "train.seq_len=32", "train.global_batch=4",
+       "train.steps=1", "eval.every=0", "logging.progress=false", "optim.warmup_steps=1",
+       "data.doc_len_min=8", "data.doc_len_max=24", "train.micro_batch=1"]
+LAYOUTS = {  # the 4-rank layouts every family trains on
+    "cp2_ring_zigzag_docs": ["parallel.cp=2", "parallel.dp=2", "parallel.attention=ring",
+                             "parallel.load_balance=zigzag", "data.document_masking=true"],
+    "cp2_tp2_sp_ulysses": ["parallel.cp=2", "parallel.dp=1", "parallel.tp=2", "parallel.sp=true",
+                           "parallel.attention=ulysses", "data.document_masking=false"],
+    "pp2_dp2": ["parallel.cp=1", "parallel.dp=2", "parallel.pp=2",
+                "data.document_masking=false"],
+}
+
+
+def save_family(path, family: str) -> transformers.PreTrainedModel:
+    """A random transformers model of `family` saved with save_pretrained; the features lctrain
+    must honour are moved away from their initial values (biases start at zero, norms at one)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+            elif "q_norm" in name or "k_norm" in name:
+                param.normal_(1.0, 0.3)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {family: (root / family, save_family(root / family, family)) for family in FAMILIES}
+
+
+def _resolved(hf_dir, *overrides):
+    return resolve_model(compose([*RUN, f"model.init_from={hf_dir}", *overrides]))
+
+
+def test_every_family_is_registered_with_its_code_and_a_test():
+    """docs/extending.md's checklist for a model family, steps 3, 5, 7 and 8."""
+    assert list(MODEL_FAMILIES) == list(FAMILY_CODE) == list(FAMILIES)
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Continue pretraining"):]
+    section = section[:section.index("\n## ")]
+    schema = (REPO / "lctrain" / "config" / "schema.py").read_text()
+    docstring = schema[schema.index("family: str"):schema.index("vocab_size: int")]
+    for family in MODEL_FAMILIES:
+        assert f"| `{family}` |" in section, f"the README's Continue pretraining lists {family}"
+        assert family in docstring, f"model.family's docstring names {family}"
+
+
+def test_config_json_decides_the_family_and_one_rank_gives_transformers_logits(hf_dirs):
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    for family, (path, hf) in hf_dirs.items():
+        composed = _resolved(path)
+        m = composed.cfg.model
+        assert (m.family, m.dim, m.n_layers, m.norm_eps) == (
+            family, 64, 2, FAMILIES[family].rms_norm_eps), family
+        assert composed.origins["family"] == "config.json"
+        assert m.d_head == (32 if family == "qwen3" else 16)
+        assert m.head_dim == (32 if family == "qwen3" else None)  # 16 = dim / heads: derived
+        assert m.sliding_window == (4096 if family == "mistral" else None)  # qwen2 turns it off
+        assert preflight(composed.cfg, 4) == []
+        model = new_model(m)
+        load_hf_weights(model, str(path))
+        with torch.no_grad():
+            want = hf(input_ids=tokens[:, :-1]).logits
+            torch.testing.assert_close(model(tokens[:, :-1]), want, rtol=1e-5, atol=1e-5)
+            loss = model(tokens[:, :-1], labels=tokens[:, 1:]) / tokens[:, 1:].numel()
+        assert float(loss) == pytest.approx(float(F.cross_entropy(
+            want.flatten(0, 1), tokens[:, 1:].flatten())), rel=1e-5)
+
+
+def _hf_step(hf: transformers.PreTrainedModel, cfg) -> tuple[float, dict[str, torch.Tensor]]:
+    """transformers' token-mean loss and gradients over the step's global batch, in lctrain's
+    parameter names. Packed documents are run one document at a time, at the positions lctrain
+    gives them (each document from 0), which is what document masking computes."""
+    single = single_process(cfg)
+    accum = single.train.global_batch // single.train.micro_batch
+    loader = build_loader(single, Topology(), 0, accum)
+    micro_batches = loader.next_step()
+    tokens = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in micro_batches)
+    hf.zero_grad()
+    total = 0.0
+    for mb in micro_batches:
+        rows = []
+        for row in range(mb.inputs.shape[0]):
+            ids = (mb.doc_ids[row] if mb.doc_ids is not None
+                   else torch.zeros(mb.inputs.shape[1], dtype=torch.long))
+            pieces = torch.unique_consecutive(ids, return_counts=True)[1].tolist()
+            positions = mb.positions[row if mb.positions.shape[0] > 1 else 0]
+            starts = [sum(pieces[:i]) for i in range(len(pieces))]
+            rows.append(torch.cat([hf(input_ids=mb.inputs[row:row + 1, a:a + n],
+                                      position_ids=positions[None, a:a + n]).logits[0]
+                                   for a, n in zip(starts, pieces)]))
+        loss = F.cross_entropy(torch.stack(rows).flatten(0, 1), mb.labels.flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum") / tokens
+        loss.backward()
+        total += loss.item()
+    grads = from_hf_state_dict({name: p.grad.clone() for name, p in hf.named_parameters()},
+                               tie_embeddings=False)
+    return total, grads  # tied: one tensor, listed once under its embedding's name
+
+
+def _one_step(cfgs: dict, out_dir: str) -> dict:
+    """On this rank, for every (family, layout) config: the step's loss and this rank's whole
+    gradients after one forward and backward; the cp2 x tp2 layout also exports."""
+    out = {}
+    for key, cfg in cfgs.items():
+        rt = setup_distributed(cfg)
+        model = build_model(cfg, rt)
+        loader = build_loader(cfg, rt.topology, rt.rank, rt.derived.grad_accum)
+        micro_batches = loader.next_step()
+        loss, _ = _token_weighted_loss(micro_batches, rt,
+                                       partial(_micro_steps, model, micro_batches, rt=rt))
+        grads = {}
+        for name, param in model.named_parameters():
+            grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+            grads[name] = grad.clone()
+        if key[1] == "cp2_tp2_sp_ulysses":
+            export_hf(full_parameters(model), cfg.model, f"{out_dir}/{key[0]}", rt.rank)
+        out[key] = (float(loss), grads)
+    return out
+
+
+def test_every_family_trains_on_every_layout_with_transformers_loss_and_gradients(
+        hf_dirs, tmp_path):
+    cfgs, wants = {}, {}
+    for family, (path, hf) in hf_dirs.items():
+        for layout, overrides in LAYOUTS.items():
+            cfg = _resolved(path, *overrides).cfg
+            if cfg.model.tie_embeddings and cfg.parallel.pp > 1:  # as for Llama: refused
+                assert any("model.tie_embeddings=true with parallel.pp=2" in p
+                           for p in preflight(cfg, 4))
+                continue
+            assert preflight(cfg, 4) == [], (family, layout)
+            cfgs[family, layout] = cfg
+            wants[family, layout] = _hf_step(hf, cfg)
+    per_rank = on_ranks(_one_step, 4, cfgs, str(tmp_path), timeout_s=300)
+    for key, (want_loss, want_grads) in wants.items():
+        grads = {}
+        for rank in per_rank:  # under pp each rank holds its stage's parameters
+            loss, rank_grads = rank[key]
+            assert loss == pytest.approx(want_loss, rel=1e-4), key
+            grads.update(rank_grads)
+        assert sorted(grads) == sorted(want_grads), key
+        for name, want in want_grads.items():
+            torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, k=key, n=name: f"{k} {n}: {m}")
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(2))
+    for family, (_, hf) in hf_dirs.items():
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / family).eval()
+        assert type(back) is type(hf)
+        exported = json.loads((tmp_path / family / "config.json").read_text())
+        assert exported["model_type"] == family
+        assert exported["head_dim"] == (32 if family == "qwen3" else 16)
+        with torch.no_grad():
+            torch.testing.assert_close(back(input_ids=tokens).logits, hf(input_ids=tokens).logits,
+                                       rtol=1e-5, atol=1e-5)
+
+
+RESUMED_UNDER = {  # family -> the layout that loads the cp2 x tp2+sp Ulysses checkpoint
+    "qwen2": ["parallel.cp=2", "parallel.dp=2", "parallel.attention=allgather",
+              "parallel.dp_engine=ddp", "train.loss_chunk=8", "train.mlp_chunk=8",
+              "data.document_masking=false"],
+    "qwen3": LAYOUTS["pp2_dp2"],
+    "mistral": ["parallel.cp=4", "parallel.dp=1", "parallel.attention=usp",
+                "parallel.ulysses_degree=2", "train.loss_chunk=8", "train.mlp_chunk=8",
+                "data.document_masking=false"],
+}
+
+
+DEEPSPEED = ["parallel.cp=2", "parallel.dp=2", "parallel.attention=ring",
+             "parallel.dp_engine=deepspeed", "deepspeed.zero_stage=3",
+             "data.document_masking=false"]
+"""The layout each family also trains on from its HF weights: ZeRO-3 over dp x cp."""
+
+
+@pytest.mark.slow  # 18 s on 2 cores: 9 runs on 4 ranks
+def test_every_family_checkpoints_and_resumes_under_another_layout(hf_dirs, tmp_path):
+    """Three steps from the HF weights on cp2 x tp2+sp (a checkpoint at step 2); the step-2
+    checkpoint loaded under the family's other layout (all-gather KV with DDP and tiling, pp2,
+    USP with tiling) continues with the same loss and grad norm; DeepSpeed ZeRO-3 trains the
+    same steps. (Llama's reshards: tests/test_checkpoint.py.)"""
+    runs = {}
+    for family in RESUMED_UNDER:
+        path = hf_dirs[family][0]
+        steps = ["train.steps=3", "checkpoint.every=2"]
+        runs[f"{family}_saved"] = _resolved(path, *LAYOUTS["cp2_tp2_sp_ulysses"], *steps).cfg
+        step2 = tmp_path / f"{family}_saved" / "checkpoints" / "step-00000002"
+        loaded = ["train.steps=3", "checkpoint.every=0", f"checkpoint.load={step2}"]
+        runs[f"{family}_loaded"] = _resolved(path, *RESUMED_UNDER[family], *loaded).cfg
+        problems = validate(runs[f"{family}_loaded"], 4)  # the checkpoint is written later
+        assert [p for p in problems if not p.startswith("checkpoint.load=")] == [], family
+        runs[f"{family}_deepspeed"] = _resolved(path, *DEEPSPEED, "train.steps=2").cfg
+    histories = on_ranks(train_each, 4, runs, str(tmp_path), timeout_s=300)[0]
+    for family in RESUMED_UNDER:
+        saved, loaded = histories[f"{family}_saved"], histories[f"{family}_loaded"]
+        assert [h["step"] for h in loaded] == [3], family
+        for got, want in zip(loaded, saved[2:]):
+            assert got["loss"] == pytest.approx(want["loss"], rel=2e-5), family
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), family
+        deepspeed = histories[f"{family}_deepspeed"]
+        assert [h["step"] for h in deepspeed] == [1, 2], family
+        for got, want in zip(deepspeed, saved):  # (from the third step on, DeepSpeed's Adam,
+            # about lr x sign(g) early on, turns rounding-level gradient differences into
+            # 1e-4-level loss differences)
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), family
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), family
+
+
+@pytest.mark.parametrize("family,change,message", [
+    ("qwen3", {"attention_bias": True}, "attention_bias=true; lctrain's qwen3 has no attention"),
+    ("mistral", {"sliding_window": 16}, "model.sliding_window=16 is shorter than "
+                                        "train.seq_len=32"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16}, "model.sliding_window=16"),
+    ("qwen2", {"mlp_bias": True}, "mlp_bias=true"),
+    ("qwen3", {"layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),
+    ("mistral", {"model_type": "gemma2"}, "model_type='gemma2'; lctrain loads the model types "
+                                          "llama, qwen2, qwen3, mistral"),
+])
+def test_what_a_family_cannot_compute_is_refused_by_name(hf_dirs, tmp_path, family, change,
+                                                         message):
+    config = json.loads((hf_dirs[family][0] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    try:
+        problems = preflight(_resolved(tmp_path).cfg, 4)
+    except ConfigError as e:
+        problems = e.problems
+    assert any(message in p for p in problems), problems
+
+
+def test_a_window_is_full_attention_only_up_to_its_length(hf_dirs, tmp_path):
+    config = json.loads((hf_dirs["mistral"][0] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert any("model.sliding_window=16 is shorter than train.seq_len=32" in p
+               for p in preflight(_resolved(tmp_path).cfg, 4))
+    on_purpose = _resolved(tmp_path, "model.hf_overrides=[sliding_window]",
+                           "model.sliding_window=null")
+    assert on_purpose.cfg.model.sliding_window is None
+    assert "model.sliding_window=None replaces config.json's 16 (model.hf_overrides)" in \
+        on_purpose.notes
+    assert preflight(on_purpose.cfg, 4) == []
+    cfg = compose(["model=mistral-7b", "train.seq_len=4096"]).cfg
+    assert preflight(cfg, 1) == []
+    windowed = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, sliding_window=4096))
+    assert preflight(windowed, 1) == []
+    short = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, sliding_window=4095))
+    assert any("model.sliding_window=4095 is shorter than train.seq_len=4096" in p
+               for p in preflight(short, 1))
+    llama = compose(["model=llama3-8b", "model.sliding_window=8192"]).cfg
+    assert any("model.family=llama, which has no attention window" in p
+               for p in preflight(llama, 1))
+
+
+PUBLISHED = {"qwen2.5-0.5b": 0.49, "qwen2.5-7b": 7.62, "qwen3-0.6b": 0.60, "qwen3-8b": 8.19,
+             "mistral-7b": 7.25, "llama3-8b": 8.03, "llama3-70b": 70.55, "llama3.2-1b": 1.24,
+             "llama3.2-3b": 3.21, "smollm2-135m": 0.13}
+"""preset -> its model card's size in billions of parameters"""
+
+
+def test_the_planner_counts_every_preset_as_the_built_model_holds_it():
+    presets = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
+    assert set(PUBLISHED) == set(presets) - {"tiny"}
+    for preset in presets:
+        m = compose([f"model={preset}"]).cfg.model
+        with torch.device("meta"):
+            held = sum(p.numel() for p in new_model(m).parameters())
+        assert param_count(m) == held, preset
+        assert preset == "tiny" or round(held / 1e9, 2) == PUBLISHED[preset], preset
+
+
+@pytest.mark.slow  # 6 s on 2 cores: `lctrain preprocess`, then a 4-rank `lctrain train` per family
+def test_each_family_continues_pretraining_as_the_readme_says(tmp_path, capsys):
+    """`lctrain train +recipe=tiny model.init_from=DIR data.source=tokens data.path=SHARDS`, with
+    no model.* override, for a checkpoint of each family (its tokenizer, its shards)."""
+    from tests.test_preprocess import SENTENCES, train_tokenizer, write_jsonl
+
+    rng = np.random.default_rng(0)
+    write_jsonl(tmp_path / "corpus.jsonl", [" ".join(rng.choice(SENTENCES, 8)) for _ in range(300)])
+    tokenizer = train_tokenizer(["<s>", "</s>"])
+    for family, config in FAMILIES.items():
+        model_dir = tmp_path / family
+        config = config.__class__(**{**config.to_dict(), "vocab_size": 192})
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+        tokenizer.save(str(model_dir / "tokenizer.json"))
+        if family == "llama":  # one set of shards: every family here has the same tokenizer
+            code, _, err = run_cli(["preprocess", f"model.init_from={model_dir}",
+                                    f"data.path={tmp_path / 'corpus.jsonl'}",
+                                    f"preprocess.output={tmp_path / 'shards'}"], capsys)
+            assert code == 0, err[-2000:]
+        code, _, err = run_cli(["train", "+recipe=tiny", f"model.init_from={model_dir}",
+                                "data.source=tokens", f"data.path={tmp_path / 'shards'}",
+                                "data.val_fraction=0.05", "eval.tasks=[]", "eval.every=2",
+                                "eval.val_sequences=8", "train.steps=2",
+                                f"hydra.run.dir={tmp_path / 'run' / family}"], capsys)
+        assert code == 0, err[-3000:]
+        assert family == "llama" or \
+            f"model.family: 'llama' (default) -> '{family}' (config.json)" in err, family
+        assert "model.n_layers: 4 (default) -> 2 (config.json)" in err, family
+        records = [json.loads(line) for line in (tmp_path / "run" / family / "metrics.jsonl").open()]
+        assert records[-1]["val_loss"] > 0 and records[-1]["step"] == 2, family
