@@ -330,7 +330,8 @@ class CheckpointConfig:
     verify: bool = True
     """Check every file's sha256 against the manifest before loading (sizes are always checked)."""
     export_hf: str | None = None
-    """Write the final weights here as a Hugging Face Llama directory (config.json + safetensors)."""
+    """Write the final weights here as a Hugging Face directory of the model's family
+    (config.json + safetensors)."""
 
 
 @dataclass
