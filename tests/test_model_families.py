@@ -1,14 +1,17 @@
-"""Qwen2/Qwen2.5, Qwen3 and Mistral through the model registry, against transformers.
+"""Every model family (Llama, Qwen2/Qwen2.5, Qwen3, Mistral) through the model registry, against
+transformers.
 
 Each family's random model is built here from transformers' own config class (not from lctrain's
 export), with every feature that differs from Llama switched on and away from its initial value
 (nonzero Q/K/V biases, head norms that are not ones, an explicit head_dim that is not dim /
-heads, a tied embedding, a sliding window longer than the sequence). `model.init_from` with no
-model.* override must then give transformers' logits at one rank, transformers' mean
-cross-entropy and every one of its gradients on cp2 ring zigzag with packed documents, on cp2 x
-tp2+sp Ulysses and on pp2, and an export that transformers loads with the same logits. What
-lctrain cannot compute is refused by name, and the planner counts every preset's parameters as
-the built model holds them.
+heads, a tied embedding, a sliding window longer than the sequence; llama3 RoPE for Llama).
+`model.init_from` with no model.* override must then give transformers' logits at one rank,
+transformers' mean cross-entropy and every one of its gradients on cp2 ring zigzag with packed
+documents, on cp2 x tp2+sp Ulysses and on pp2, and an export that transformers loads with the
+same logits; a checkpoint resumes under another layout (all-gather KV + DDP + tiling, pp2, USP
++ tiling) and DeepSpeed ZeRO-3 trains the same steps; `lctrain train +recipe=tiny
+model.init_from=DIR` runs as the README says. What lctrain cannot compute is refused by name,
+and the planner counts every preset's parameters as the built model holds them.
 """
 
 import dataclasses
@@ -44,11 +47,12 @@ REPO = Path(__file__).resolve().parents[1]
 SHAPE = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
          "rope_theta": 50000.0}
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}
 FAMILIES = {  # model_type -> transformers config of a random model with the family's features
     "llama": transformers.LlamaConfig(**{k: v for k, v in SHAPE.items() if k != "rope_theta"},
-                                      rope_parameters={
-        "rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),  # llama3 RoPE
+                                      rope_parameters=LLAMA3_ROPE),
     "qwen2": transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True, rms_norm_eps=1e-6,
                                       sliding_window=4096, use_sliding_window=False),
     "qwen3": transformers.Qwen3Config(**SHAPE, head_dim=32, tie_word_embeddings=False,
@@ -230,15 +234,16 @@ RESUMED_UNDER = {  # family -> the layout that loads the cp2 x tp2+sp Ulysses ch
 DEEPSPEED = ["parallel.cp=2", "parallel.dp=2", "parallel.attention=ring",
              "parallel.dp_engine=deepspeed", "deepspeed.zero_stage=3",
              "data.document_masking=false"]
-"""The layout each family also trains on from its HF weights: ZeRO-3 over dp x cp."""
+"""DeepSpeed ZeRO-3 over dp x cp, which Qwen2 (biases, tied embedding) also trains on."""
 
 
 @pytest.mark.slow  # 18 s on 2 cores: 9 runs on 4 ranks
 def test_every_family_checkpoints_and_resumes_under_another_layout(hf_dirs, tmp_path):
     """Three steps from the HF weights on cp2 x tp2+sp (a checkpoint at step 2); the step-2
     checkpoint loaded under the family's other layout (all-gather KV with DDP and tiling, pp2,
-    USP with tiling) continues with the same loss and grad norm; DeepSpeed ZeRO-3 trains the
-    same steps. (Llama's reshards: tests/test_checkpoint.py.)"""
+    USP with tiling) continues with the same loss and grad norm; DeepSpeed ZeRO-3 trains
+    Qwen2's first steps alike. (Llama's reshards: tests/test_checkpoint.py; DeepSpeed's own:
+    tests/test_deepspeed.py.)"""
     runs = {}
     for family in RESUMED_UNDER:
         path = hf_dirs[family][0]
@@ -249,7 +254,8 @@ def test_every_family_checkpoints_and_resumes_under_another_layout(hf_dirs, tmp_
         runs[f"{family}_loaded"] = _resolved(path, *RESUMED_UNDER[family], *loaded).cfg
         problems = validate(runs[f"{family}_loaded"], 4)  # the checkpoint is written later
         assert [p for p in problems if not p.startswith("checkpoint.load=")] == [], family
-        runs[f"{family}_deepspeed"] = _resolved(path, *DEEPSPEED, "train.steps=2").cfg
+    # ZeRO-3 partitions the tied embedding and the biases too
+    runs["qwen2_deepspeed"] = _resolved(hf_dirs["qwen2"][0], *DEEPSPEED, "train.steps=2").cfg
     histories = on_ranks(train_each, 4, runs, str(tmp_path), timeout_s=300)[0]
     for family in RESUMED_UNDER:
         saved, loaded = histories[f"{family}_saved"], histories[f"{family}_loaded"]
@@ -257,13 +263,13 @@ def test_every_family_checkpoints_and_resumes_under_another_layout(hf_dirs, tmp_
         for got, want in zip(loaded, saved[2:]):
             assert got["loss"] == pytest.approx(want["loss"], rel=2e-5), family
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), family
-        deepspeed = histories[f"{family}_deepspeed"]
-        assert [h["step"] for h in deepspeed] == [1, 2], family
-        for got, want in zip(deepspeed, saved):  # (from the third step on, DeepSpeed's Adam,
-            # about lr x sign(g) early on, turns rounding-level gradient differences into
-            # 1e-4-level loss differences)
-            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), family
-            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), family
+    deepspeed = histories["qwen2_deepspeed"]
+    assert [h["step"] for h in deepspeed] == [1, 2]
+    for got, want in zip(deepspeed, histories["qwen2_saved"]):  # (from the third step on,
+        # DeepSpeed's Adam, about lr x sign(g) early on, turns rounding-level gradient
+        # differences into 1e-4-level loss differences)
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4)
 
 
 @pytest.mark.parametrize("family,change,message", [

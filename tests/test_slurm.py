@@ -24,7 +24,8 @@ from tests.helpers import run_cli
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
 JOB = ["+recipe=tiny", "slurm.gpus_per_node=0", "parallel.dp=1", "train.steps=12",
-       "logging.log_every=1", "logging.progress=false", "eval.every=12", "eval.samples=2"]
+       "logging.log_every=1", "logging.progress=false", "eval.every=12", "eval.samples=2",
+       "train.seq_len=128", "eval.lengths=[64,128]"]
 """The tiny recipe on 2 ranks (Ring attention over cp=2), shortened; every job of these tests
 trains exactly this."""
 DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
