@@ -5,6 +5,7 @@ FSDP's bf16 weights), with and without the tiled MLP, the tiled loss and packed 
 1/(tp*cp) scaling of the sequence-parallel parts; and that one forward measures the same bytes
 every time."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -76,6 +77,38 @@ def test_measured_activation_bytes_match_formula(world, layouts):
             # exact, byte for byte; the first block also plans the attention calls of all
             assert got.pop("1") == block, (where, got)
             assert sum(got.values()) == block + rest, (where, got)
+
+
+FAMILY_CASES = [  # (model family, head_dim, checkpointing, dtype): H x d = 192 on D = 64
+    ("qwen3", 24, "none", "fp32"), ("qwen3", 24, "none", "bf16"), ("qwen3", 24, "selective", "bf16"),
+    ("qwen2", None, "none", "bf16"), ("llama", 24, "none", "fp32")]
+
+
+def _family_configs(par: dict) -> list:
+    cfgs = []
+    for family, head_dim, mode, dtype in FAMILY_CASES:
+        cfg = cfg_for(par, mode, dtype)
+        cfg.model = dataclasses.replace(cfg.model, family=family, head_dim=head_dim)
+        cfgs.append(cfg)
+    return cfgs
+
+
+def _measure_families(layouts: list[dict]) -> list[list[dict]]:
+    return [[measure_activations(*build_measured_model(cfg, batch=2))
+             for cfg in _family_configs(par)] for par in layouts]
+
+
+def test_every_family_and_head_dim_keeps_the_formula_bytes():
+    """Qwen3's head norms ((4 + a)(D_q + D_kv) + 4 (H + H_kv) per token), Qwen2's biases
+    (nothing) and a head_dim with H x d != D, on TP+SP and Ulysses."""
+    layouts = [{"tp": 2, "sp": True}, {"cp": 2, "attention": "ulysses"}]
+    measured = on_ranks(_measure_families, 2, layouts, timeout_s=300)[0]
+    for par, per_cfg in zip(layouts, measured, strict=True):
+        for cfg, case, got in zip(_family_configs(par), FAMILY_CASES, per_cfg):
+            block = activation_formula(cfg, 2, batch=2)
+            rest = head_activation_formula(cfg, 2, batch=2) + planning_bytes(cfg, batch=2)
+            assert got.pop("1") == block, (par, case, got)
+            assert sum(got.values()) == block + rest, (par, case, got)
 
 
 def test_sequence_parallel_parts_scale_with_tp_times_cp():

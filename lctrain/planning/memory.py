@@ -15,6 +15,7 @@ from functools import cache
 
 from lctrain.config import LctrainConfig, ModelConfig, derive
 from lctrain.config.cp_algorithms import LayerShape, MemoryTerms, cp_algorithm
+from lctrain.config.model_families import model_family
 from lctrain.layout.stages import (
     block_params,
     block_split,
@@ -174,6 +175,16 @@ def _norm_bytes(D: int, s: int, a: int, r: int) -> float:
     return (4 * D + 4 + r * D) / s + a * D
 
 
+def _head_norm_bytes(m: ModelConfig, a: int) -> float:
+    """Bytes per token the Q and K head norms of a `qk_norm` family (Qwen3) keep beyond what
+    the block keeps without them, on all heads (divide by tp): each norm keeps its fp32 input
+    (the projection's output itself in fp32; in bf16 a copy, and the bf16 output is then kept
+    by nobody else: net 4 W either way), rsqrt per head, the normalised x and its output in the
+    compute dtype, of which the output replaces the projection's output as RoPE's input:
+    (4 + a) W + 4 heads, with W = D_q for Q and D_kv for K (before any KV replication)."""
+    return (4 + a) * (m.q_dim + m.kv_dim) + 4 * (m.n_heads + m.n_kv_heads)
+
+
 def activation_formula(cfg: LctrainConfig, world_size: int, batch: int) -> float:
     """Bytes one block keeps for the backward on one rank (its input included, wherever the
     backward keeps it: on the device, or on the host under train.offload_activations); derived
@@ -186,7 +197,9 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int) -> float
     N = (4 D + 4 + r D)/s + a D, one norm (`_norm_bytes`). Per token, in bytes:
       none:      2 N + a (2 D_q + 2 k D_kv + 4 F)/t + 4 H/t  [+ a D_q/t Ulysses/USP]
                  the two norms, then q, k, v, the attention output, its fp32 lse and the four
-                 SwiGLU tensors on the TP shard; at cp > 1 what the algorithm keeps besides
+                 SwiGLU tensors on the TP shard; a qk_norm family's head norms
+                 ((4 + a)(D_q + D_kv) + 4 (H + H_kv))/t (`_head_norm_bytes`); at cp > 1 what
+                 the algorithm keeps besides
                  (its registry entry's `kept_per_token`): Ulysses' and USP's output copy a D_q/t,
                  all-gather KV's gathered K/V a 2 D_kv (cp - 1)/t. With casts, per block (not per token), a bf16 copy of
                  every matmul weight: a W/t. train.mlp_chunk: the FFN keeps its chunks' inputs
@@ -216,6 +229,8 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int) -> float
     attention_weights = D * hd * (2 * H + 2 * m.n_kv_heads) // t
     mlp_weights = 3 * D * F // t
     per_token = 2 * _norm_bytes(D, s, a, r) + a * (2 * Dq + 2 * k * dkv) / t + 4 * H / t
+    if model_family(m.family).qk_norm:
+        per_token += _head_norm_bytes(m, a) / t
     if p.cp > 1:  # what the algorithm keeps besides (`MemoryTerms.kept_per_token`)
         per_token += cp_algorithm(p.attention).memory.kept_per_token(
             layer_shape(cfg, world_size, batch))

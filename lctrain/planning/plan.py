@@ -19,7 +19,6 @@ from __future__ import annotations
 from lctrain.config import LctrainConfig, derive
 from lctrain.config.cp_algorithms import cp_algorithm
 from lctrain.config.derived import slurm_ranks_per_node
-from lctrain.config.model_families import model_family
 from lctrain.config.validation import warnings_for
 from lctrain.layout.stages import bubble_fraction, split_layers, stages_of
 from lctrain.layout.topology import AXES, GROUPS, Topology
@@ -185,9 +184,6 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
                                                           for g in topo.groups(name)):
             notes.append(f"{name} groups span nodes ({per_node} ranks per node); keep "
                          f"tp x cp_ulysses <= {per_node} for intra-node links")
-    if model_family(m.family).qk_norm:
-        notes.append(f"model.family={m.family}: what its Q and K head norms keep for the backward "
-                     "is not in activation bytes (measured for the families without them)")
     if p.dp_engine == "deepspeed":
         notes.append(f"parallel.dp_engine=deepspeed: weights_grads_adam counts ZeRO-"
                      f"{cfg.deepspeed.zero_stage}'s shards on the device (offloaded parts "
