@@ -19,9 +19,9 @@ WORLD = 4
 TRAFFIC_KEYS = ("cp_bytes_sent", "traffic/cp", "traffic/tp", "traffic/pp", "traffic/dp")
 
 
-def _layout(parallel: dict, **train):
+def _layout(parallel: dict, model: dict | None = None, **train):
     cfg = tiny_config(parallel=parallel, train={"micro_batch": 1, "steps": 2, **train},
-                      logging={"log_every": 1})
+                      logging={"log_every": 1}, model=model or {})
     assert validate(cfg, WORLD) == [], parallel
     return cfg
 
@@ -75,6 +75,11 @@ def test_predicted_traffic_equals_logged_usp_allgather_pipeline(tmp_path):
                                                dtype="bf16"),
         # a pipeline of 2 with ring attention in each stage
         "pp2_cp2_ring": _layout({"pp": 2, "cp": 2, "attention": "ring"}),
+        # Qwen3 (head norms) with H x d = 96 on D = 64: TP+SP and Ulysses move H x d wide
+        # tensors, FSDP the replicated head norms too
+        "qwen3_hd24_tp2_sp_cp2_ulysses": _layout(
+            {"tp": 2, "sp": True, "cp": 2, "attention": "ulysses"},
+            model={"family": "qwen3", "head_dim": 24}),
     })
 
 
