@@ -105,3 +105,23 @@ def test_every_layout_scores_as_one_process():
                 cell = [r for r, ex in zip(right, examples) if ex.task == task
                         and f"len{ex.length}" == length and f"depth{ex.depth:.2f}" == depth]
                 assert results[ex_key] == np.mean(cell), (par, ex_key)
+
+
+def test_position_bands_double_up_to_the_sequence_and_print_on_one_line():
+    from lctrain.config.eval_rules import position_bands
+    from lctrain.config.validation import validate
+
+    def bands(seq_len, band):
+        return position_bands(tiny_config(train={"seq_len": seq_len}, eval={"position_band": band}))
+
+    assert bands(256, None) == [(0, 64), (64, 128), (128, 256)]  # auto: 64 on short sequences
+    assert bands(8192, None) == [(0, 1024), (1024, 2048), (2048, 4096), (4096, 8192)]
+    assert bands(96, 32) == [(0, 32), (32, 64), (64, 96)]  # the last band ends at seq_len
+    assert bands(256, 0) == [(0, 256)]
+    cfg = tiny_config(train={"seq_len": 32}, eval={"position_band": 32})
+    assert any("eval.position_band=32 leaves one band of train.seq_len=32 tokens; try "
+               "eval.position_band=8" in p for p in validate(cfg, 1))
+    lines = format_table({"val_loss": 4.0, "val_ppl": 54.6, "val_loss/pos0-8": 4.25,
+                          "val_loss/pos8-16": 3.75}, [])
+    assert lines == ["eval validation: loss 4.0000  ppl 54.60",
+                     "eval validation by position: 0-8:4.2500 8-16:3.7500"]

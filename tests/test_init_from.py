@@ -251,25 +251,32 @@ def test_validation_documents_never_appear_in_a_training_batch(tmp_path):
     assert set(held_out(store, 0.2, again.train.seed)[1]) != set(val_docs)  # seeded
 
 
-@pytest.mark.slow  # 4 s on 2 cores: 3 layouts of 1 and 4 ranks
+@pytest.mark.slow  # 5 s on 2 cores: 4 layouts of 1 and 4 ranks
 def test_validation_loss_at_any_layout_equals_the_reference(tmp_path):
+    """val_loss, and the loss by position band (eval.position_band=8: [0, 8), [8, 16),
+    [16, 32)), equal the one-process reference's token losses on every layout; the bands,
+    token-weighted, recombine to val_loss."""
     _token_dataset(tmp_path / "data")
     base = ["+recipe=tiny", "data.source=tokens", f"data.path={tmp_path / 'data'}",
             "data.val_fraction=0.25", "train.seq_len=32", "model.vocab_size=128",
             "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96",
             "model.n_layers=2", "train.steps=1", "train.global_batch=4", "eval.every=1",
             "eval.tasks=[]", "eval.val_sequences=4", "optim.lr=1e-20", "optim.min_lr=0",
-            "logging.progress=false", "data.document_masking=false"]
+            "logging.progress=false", "data.document_masking=false", "eval.position_band=8"]
     cfg = compose(base + ["parallel.cp=1", "parallel.dp=1", "train.micro_batch=4"]).cfg
     val = build_val_source(cfg)  # the reference: the untrained model on the same sequences
     tokens = torch.stack([torch.from_numpy(val.window(i).read(0, 33)) for i in range(4)])
     with torch.no_grad():
         logits = reference_model(cfg)(tokens[:, :-1])
-    want = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).item()
+    token_losses = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none")
+    want = token_losses.mean().item()
+    bands = {"val_loss/pos0-8": (0, 8), "val_loss/pos8-16": (8, 16), "val_loss/pos16-32": (16, 32)}
+    want_bands = {key: token_losses[:, lo:hi].mean().item() for key, (lo, hi) in bands.items()}
     layouts = [(1, ["parallel.cp=1", "parallel.dp=1", "train.micro_batch=4"]),
                (4, ["parallel.cp=2", "parallel.dp=2", "train.micro_batch=2"]),
                (4, ["parallel.cp=2", "parallel.dp=1", "parallel.tp=2", "parallel.sp=true",
-                    "train.micro_batch=4"])]
+                    "train.micro_batch=4"]),
+               (4, ["parallel.cp=1", "parallel.pp=2", "parallel.dp=2", "train.micro_batch=1"])]
     runs = {}
     for i, (world, layout) in enumerate(layouts):
         cfg = compose(base + layout).cfg
@@ -278,5 +285,11 @@ def test_validation_loss_at_any_layout_equals_the_reference(tmp_path):
     histories = train_on_ranks(runs, str(tmp_path / "runs"))  # one spawn per world size
     for i, (_, layout) in enumerate(layouts):
         for history in histories[str(i)]:
-            assert history[-1]["val_loss"] == pytest.approx(want, rel=1e-5), layout
-            assert history[-1]["val_ppl"] == pytest.approx(np.exp(want), rel=1e-5)
+            last = history[-1]
+            assert last["val_loss"] == pytest.approx(want, rel=1e-5), layout
+            assert last["val_ppl"] == pytest.approx(np.exp(want), rel=1e-5)
+            for key, value in want_bands.items():
+                assert last[key] == pytest.approx(value, rel=1e-5), (layout, key)
+            weights = {key: hi - lo for key, (lo, hi) in bands.items()}  # tokens per band
+            recombined = sum(last[k] * w for k, w in weights.items()) / sum(weights.values())
+            assert recombined == pytest.approx(last["val_loss"], rel=1e-6), layout

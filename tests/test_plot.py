@@ -33,7 +33,8 @@ def _write(run_dir, rows, extra_lines=()):
 def _two_runs(tmp_path):
     """Run a: resumed at step 3 (steps 3 and 4 logged twice), with evals; run b: no mfu."""
     evals = {"eval/passkey/acc": 0.5, "eval/passkey/len64/acc": 0.75,
-             "eval/passkey/len64/depth0.25": 1.0, "val_loss": 4.0}
+             "eval/passkey/len64/depth0.25": 1.0, "val_loss": 4.0, "val_loss/pos0-64": 4.3,
+             "val_loss/pos64-128": 4.0, "val_loss/pos128-256": 3.8}
     a_rows = [_row(s) for s in range(1, 5)] + [_row(s) for s in range(3, 7)]
     a_rows[1] |= evals | {"eval/passkey/acc": 0.25}
     a_rows[3] |= evals
@@ -52,7 +53,7 @@ def test_plot_overlays_runs_one_colour_each(tmp_path, capsys):
     out = tmp_path / "out"
     code, stdout, _ = run_cli(["plot", str(a), str(b), f"--out={out}"], capsys)
     assert code == 0
-    stems = ["loss", "tokens_per_sec", "mfu", "memory", "eval"]
+    stems = ["loss", "tokens_per_sec", "mfu", "memory", "eval", "loss_by_position"]
     assert stdout.split() == [str(out / f"{s}.png") for s in stems]
     images = {s: mpimg.imread(out / f"{s}.png") for s in stems}
     for stem, img in images.items():
@@ -63,7 +64,7 @@ def test_plot_overlays_runs_one_colour_each(tmp_path, capsys):
         assert _pixels_near(images[stem], a_colour) > 500, stem
         assert _pixels_near(images[stem], b_colour) > 500, stem
     # run b logged no mfu (null) and no evals: only run a's colour there
-    for stem in ("mfu", "eval"):
+    for stem in ("mfu", "eval", "loss_by_position"):
         assert _pixels_near(images[stem], a_colour) > 500, stem
         assert _pixels_near(images[stem], b_colour) < 20, stem
 
@@ -74,6 +75,7 @@ def test_default_out_is_the_first_runs_plots_and_skips_are_said(tmp_path, capsys
     assert code == 0
     assert "skipped mfu.png: no run logged mfu" in stdout
     assert "skipped eval.png: no run logged eval/<task>/acc" in stdout
+    assert "skipped loss_by_position.png: no run logged val_loss/pos<lo>-<hi>" in stdout
     assert str(run_dir / "plots" / "loss.png") in stdout
     assert sorted(p.name for p in (run_dir / "plots").iterdir()) == [
         "loss.png", "memory.png", "tokens_per_sec.png"]
@@ -101,6 +103,11 @@ def test_eval_lines_and_labels(tmp_path):
     assert figures["memory"][2].values == [pytest.approx(4.0)]  # GiB
     assert [line.color for line in figures["loss"]] == [plot.PALETTE[0]] * 2 + [
         plot.PALETTE[1], plot.PALETTE[2]]
+    # the loss by position band of each eval step (step 4's evals were logged again without)
+    by_position = figures["loss_by_position"]
+    assert [line.label for line in by_position] == ["x/a step 2", "x/a step 6"]
+    assert by_position[0].steps == [64, 128, 256] and by_position[0].values == [4.3, 4.0, 3.8]
+    assert [line.linestyle for line in by_position] == list(plot.LINESTYLES[:2])
 
 
 @pytest.mark.parametrize("case, message", [

@@ -8,6 +8,9 @@ legend naming each run by its directory (`parent/name` where two names are the s
   memory.png          peak_mem_bytes (the max over ranks), GiB
   eval.png            accuracy, one line style per eval/<task>/acc and eval/<task>/len<N>/acc
                       (the per-depth cells are left out)
+  loss_by_position.png  validation loss against position (val_loss/pos<lo>-<hi>, plotted at
+                      each band's end on a log2 axis), one line per eval step: the last
+                      `POSITION_STEPS` eval steps of each run, one line style per step
 
 A figure whose metric no run logged is skipped, and the command says so. Where: --out=DIR, else
 the first RUN_DIR's plots/ folder, whether one run or several are given. A step logged twice (a
@@ -41,6 +44,12 @@ FIGURES = {  # file stem: (y label, scale, keys; None: every eval accuracy key l
     "eval": ("accuracy", 1.0, None),
 }
 EVAL_ACC = re.compile(r"eval/([^/]+)/(?:len(\d+)/)?acc")
+POSITION_BAND = re.compile(r"val_loss/pos(\d+)-(\d+)")
+"""val_loss/pos<lo>-<hi>: the validation loss of the targets at positions [lo, hi)."""
+POSITION_STEPS = len(LINESTYLES)
+"""Eval steps per run drawn in loss_by_position.png (the last ones), one line style each."""
+XAXES = {"loss_by_position": ("position (end of band), tokens", 2)}
+"""Figures not against step: x label and log base."""
 """eval/<task>/acc and eval/<task>/len<N>/acc; the per-depth cells do not match."""
 FIGSIZE, DPI = (8, 4.5), 100  # 800 x 450 pixels
 
@@ -147,7 +156,23 @@ def build_lines(runs: list[Run]) -> dict[str, list[Line]]:
                                   PALETTE[i % len(PALETTE)], LINESTYLES[j % len(LINESTYLES)],
                                   steps, [v * scale for v in values]))
         figures[stem] = lines
+    figures["loss_by_position"] = position_lines(runs)
     return figures
+
+
+def position_lines(runs: list[Run]) -> list[Line]:
+    """The validation loss by position band of each run's last POSITION_STEPS eval steps: x is
+    each band's end (its upper position), y its loss."""
+    lines = []
+    for i, run in enumerate(runs):
+        rows = [row for row in run.rows if any(POSITION_BAND.fullmatch(k) for k in row)]
+        for j, row in enumerate(rows[-POSITION_STEPS:]):
+            bands = sorted((int(m.group(2)), float(row[k])) for k in row
+                           if (m := POSITION_BAND.fullmatch(k)))
+            lines.append(Line(f"{run.label} step {row['step']}", PALETTE[i % len(PALETTE)],
+                              LINESTYLES[j % len(LINESTYLES)], [end for end, _ in bands],
+                              [loss for _, loss in bands]))
+    return lines
 
 
 def draw(figures: dict[str, list[Line]], out: Path) -> list[Path]:
@@ -166,7 +191,11 @@ def draw(figures: dict[str, list[Line]], out: Path) -> list[Path]:
         for line in lines:  # a single point gets a marker, or it would not show
             ax.plot(line.steps, line.values, color=line.color, linestyle=line.linestyle,
                     linewidth=2, marker="o" if len(line.steps) == 1 else None, label=line.label)
-        ax.set(xlabel="step", ylabel=FIGURES[stem][0], title=stem)
+        xlabel, base = XAXES.get(stem, ("step", None))
+        if base:
+            ax.set_xscale("log", base=base)
+        ax.set(xlabel=xlabel, ylabel=FIGURES[stem][0] if stem in FIGURES else "val_loss",
+               title=stem)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
         fig.tight_layout()
@@ -198,7 +227,8 @@ def run(args: CommandArgs) -> int:
                           header="cannot plot")
     for stem, lines in figures.items():
         if not lines:
-            keys = FIGURES[stem][2] or ("eval/<task>/acc",)
+            keys = ((FIGURES[stem][2] or ("eval/<task>/acc",)) if stem in FIGURES
+                    else ("val_loss/pos<lo>-<hi> (eval.position_band)",))
             print(f"skipped {stem}.png: no run logged {' or '.join(keys)}")
     for path in draw(figures, out):
         print(path)

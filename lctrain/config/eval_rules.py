@@ -8,6 +8,24 @@ from __future__ import annotations
 
 from lctrain.config.schema import LctrainConfig
 
+AUTO_BAND, SHORT_AUTO_BAND, SHORT_SEQUENCE = 1024, 64, 2048
+"""eval.position_band=null: 1024-token first band, or 64 below a 2048-token sequence."""
+
+
+def position_bands(cfg: LctrainConfig) -> list[tuple[int, int]]:
+    """The validation loss's position bands [lo, hi): the first eval.position_band wide, each
+    next one twice the one before, the last one ending at train.seq_len; one band [0, seq_len)
+    when eval.position_band=0."""
+    seq_len, first = cfg.train.seq_len, cfg.eval.position_band
+    if first is None:
+        first = AUTO_BAND if seq_len >= SHORT_SEQUENCE else SHORT_AUTO_BAND
+    if first == 0 or first >= seq_len:
+        return [(0, seq_len)]
+    edges = [0, first]
+    while edges[-1] < seq_len:
+        edges.append(min(2 * edges[-1], seq_len))
+    return list(zip(edges[:-1], edges[1:]))
+
 
 def has_validation(cfg: LctrainConfig) -> bool:
     """Whether a validation loss is configured (eval.val_data or data.val_fraction)."""
@@ -26,6 +44,10 @@ def validation_data_problems(cfg: LctrainConfig) -> list[str]:
     if d.val_fraction > 0 and ev.val_data is not None:
         problems.append(f"data.val_fraction={d.val_fraction} and eval.val_data={ev.val_data} both "
                         "choose the validation data; set one of them")
+    if ev.position_band and ev.position_band >= cfg.train.seq_len:
+        problems.append(f"eval.position_band={ev.position_band} leaves one band of train.seq_len="
+                        f"{cfg.train.seq_len} tokens; try eval.position_band="
+                        f"{max(1, cfg.train.seq_len // 4)}, or 0 for val_loss alone")
     return problems
 
 

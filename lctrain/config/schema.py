@@ -267,6 +267,11 @@ class EvalConfig:
     computed every eval.every steps (or hold documents out with data.val_fraction)."""
     val_sequences: int = at_least(1, 16)
     """Sequences of train.seq_len in the validation loss (a multiple of micro_batch x dp)."""
+    position_band: int | None = at_least(0, None)
+    """Validation loss by position: the first band's width in tokens, the bands doubling from it
+    up to train.seq_len ([0, b), [b, 2b), [2b, 4b), ...), logged as val_loss/pos<lo>-<hi>. A
+    token's position is its RoPE position (inside its document with data.document_masking).
+    null: 1024, or 64 below a 2048-token sequence; 0: one number only."""
 
 
 @dataclass

@@ -214,7 +214,9 @@ class Llama(nn.Module):
     def forward(self, x: Tensor, positions: Tensor | None = None,
                 doc_ids: Tensor | None = None, labels: Tensor | None = None) -> Tensor:
         """tokens [B, S] (or hidden [B, S, D] without an embedding) -> logits [B, S, V], or with
-        `labels` [B, S] the sum of the token cross-entropies (IGNORE_INDEX targets left out).
+        `labels` [B, S] the sum of the token cross-entropies (IGNORE_INDEX targets left out),
+        with `labels` [G, B, S] the G sums of G label sets over the one forward (the
+        validation loss by position band).
 
         positions: RoPE position ids [B or 1, S] (default 0..S-1); with context parallelism the
         global positions of this rank's tokens. doc_ids: see the module docstring.
@@ -230,7 +232,11 @@ class Llama(nn.Module):
             h = self.norm(h)
         if self.output is None:
             return h
-        return self.output(h) if labels is None else self.loss_head(self.output, h, labels)
+        if labels is None:
+            return self.output(h)
+        if labels.dim() == 3:  # several label sets over one forward: one loss sum each
+            return torch.stack([self.loss_head(self.output, h, group) for group in labels])
+        return self.loss_head(self.output, h, labels)
 
     def init_rules(self) -> dict[str, float | None]:
         rules = {}

@@ -130,6 +130,10 @@ def format_table(results: dict[str, float], tasks: list[str]) -> list[str]:
     if "val_loss" in results:
         lines.append(f"eval validation: loss {results['val_loss']:.4f}  "
                      f"ppl {results['val_ppl']:.2f}")
+        bands = [f"{key.removeprefix('val_loss/pos')}:{value:.4f}"
+                 for key, value in results.items() if key.startswith("val_loss/pos")]
+        if bands:
+            lines.append(f"eval validation by position: {' '.join(bands)}")
     for task in tasks:
         cells: dict[str, list[str]] = defaultdict(list)
         for key, acc in results.items():
