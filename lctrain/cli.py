@@ -49,6 +49,10 @@ class Command:
 COMMANDS = {
     "train": Command("lctrain.commands.train",
                      "validate, then train (local ranks, torchrun or srun)", frozenset({"--cfg"})),
+    "eval": Command("lctrain.commands.evaluate",
+                    "score a checkpoint (checkpoint.load) or a Hugging Face model "
+                    "(model.init_from) on the layout, with the evals training runs, without "
+                    "training", frozenset({"--cfg"})),
     "plan": Command("lctrain.commands.plan",
                     "validate and print the layout, per-rank shapes, memory and traffic "
                     "(--calibrate: measure this machine's matmul rate and gloo bandwidth into "

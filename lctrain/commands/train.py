@@ -1,4 +1,5 @@
-"""`lctrain train`: resolve the world size, check everything, then run the ranks.
+"""`lctrain train`: resolve the world size, check everything, then run the ranks (`run_ranks`,
+which `lctrain eval` runs with its own work on each rank).
 
 Started under torchrun or srun, this process is one rank. Started plainly with a layout of more
 than one rank, it starts `launch.nproc` local ranks itself and exits non-zero, naming the rank,
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -90,10 +92,15 @@ def _available_memory() -> int | None:
     return None
 
 
-def _rank_main(cfg: LctrainConfig, run_dir: str) -> None:
-    """One rank: train, then leave the process group (torchrun and local ranks alike)."""
+RankWork = Callable[[LctrainConfig, str], object]
+"""What a rank runs: loop.train, or lctrain eval's scoring.evaluate."""
+
+
+def _rank_main(cfg: LctrainConfig, run_dir: str, work: RankWork = loop.train) -> None:
+    """One rank: `work` (train), then leave the process group (torchrun and local ranks
+    alike)."""
     try:
-        loop.train(cfg, run_dir)
+        work(cfg, run_dir)
     except Exception as e:
         if os.environ.get("LCTRAIN_LAUNCHER") != "local" and launch.env_from_environment():
             # under torchrun/srun each rank reports (the local launcher reports for its ranks)
@@ -130,6 +137,13 @@ def _stall_watchdog(run_dir: Path, stall_s: int):
 
 
 def run(args: CommandArgs) -> int:
+    return run_ranks(args, loop.train)
+
+
+def run_ranks(args: CommandArgs, work: RankWork, checks: Callable[[LctrainConfig], list[str]]
+              = lambda _cfg: []) -> int:
+    """`work` on every rank of the world the config asks for, after every check (the
+    command's own `checks` included): `lctrain train`, and `lctrain eval`."""
     composed = args.composed
     cfg = composed.cfg
     try:
@@ -137,7 +151,7 @@ def run(args: CommandArgs) -> int:
     except RuntimeError as e:
         raise ConfigError([str(e)], header="invalid launch environment") from e
     world = env.world_size if env else local_world_size(cfg)
-    problems = preflight(cfg, world)
+    problems = checks(cfg) + preflight(cfg, world)
     if not problems and env is None:
         problems += host_problems(cfg, world)
     elif not problems and uses_cuda(cfg):  # under torchrun or srun: this rank's machine
@@ -152,7 +166,7 @@ def run(args: CommandArgs) -> int:
             print(f"lctrain: warning: {w}", file=sys.stderr)
     run_dir = composed.run_dir
     with _lock_run_dir(run_dir, rank):
-        return _start(cfg, env is not None, world, run_dir)
+        return _start(cfg, env is not None, world, run_dir, work)
 
 
 def _lock_run_dir(run_dir: Path, rank: int) -> contextlib.AbstractContextManager:
@@ -167,14 +181,15 @@ def _lock_run_dir(run_dir: Path, rank: int) -> contextlib.AbstractContextManager
     return lock
 
 
-def _start(cfg: LctrainConfig, under_launcher: bool, world: int, run_dir: Path) -> int:
-    """Train in this process (a rank of torchrun/srun, or a world of one), or launch the local
-    ranks and wait for them."""
+def _start(cfg: LctrainConfig, under_launcher: bool, world: int, run_dir: Path,
+           work: RankWork) -> int:
+    """Run `work` in this process (a rank of torchrun/srun, or a world of one), or launch the
+    local ranks and wait for them."""
     if under_launcher or world == 1:
         if under_launcher:
             launch.die_with_parent()  # torchrun's agent (or srun's step daemon)
         try:
-            _rank_main(cfg, str(run_dir))
+            _rank_main(cfg, str(run_dir), work)
         except RUN_ERRORS as e:  # their message says it all: no traceback
             print(f"lctrain: {type(e).__name__}: {e}", file=sys.stderr)
             return 1
@@ -184,7 +199,7 @@ def _start(cfg: LctrainConfig, under_launcher: bool, world: int, run_dir: Path) 
     if start_method == "auto":
         start_method = "spawn" if uses_cuda(cfg) else "fork"
     try:
-        launch.run_ranks(_rank_main, world, (cfg, str(run_dir)), start_method=start_method,
+        launch.run_ranks(_rank_main, world, (cfg, str(run_dir), work), start_method=start_method,
                          threads=threads, backend=None,
                          master_port=cfg.launch.master_port,
                          collective_timeout_s=cfg.launch.timeout_s,

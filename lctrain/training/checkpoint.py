@@ -300,6 +300,16 @@ class Checkpointer:
             self.log(f"lctrain: no checkpoint in {self.root}; starting at step 0")
         return TrainState()
 
+    def load_weights(self, path: Path, model: nn.Module) -> int:
+        """The weights of the checkpoint `path` (any layout, any engine) into `model`, checked
+        first (a damaged or incomplete one is a CheckpointError naming it); returns the step it
+        was saved at."""
+        problems = self._problems(path)
+        if problems:
+            raise CheckpointError(f"checkpoint.load={path} cannot be used: {'; '.join(problems)}")
+        self._load_weights(path, model)
+        return json.loads((path / STATE).read_text())["step"]
+
     def _load(self, path: Path, model, optimizer, scheduler, loader) -> TrainState:
         saved = json.loads((path / STATE).read_text())
         if self.cfg.checkpoint.load_model_only:

@@ -294,10 +294,10 @@ class MetricsLogger:
         return step % self.cfg.log_every == 0 or step == self.total_steps
 
     def log(self, step: int, metrics: dict) -> None:
+        """A training step's metrics everywhere (`record`), and its status line."""
         if not self.enabled:
             return
-        record = {"step": step, **metrics, "time": time.time()}
-        self._append(step, (json.dumps(record) + "\n").encode())
+        self.record(step, metrics)
         status = (f"step {step}/{self.total_steps}  loss {metrics['loss']:.4f}  "
                   f"lr {metrics['lr']:.2e}  gnorm {metrics['grad_norm']:.3f}  "
                   f"{metrics['tokens_per_sec']:,.0f} tok/s")
@@ -309,6 +309,14 @@ class MetricsLogger:
             self._progress.update(self._task, completed=step, status=status)
         else:
             self.console.print(status, highlight=False)
+
+    def record(self, step: int, metrics: dict) -> None:
+        """`metrics` of `step` into metrics.jsonl, W&B and TensorBoard (what `lctrain eval`
+        writes alone: no training status)."""
+        if not self.enabled:
+            return
+        row = {"step": step, **metrics, "time": time.time()}
+        self._append(step, (json.dumps(row) + "\n").encode())
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in metrics.items() if v is not None}, step=step)
         if self._tensorboard is not None:
