@@ -54,7 +54,7 @@ def test_plot_overlays_runs_one_colour_each(tmp_path, capsys):
     code, stdout, _ = run_cli(["plot", str(a), str(b), f"--out={out}"], capsys)
     assert code == 0
     stems = ["loss", "tokens_per_sec", "mfu", "memory", "eval", "loss_by_position"]
-    assert stdout.split() == [str(out / f"{s}.png") for s in stems]
+    assert stdout.split() == [str(out / f"{s}.png") for s in stems + ["passkey_heatmap"]]
     images = {s: mpimg.imread(out / f"{s}.png") for s in stems}
     for stem, img in images.items():
         assert img.shape[:2] == (450, 800), stem
@@ -108,6 +108,26 @@ def test_eval_lines_and_labels(tmp_path):
     assert [line.label for line in by_position] == ["x/a step 2", "x/a step 6"]
     assert by_position[0].steps == [64, 128, 256] and by_position[0].values == [4.3, 4.0, 3.8]
     assert [line.linestyle for line in by_position] == list(plot.LINESTYLES[:2])
+
+
+def test_heatmap_of_each_task_by_length_and_depth(tmp_path, capsys):
+    cells = {f"eval/needle/len{n}/depth{d}": n / 1000 + float(d) for n in (128, 256)
+             for d in ("0.00", "0.50", "1.00")}
+    cells.pop("eval/needle/len256/depth0.50")  # a cell never logged
+    a = _write(tmp_path / "a", [_row(1), _row(2) | cells | {"eval/needle/acc": 0.5}])
+    b = _write(tmp_path / "b", [_row(1) | {"eval/needle/len64/depth0.00": 1.0}, _row(2)])
+    grids = plot.heatmaps(plot.load_runs([str(a), str(b)]))
+    assert list(grids) == ["needle"] and [g.label for g in grids["needle"]] == ["a", "b"]
+    grid_a, grid_b = grids["needle"]
+    assert (grid_a.step, grid_a.lengths, grid_a.depths) == (2, [128, 256], [0.0, 0.5, 1.0])
+    assert grid_a.values[0] == pytest.approx([0.128, 0.628, 1.128])
+    assert grid_a.values[1][2] == pytest.approx(1.256)
+    assert np.isnan(grid_a.values[1][1])
+    assert (grid_b.step, grid_b.values) == (1, [[1.0]])  # its last row with cells
+    code, stdout, _ = run_cli(["plot", str(a), str(b), f"--out={tmp_path / 'out'}"], capsys)
+    assert code == 0 and str(tmp_path / "out" / "needle_heatmap.png") in stdout.split()
+    image = mpimg.imread(tmp_path / "out" / "needle_heatmap.png")
+    assert image.shape[:2] == (450, 800)
 
 
 @pytest.mark.parametrize("case, message", [

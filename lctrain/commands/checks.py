@@ -8,7 +8,9 @@ from __future__ import annotations
 import os
 
 from lctrain.config import LctrainConfig
+from lctrain.config.eval_rules import has_validation
 from lctrain.config.validation import field_problems, validate
+from lctrain.data.needle import needle_problems
 from lctrain.data.sources import data_problems
 from lctrain.models.hf import check_hf_dir
 from lctrain.parallel import deepspeed_engine
@@ -33,8 +35,12 @@ def search_preflight(cfg: LctrainConfig) -> list[str]:
 
 
 def input_problems(cfg: LctrainConfig) -> list[str]:
-    """The data `cfg` names and the Hugging Face directory it starts from."""
+    """The data `cfg` names, the Hugging Face directory it starts from, and the contexts the
+    needle eval needs in the model's tokens."""
     problems = data_problems(cfg)
+    if cfg.eval.every and "needle" in cfg.eval.tasks and not problems and not field_problems(
+            cfg) and cfg.data.tokenizer is not None and has_validation(cfg):
+        problems += needle_problems(cfg)
     init = cfg.model.init_from
     if init is not None and os.path.isdir(init):
         problems += check_hf_dir(init, cfg.model)

@@ -8,6 +8,9 @@ legend naming each run by its directory (`parent/name` where two names are the s
   memory.png          peak_mem_bytes (the max over ranks), GiB
   eval.png            accuracy, one line style per eval/<task>/acc and eval/<task>/len<N>/acc
                       (the per-depth cells are left out)
+  <task>_heatmap.png  accuracy by context length (rows) and needle depth (columns) of each
+                      task's cells (eval/<task>/len<N>/depth<d>) at each run's last eval step,
+                      one panel per run (needle_heatmap.png for eval.tasks=[needle])
   loss_by_position.png  validation loss against position (val_loss/pos<lo>-<hi>, plotted at
                       each band's end on a log2 axis), one line per eval step: the last
                       `POSITION_STEPS` eval steps of each run, one line style per step
@@ -44,6 +47,8 @@ FIGURES = {  # file stem: (y label, scale, keys; None: every eval accuracy key l
     "eval": ("accuracy", 1.0, None),
 }
 EVAL_ACC = re.compile(r"eval/([^/]+)/(?:len(\d+)/)?acc")
+CELL = re.compile(r"eval/([^/]+)/len(\d+)/depth([0-9.]+)")
+"""eval/<task>/len<N>/depth<d>: one cell of a task's length x depth grid."""
 POSITION_BAND = re.compile(r"val_loss/pos(\d+)-(\d+)")
 """val_loss/pos<lo>-<hi>: the validation loss of the targets at positions [lo, hi)."""
 POSITION_STEPS = len(LINESTYLES)
@@ -175,6 +180,65 @@ def position_lines(runs: list[Run]) -> list[Line]:
     return lines
 
 
+@dataclass(frozen=True)
+class Grid:
+    """A task's accuracy by (length, depth) at one run's last eval step with its cells."""
+
+    label: str
+    step: int
+    lengths: list[int]
+    depths: list[float]
+    values: list[list[float]]
+    """[length][depth]; NaN where the cell was not logged."""
+
+
+def heatmaps(runs: list[Run]) -> dict[str, list[Grid]]:
+    """task -> one grid per run that logged its cells."""
+    grids: dict[str, list[Grid]] = {}
+    for run in runs:
+        for task in sorted({m.group(1) for row in run.rows for k in row
+                            if (m := CELL.fullmatch(k))}):
+            row = [r for r in run.rows if any((m := CELL.fullmatch(k)) and m.group(1) == task
+                                              for k in r)][-1]
+            cells = {(int(m.group(2)), float(m.group(3))): float(v) for k, v in row.items()
+                     if (m := CELL.fullmatch(k)) and m.group(1) == task}
+            lengths = sorted({n for n, _ in cells})
+            depths = sorted({d for _, d in cells})
+            grids.setdefault(task, []).append(Grid(
+                run.label, row["step"], lengths, depths,
+                [[cells.get((n, d), math.nan) for d in depths] for n in lengths]))
+    return grids
+
+
+def draw_heatmaps(grids: dict[str, list[Grid]], out: Path) -> list[Path]:
+    """<task>_heatmap.png per task: a panel per run, each cell's accuracy written in it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for task, panels in grids.items():
+        fig, axes = plt.subplots(1, len(panels), figsize=(FIGSIZE[0], FIGSIZE[1]), dpi=DPI,
+                                 squeeze=False)
+        for ax, grid in zip(axes[0], panels):
+            image = ax.imshow(grid.values, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+            ax.set_xticks(range(len(grid.depths)), [f"{d:g}" for d in grid.depths])
+            ax.set_yticks(range(len(grid.lengths)), [str(n) for n in grid.lengths])
+            ax.set(xlabel="needle depth", title=f"{task}: {grid.label}, step {grid.step}")
+            for i, row in enumerate(grid.values):
+                for j, value in enumerate(row):
+                    if not math.isnan(value):
+                        ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8)
+        axes[0][0].set_ylabel("context length")
+        fig.colorbar(image, ax=axes[0].tolist(), label="accuracy")
+        fig.savefig(out / f"{task}_heatmap.png", dpi=DPI)
+        plt.close(fig)
+        written.append(out / f"{task}_heatmap.png")
+    return written
+
+
 def draw(figures: dict[str, list[Line]], out: Path) -> list[Path]:
     """One PNG per figure that has lines, in `out`; returns their paths."""
     import matplotlib  # lazy: a second of import, and only when there is something to draw
@@ -221,7 +285,8 @@ def run(args: CommandArgs) -> int:
     runs = load_runs(paths)
     out = _out_dir(paths, args.flags)
     figures = build_lines(runs)
-    if not any(figures.values()):
+    grids = heatmaps(runs)
+    if not any(figures.values()) and not grids:
         raise ConfigError([f"no plottable step in {', '.join(paths)}: no row has a number for "
                            "loss, tokens_per_sec, mfu, peak_mem_bytes or an eval accuracy"],
                           header="cannot plot")
@@ -230,6 +295,6 @@ def run(args: CommandArgs) -> int:
             keys = ((FIGURES[stem][2] or ("eval/<task>/acc",)) if stem in FIGURES
                     else ("val_loss/pos<lo>-<hi> (eval.position_band)",))
             print(f"skipped {stem}.png: no run logged {' or '.join(keys)}")
-    for path in draw(figures, out):
+    for path in draw(figures, out) + draw_heatmaps(grids, out):
         print(path)
     return 0

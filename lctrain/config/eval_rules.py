@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from lctrain.config.schema import LctrainConfig
 
+NEEDLE_KEYS = 16
+"""Distinct keys the needle task has (lctrain.data.needle.KEYS): eval.needle_keys' bound."""
 AUTO_BAND, SHORT_AUTO_BAND, SHORT_SEQUENCE = 1024, 64, 2048
 """eval.position_band=null: 1024-token first band, or 64 below a 2048-token sequence."""
 
@@ -61,6 +63,17 @@ def eval_problems(cfg: LctrainConfig) -> list[str]:
             problems.append("eval.tasks is empty and no validation data is set; try "
                             "eval.tasks=[passkey] or data.val_fraction=0.01")
         return problems  # the grid below is the tasks'
+    if "needle" in ev.tasks:
+        if not has_validation(cfg):
+            problems.append("eval.tasks has needle, whose haystack is held-out text: set "
+                            "data.val_fraction=0.01 (documents of data.path) or "
+                            "eval.val_data=DIR (a preprocessed directory)")
+        if cfg.data.tokenizer is None:
+            problems.append("eval.tasks has needle, which writes its needle and question with "
+                            "the model's tokenizer: set data.tokenizer (model.init_from's "
+                            "tokenizer.json is used when it has one)")
+        if ev.needle_keys > NEEDLE_KEYS:
+            problems.append(f"eval.needle_keys={ev.needle_keys}: at most {NEEDLE_KEYS} keys")
     if ev.samples < 1:
         problems.append(f"eval.samples={ev.samples} must be >= 1; try eval.samples=8")
     problems += [f"eval.depths contains {x}; depths are fractions in [0, 1]"

@@ -253,15 +253,20 @@ class DataConfig:
 class EvalConfig:
     every: int = at_least(0, 0)
     """Run the retrieval evals every N optimizer steps and after the last one (0 = never)."""
-    tasks: list[str] = each_one_of("passkey", "recall", default=("passkey",))
-    """Tasks to score: passkey | recall (lctrain.data.tasks), with data.answer_len and
-    data.recall_pairs."""
+    tasks: list[str] = each_one_of("passkey", "recall", "needle", default=("passkey",))
+    """Tasks to score: passkey | recall (lctrain.data.tasks: token ids of the built-in data, with
+    data.answer_len and data.recall_pairs) | needle (lctrain.data.needle: real held-out text and
+    the model's tokenizer, for a pretrained model; needs validation data and data.tokenizer)."""
     lengths: list[int] = field(default_factory=list)
     """Context lengths to score (each <= train.seq_len); empty = [train.seq_len]."""
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     """Needle depths as fractions of the context (0 = first token, 1 = just before the query)."""
     samples: int = 8
     """Examples per (task, length, depth) cell."""
+    needle_keys: int = at_least(1, 1)
+    """needle: needles with different keys per example, one asked (RULER's multi-key)."""
+    needle_values: int = at_least(1, 1)
+    """needle: values of the asked key, all asked for in text order (RULER's multi-value)."""
     val_data: str | None = None
     """A directory from `lctrain preprocess` whose validation loss (val_loss, val_ppl) is
     computed every eval.every steps (or hold documents out with data.val_fraction)."""

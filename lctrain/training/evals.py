@@ -1,5 +1,6 @@
 """Retrieval evals during training: passkey and multi-key recall accuracy by context length and
-needle depth (lctrain.data.tasks), on the training layout itself.
+needle depth (lctrain.data.tasks), and the needle in real text (lctrain.data.needle), on the
+training layout itself.
 
 Every (task, length, depth) cell has eval.samples examples. An example is one document at the
 start of a train.seq_len window (padding after it changes nothing under causal attention), so it
@@ -24,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from lctrain.config import LctrainConfig
 from lctrain.config.eval_rules import has_validation
 from lctrain.data.batch import build_micro_batch
+from lctrain.data.needle import NeedleTask
 from lctrain.data.tasks import TASKS, EvalExample, eval_examples
 from lctrain.layout import sequence
 from lctrain.parallel.runtime import Runtime
@@ -61,7 +63,8 @@ class Evaluator:
         e, t = cfg.eval, cfg.train
         self.examples: list[EvalExample] = []
         for name in e.tasks if e.every else []:
-            task = TASKS[name](cfg.data, cfg.model.vocab_size, t.seq_len, t.seed)
+            task = (NeedleTask(cfg) if name == NeedleTask.name
+                    else TASKS[name](cfg.data, cfg.model.vocab_size, t.seq_len, t.seed))
             self.examples += eval_examples(task, e.lengths or [t.seq_len], e.depths, e.samples,
                                            t.seed)
         self.dp, self.dp_rank = rt.topology.dp, rt.axis_rank("dp")
