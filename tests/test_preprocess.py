@@ -128,6 +128,13 @@ def test_every_format_round_trips(tok, tmp_path):
     assert meta["summary"]["rows"] == meta["summary"]["documents"] == meta["num_documents"] == 16
     assert meta["summary"]["tokens"] == meta["num_tokens"] == tokens
     assert set(meta["summary"]["skipped"].values()) == {0}
+    lengths = [len(d) for d in expected(tokenizer, texts)]  # by the power of two above each
+    by_length = {1 << (n - 1).bit_length(): [0, 0] for n in lengths}
+    for n in lengths:
+        by_length[1 << (n - 1).bit_length()][0] += 1
+        by_length[1 << (n - 1).bit_length()][1] += n
+    assert meta["summary"]["by_length"] == [[u, *c] for u, c in sorted(by_length.items())]
+    assert "documents by length: <= " in summary.render()
     assert meta["dtype"] == "uint16" and meta["vocab_size"] == tokenizer.get_vocab_size(True)
     assert (meta["bos_id"], meta["eos_id"]) == (tokenizer.token_to_id("<s>"),
                                                 tokenizer.token_to_id("</s>"))

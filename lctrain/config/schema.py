@@ -189,6 +189,15 @@ class MixtureEntry:
 
 
 @dataclass
+class LengthBucket:
+    max_len: int | None = None
+    """Documents longer than the bucket before's max_len and at most this many tokens; null: no
+    bound (the last bucket)."""
+    weight: float = 1.0
+    """Share of each epoch's tokens taken from this bucket (weights are normalised)."""
+
+
+@dataclass
 class DataConfig:
     source: str = one_of("synthetic", "passkey", "recall", "tokens", "mixture")
     """Where training sequences come from: synthetic (bigram chain whose documents repeat their
@@ -227,6 +236,14 @@ class DataConfig:
     long_docs: str = one_of("split", "drop")
     """Documents longer than train.seq_len: split (they continue over the next sequences, like
     every document that crosses a sequence border) | drop (skipped, and the count is logged)."""
+    length_mix: list[LengthBucket] = field(default_factory=list)
+    """source=tokens: each epoch's tokens by document length, e.g. '[{max_len: 4096, weight:
+    0.3}, {max_len: 32768, weight: 0.3}, {max_len: null, weight: 0.4}]': a bucket's documents are
+    repeated (or capped) to supply its share (lctrain.data.lengths). Empty: as the corpus is."""
+    packing: str = one_of("stream", "best_fit")
+    """source=tokens: stream (documents concatenated and cut every train.seq_len tokens) |
+    best_fit (each document that fits a sequence kept whole in one, longest first into the
+    sequence it fills best; the rest padded)."""
     val_fraction: float = at_least(0, 0.0)
     """source=tokens: the share of data.path's documents held out for the validation loss
     (eval.every), by a split seeded with train.seed; they are never trained on."""

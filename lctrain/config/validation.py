@@ -313,6 +313,29 @@ def _logging(cfg: LctrainConfig) -> list[str]:
     return problems
 
 
+def _length_mix(cfg: LctrainConfig) -> list[str]:
+    """data.length_mix: buckets of growing max_len, the last one open, positive weights, and
+    only for token shards (as data.packing=best_fit)."""
+    d, problems = cfg.data, []
+    if (d.length_mix or d.packing != "stream") and d.source != "tokens":
+        problems.append(f"data.length_mix and data.packing=best_fit choose and pack documents of "
+                        f"token shards; data.source={d.source} has none: set data.source=tokens "
+                        "or data.length_mix=[] data.packing=stream")
+    if not d.length_mix:
+        return problems
+    bounds = [b.max_len for b in d.length_mix]
+    problems += [f"data.length_mix[{i}].weight={b.weight} must be > 0; try 1.0"
+                 for i, b in enumerate(d.length_mix) if not b.weight > 0]
+    if bounds[-1] is not None:
+        problems.append(f"data.length_mix's last bucket ends at max_len={bounds[-1]}; make it "
+                        "open (max_len: null) so that every document has a bucket")
+    finite = bounds[:-1]
+    if None in finite or any(b < 1 for b in finite) or finite != sorted(set(finite)):
+        problems.append(f"data.length_mix max_len values {bounds} must be positive and "
+                        "increasing, with null only last")
+    return problems
+
+
 def _window(cfg: LctrainConfig) -> list[str]:
     """model.sliding_window: only where the family has one, and no shorter than the sequence
     (a window that long is the whole causal context; sliding-window attention is not built)."""
@@ -337,7 +360,7 @@ def validate(cfg: LctrainConfig, world_size: int) -> list[str]:
     if world_size < 1:
         problems.append(f"world size {world_size} must be positive")
     later = ([p for p in field_problems(cfg) if p not in problems] + _scalars(cfg)
-             + _logging(cfg))
+             + _logging(cfg) + _length_mix(cfg))
     if problems:  # the rules below divide by these sizes or branch on these names
         return problems + later if world_size >= 1 else problems
     return layout_problems(cfg, world_size, later)
@@ -349,7 +372,7 @@ def layout_problems(cfg: LctrainConfig, world_size: int, later: list[str] | None
     whose fields each hold an allowed value (`validate` checks them first; a layout search that
     only changes sizes and names to allowed values calls this alone)."""
     if later is None:
-        later = _scalars(cfg) + _logging(cfg)
+        later = _scalars(cfg) + _logging(cfg) + _length_mix(cfg)
     world = _world(cfg, world_size)
     problems = (world + _heads(cfg) + _window(cfg) + _context(cfg) + _pipeline(cfg) + later
                 + eval_problems(cfg))

@@ -23,21 +23,38 @@ from functools import lru_cache
 import numpy as np
 
 from lctrain.data.batch import PAD, Window
+from lctrain.data.lengths import (
+    BucketStats,
+    best_fit_bins,
+    best_fit_cut_fraction,
+    mix_documents,
+    stream_cut_fraction,
+)
 from lctrain.data.shards import TokenStore
 
 
 class PackedTokens:
-    """Windows of S + 1 tokens over a TokenStore, reshuffled every epoch."""
+    """Windows of S + 1 tokens over a TokenStore, reshuffled every epoch; optionally the
+    documents chosen by length (`length_mix`: [(max_len or None, weight)]) and packed best-fit
+    (`packing="best_fit"`): lctrain.data.lengths."""
 
     def __init__(self, store: TokenStore, seq_len: int, seed: int, long_docs: str = "split",
-                 documents: np.ndarray | None = None, part: str = "all"):
+                 documents: np.ndarray | None = None, part: str = "all",
+                 length_mix: list[tuple[int | None, float]] | None = None,
+                 packing: str = "stream"):
         self.store, self.seq_len, self.seed, self.long_docs = store, seq_len, seed, long_docs
-        self.name, self.part = str(store.path), part
+        self.name, self.part, self.packing = str(store.path), part, packing
         lengths = store.doc_lengths
         chosen = np.arange(len(lengths)) if documents is None else np.asarray(documents)
         self.docs = chosen if long_docs == "split" else chosen[lengths[chosen] <= seq_len]
         self.dropped = len(chosen) - len(self.docs)
         """Documents skipped by data.long_docs=drop."""
+        self.buckets: list[BucketStats] = []
+        """data.length_mix's buckets: what the corpus has and what an epoch takes."""
+        if length_mix:
+            self.docs, self.buckets = mix_documents(self.docs, lengths,
+                                                    [b for b, _ in length_mix],
+                                                    [w for _, w in length_mix], seed)
         self.tokens = int(lengths[self.docs].sum())
         """Tokens of one epoch."""
         if self.tokens < seq_len + 1:
@@ -47,6 +64,19 @@ class PackedTokens:
                              f"than one sequence of train.seq_len + 1 = {seq_len + 1}; use a "
                              f"larger corpus or train.seq_len <= {max(1, self.tokens - 1)}")
         self.samples_per_epoch = math.ceil((self.tokens - 1) / seq_len)
+        self.bins: list[list[tuple[int, int, int]]] = []
+        if packing == "best_fit":  # (index into self.docs, start, length) per piece
+            self.bins = best_fit_bins(lengths[self.docs], seq_len + 1)
+            self.samples_per_epoch = len(self.bins)
+
+    @property
+    def cut_fraction(self) -> float:
+        """Share of an epoch's tokens whose document is cut across sequences (the first
+        epoch's order under stream packing)."""
+        own = self.store.doc_lengths[self.docs]
+        if self.packing == "best_fit":
+            return best_fit_cut_fraction(own, self.seq_len)
+        return stream_cut_fraction(self.store.doc_lengths[self._epoch(0)[0]], self.seq_len)
 
     @lru_cache(maxsize=2)  # noqa: B019 (few instances; the current and the next epoch)
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -55,9 +85,27 @@ class PackedTokens:
             len(self.docs))]
         return order, np.cumsum(self.store.doc_lengths[order])
 
+    def report(self) -> list[str]:
+        """What the training data is made of: the packing and the tokens it cuts, and each
+        length bucket's documents and tokens, in the corpus and per epoch."""
+        lines = [f"data: {self.packing} packing into {self.samples_per_epoch:,} sequences per "
+                 f"epoch; {self.cut_fraction:.1%} of the tokens are in documents cut across "
+                 "sequences"]
+        for b in self.buckets:
+            span = f"{b.low + 1:,}-{b.high:,}" if b.high is not None else f"> {b.low:,}"
+            lines.append(f"data.length_mix {span} tokens: weight {b.weight:.3f}; corpus "
+                         f"{b.documents:,} documents, {b.tokens:,} tokens; per epoch "
+                         f"{b.taken_documents:,} documents, {b.taken_tokens / self.tokens:.1%} "
+                         "of the tokens")
+        return lines
+
     def pieces(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(document, start inside it, length) of each piece of sample `index`'s window."""
         epoch, i = divmod(index, self.samples_per_epoch)
+        if self.bins:  # best fit: the epoch's shuffle of the sequences
+            order = np.random.default_rng([self.seed, 0xB1F7, epoch]).permutation(len(self.bins))
+            pieces = np.array(self.bins[order[i]], dtype=np.int64).reshape(-1, 3)
+            return self.docs[pieces[:, 0]], pieces[:, 1], pieces[:, 2]
         order, ends = self._epoch(epoch)
         lo, hi = i * self.seq_len, min(i * self.seq_len + self.seq_len + 1, self.tokens)
         first = int(np.searchsorted(ends, lo, side="right"))
@@ -88,6 +136,10 @@ class PackedTokens:
     def fingerprint(self) -> dict:
         out = {"source": self.name, "documents": self.store.num_documents,
                "tokens": self.store.num_tokens, "long_docs": self.long_docs}
+        if self.packing != "stream":
+            out["packing"] = self.packing
+        if self.buckets:
+            out["length_mix"] = [b.as_dict() for b in self.buckets]
         if self.part != "all":  # a held-out split: which documents it keeps
             out.update(part=self.part, part_documents=len(self.docs), part_tokens=self.tokens)
         return out

@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from lctrain.config import DataConfig, LctrainConfig, PreprocessConfig
 from lctrain.config.validation import field_problems
 from lctrain.data.encoding import EncodedBatch, WorkerDied, encoded_batches
@@ -37,6 +39,7 @@ from lctrain.data.ingest import (
     load_tokenizer,
     resolve_inputs,
 )
+from lctrain.data.lengths import bucket_of
 from lctrain.data.shards import ShardWriter, dtype_for_vocab
 
 __all__ = ["DataError", "PreprocessSummary", "WorkerDied", "preprocess",
@@ -92,6 +95,10 @@ def _cpu_count() -> int:
 @dataclass
 class _Tally:
     strict: bool
+    buckets: list[int | None] = field(default_factory=list)
+    """Upper bounds of the length buckets counted: data.length_mix's, else powers of two."""
+    by_length: dict[int | None, list[int]] = field(default_factory=dict)
+    """bucket upper bound -> [documents, tokens] (None: the open last bucket)."""
     rows: int = 0
     documents: int = 0
     tokens: int = 0
@@ -106,6 +113,15 @@ class _Tally:
                             "data.strict=false to skip and count bad rows")
         self.rows += batch.rows
         self.documents += len(batch.lengths)
+        lengths = np.asarray(batch.lengths, dtype=np.int64)
+        if self.buckets:
+            uppers = [self.buckets[i] for i in bucket_of(lengths, self.buckets)]
+        else:  # the power of two at or above each length
+            uppers = (1 << np.ceil(np.log2(np.maximum(lengths, 1))).astype(np.int64)).tolist()
+        for upper, n in zip(uppers, lengths.tolist()):
+            counts = self.by_length.setdefault(upper, [0, 0])
+            counts[0] += 1
+            counts[1] += n
         self.tokens += len(batch.tokens)
         for reason, loc, _ in batch.skips:
             self.skipped[reason] += 1
@@ -134,6 +150,8 @@ class PreprocessSummary:
     vocab_size: int
     shards: int
     seconds: float
+    by_length: dict[int | None, list[int]] = field(default_factory=dict)
+    """Documents and tokens per length bucket (data.length_mix's, else powers of two)."""
 
     @property
     def tokens_per_sec(self) -> float:
@@ -146,6 +164,12 @@ class PreprocessSummary:
         for reason, n in self.skipped.items():
             if n:
                 lines.append(f"    {reason}: {n:,}  e.g. {', '.join(self.examples[reason])}")
+        if self.by_length:
+            lines.append("  documents by length: " + ", ".join(
+                f"<= {upper:,}: {docs:,} ({tokens / max(1, self.tokens):.1%} of tokens)"
+                if upper is not None else f"longer: {docs:,} ({tokens / max(1, self.tokens):.1%}"
+                " of tokens)" for upper, (docs, tokens) in sorted(
+                    self.by_length.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))))
         lines.append(f"  {self.seconds:.1f} s, {self.tokens_per_sec:,.0f} tokens/s")
         return "\n".join(lines)
 
@@ -162,6 +186,8 @@ def _meta(data: DataConfig, info: TokenizerInfo, tally: _Tally, kinds: list[str]
                    "text_unit": data.text_unit, "split": data.split,
                    "inputs": {k: kinds.count(k) for k in sorted(set(kinds))}},
         "summary": {"rows": tally.rows, "documents": tally.documents, "tokens": tally.tokens,
+                    "by_length": [[upper, docs, tokens] for upper, (docs, tokens) in sorted(
+                        tally.by_length.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))],
                     "skipped": dict(tally.skipped),
                     "examples": {r: list(locs) for r, locs in tally.examples.items()}},
     }
@@ -202,7 +228,7 @@ def preprocess(cfg: LctrainConfig, progress: bool = True) -> PreprocessSummary:
         raise TokenizerMismatch(str(e)) from e
     workers = pre.workers or _cpu_count()
     writer = ShardWriter(Path(pre.output).expanduser(), dtype, pre.shard_tokens)
-    tally = _Tally(strict=data.strict)
+    tally = _Tally(strict=data.strict, buckets=[b.max_len for b in data.length_mix])
     try:
         batches = encoded_batches(iter_rows(inputs, data), info, data.text_field,
                                   pre.batch_rows, workers)
@@ -223,4 +249,4 @@ def preprocess(cfg: LctrainConfig, progress: bool = True) -> PreprocessSummary:
                              tokens=tally.tokens, skipped=dict(tally.skipped),
                              examples={r: list(v) for r, v in tally.examples.items()}, dtype=dtype,
                              vocab_size=info.vocab_size, shards=len(writer.shards),
-                             seconds=time.perf_counter() - start)
+                             seconds=time.perf_counter() - start, by_length=tally.by_length)

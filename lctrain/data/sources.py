@@ -42,23 +42,28 @@ def _one_source(cfg: LctrainConfig, name: str):
     return _packed(cfg, name, "train")
 
 
-def _packed(cfg: LctrainConfig, path: str, part: str) -> PackedTokens:
+def _packed(cfg: LctrainConfig, path: str, part: str, training: bool = True) -> PackedTokens:
     """A token dataset, or its training or validation part when data.val_fraction holds out
-    documents of data.path (the split is seeded by train.seed)."""
+    documents of data.path (the split is seeded by train.seed); training data chosen by length
+    and packed as data.length_mix and data.packing say."""
     store = TokenStore(path)
     t, d = cfg.train, cfg.data
+    # the training data only: validation scores the corpus as it is
+    shaping = {} if not training or part == "validation" else {
+        "length_mix": [(b.max_len, b.weight) for b in d.length_mix], "packing": d.packing}
     if d.val_fraction > 0 and d.source == "tokens" and path == d.path:
         train_docs, val_docs = held_out(store, d.val_fraction, t.seed)
         docs = val_docs if part == "validation" else train_docs
-        return PackedTokens(store, t.seq_len, t.seed, d.long_docs, documents=docs, part=part)
-    return PackedTokens(store, t.seq_len, t.seed, d.long_docs)
+        return PackedTokens(store, t.seq_len, t.seed, d.long_docs, documents=docs, part=part,
+                            **shaping)
+    return PackedTokens(store, t.seq_len, t.seed, d.long_docs, **shaping)
 
 
 def build_val_source(cfg: LctrainConfig) -> PackedTokens | None:
     """The validation source: eval.val_data, the documents data.val_fraction holds out of
     data.path, or None."""
     if cfg.eval.val_data is not None:
-        return _packed(cfg, cfg.eval.val_data, "all")
+        return _packed(cfg, cfg.eval.val_data, "all", training=False)
     if cfg.data.val_fraction > 0:
         return _packed(cfg, cfg.data.path, "validation")
     return None
@@ -94,7 +99,7 @@ def _source_problems(cfg: LctrainConfig) -> list[str]:
                             f"({', '.join(BUILTIN)}) nor a directory")
             continue
         try:
-            parts = [_packed(cfg, name, "train")]
+            parts = [_packed(cfg, name, "train", training=key == "data.path")]
             if key == "data.path" and d.val_fraction > 0:
                 parts.append(_packed(cfg, name, "validation"))
         except ValueError as e:

@@ -298,6 +298,8 @@ def _log_layout(metrics: MetricsLogger, cfg: LctrainConfig, rt: Runtime, model: 
         metrics.info(f"lctrain: pipeline {cfg.parallel.pp_schedule}, layers per stage "
                      f"{[len(s) for s in split_layers(cfg)]}, {rt.derived.grad_accum} "
                      f"micro-batches per step")
+    for line in loader.source.report() if hasattr(loader.source, "report") else []:
+        metrics.info(f"lctrain: {line}")
     if loader.dropped:
         metrics.info(f"lctrain: data.long_docs=drop skips {loader.dropped:,} documents longer "
                      f"than train.seq_len={cfg.train.seq_len}")
