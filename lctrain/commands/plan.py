@@ -11,7 +11,7 @@ from lctrain.commands.args import CommandArgs
 from lctrain.commands.checks import preflight, search_preflight
 from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.cp_algorithms import cp_algorithm
-from lctrain.config.derived import slurm_world
+from lctrain.config.derived import slurm_world, stages_of
 from lctrain.layout.topology import AXES
 from lctrain.planning.hardware import Hardware, calibration_path, hardware_for
 from lctrain.planning.plan import build_plan
@@ -41,6 +41,7 @@ def render_text(plan: dict, max_rows: int) -> str:
                                    for k, v in plan["predicted"]["cp_collectives"].items()]
           if "cp_collectives" in plan["predicted"] else []),
         *step_time_lines(plan["step_time"]),
+        *stage_lines(plan.get("stages", [])),
         "", "traffic per rank (elements sent):",
         *(f"  {k}: {v:,.0f}" for k, v in plan["traffic_elements_per_rank"].items()),
         *(["", "model (value, where it came from):"] +
@@ -58,6 +59,34 @@ def render_text(plan: dict, max_rows: int) -> str:
     if plan["notes"]:
         lines += ["", "notes:", *(f"  - {n}" for n in plan["notes"])]
     return "\n".join(lines)
+
+
+def stage_rows(cfg: LctrainConfig, world: int, hw: Hardware) -> list[dict]:
+    """train.stages: each stage's steps, shape, memory per rank and predicted step time (the
+    plan above is the last stage's)."""
+    rows = []
+    for stage in stages_of(cfg):
+        plan, t = build_plan(stage.cfg, world), stage.cfg.train
+        memory = plan["memory_per_rank"]
+        time = step_time_summary(stage.cfg, world, hw)
+        rows.append({"stage": stage.index, "steps": [stage.first, stage.last],
+                     "seq_len": t.seq_len, "global_batch": t.global_batch,
+                     "micro_batch": t.micro_batch, "memory_gib": memory["total_gib"],
+                     "verdict": memory["verdict"], "step_s": time["total_s"],
+                     "stage_s": time["total_s"] * (stage.last - stage.first + 1)})
+    return rows
+
+
+def stage_lines(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", "stages (train.stages; the rest of this plan is the last stage's):"]
+    for r in rows:
+        lines.append(f"  {r['stage']}: steps {r['steps'][0]}-{r['steps'][1]}, seq_len "
+                     f"{r['seq_len']:,} x {r['global_batch']} sequences (micro-batch "
+                     f"{r['micro_batch']}): {r['memory_gib']:.3f} GiB per rank {r['verdict']}, "
+                     f"{r['step_s']:.3g} s per step, {r['stage_s']:.3g} s in all")
+    return lines
 
 
 def step_time_lines(t: dict) -> list[str]:
@@ -212,6 +241,8 @@ def run(args: CommandArgs) -> int:
                             "origin": composed.origins.get(name, "default")}
                      for name in composed.origins}
     plan["notes"] = composed.notes + world_note(cfg, world) + hw_notes + plan["notes"]
+    if cfg.train.stages:
+        plan["stages"] = stage_rows(cfg, world, hw)
     if as_json:
         json.dump(plan, sys.stdout, indent=1)
         print()

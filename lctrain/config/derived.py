@@ -4,6 +4,7 @@ accumulation, the Ulysses and Ring degrees and KV replication. Never written bac
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cache
 
@@ -97,3 +98,56 @@ def kv_replication(n_heads: int, n_kv_heads: int, tp: int, cp_ulysses: int) -> i
         if kv % cp_ulysses == 0 and local_q % kv == 0 and (local_q // cp_ulysses) % (kv // cp_ulysses) == 0:
             return r
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One stage of train.stages: its steps (first..last, 1-based, inclusive) and the config it
+    trains with (train.seq_len, global_batch and micro_batch its own; no stages)."""
+
+    index: int
+    first: int
+    last: int
+    cfg: LctrainConfig
+
+
+def stage_problems(cfg: LctrainConfig) -> list[str]:
+    """What keeps train.stages from being a valid schedule (the stages' own layouts aside)."""
+    t = cfg.train
+    if not t.stages:
+        return []
+    problems = []
+    total = sum(s.steps for s in t.stages)
+    if total != t.steps:
+        problems.append(f"train.stages' steps add up to {total}, but train.steps={t.steps}; set "
+                        f"train.steps={total}")
+    if t.stages[-1].seq_len != t.seq_len:
+        problems.append(f"train.stages ends at seq_len={t.stages[-1].seq_len}, but train.seq_len="
+                        f"{t.seq_len}; the last stage trains at train.seq_len (set train.seq_len="
+                        f"{t.stages[-1].seq_len})")
+    for i, s in enumerate(t.stages):
+        for key, value in (("global_batch", t.global_batch), ("micro_batch", t.micro_batch)):
+            if (value * t.seq_len) % s.seq_len:
+                problems.append(f"train.stages[{i}] (seq_len={s.seq_len}): train.{key}={value} x "
+                                f"train.seq_len={t.seq_len} tokens are not a whole number of "
+                                f"{s.seq_len}-token sequences; use stage lengths that divide "
+                                f"{value * t.seq_len}")
+    return problems
+
+
+def stages_of(cfg: LctrainConfig) -> list[Stage]:
+    """train.stages as configs (one stage, `cfg` itself, without them); `stage_problems` must
+    hold. A stage scores only the eval.lengths that fit it (its seq_len when none does)."""
+    t = cfg.train
+    if not t.stages:
+        return [Stage(0, 1, t.steps, cfg)]
+    out, first = [], 1
+    for i, s in enumerate(t.stages):
+        train = dataclasses.replace(t, stages=[], seq_len=s.seq_len,
+                                    global_batch=t.global_batch * t.seq_len // s.seq_len,
+                                    micro_batch=t.micro_batch * t.seq_len // s.seq_len)
+        stage = dataclasses.replace(cfg, train=train, eval=dataclasses.replace(
+            cfg.eval, lengths=[n for n in cfg.eval.lengths if n <= s.seq_len]))
+        out.append(Stage(i, first, first + s.steps - 1, stage))
+        first += s.steps
+    return out

@@ -130,9 +130,24 @@ class ParallelConfig:
 
 
 @dataclass
+class StageConfig:
+    seq_len: int = at_least(1, 256)
+    """The stage's sequence length."""
+    steps: int = at_least(1, 100)
+    """Optimizer steps of the stage."""
+
+
+@dataclass
 class TrainConfig:
     steps: int = at_least(1, 100)
     """Optimizer steps to run."""
+    stages: list[StageConfig] = field(default_factory=list)
+    """Staged context extension in one run, e.g. '[{seq_len: 8192, steps: 1000}, {seq_len:
+    32768, steps: 500}, {seq_len: 131072, steps: 500}]': the stages' steps add up to
+    train.steps, the last one's seq_len is train.seq_len, and every stage trains as many tokens
+    per step as the last (train.global_batch and train.micro_batch, which are the last stage's,
+    scaled by train.seq_len / the stage's). The data continues across stages, the learning-rate
+    schedule spans them all, and a checkpoint ends every stage. Empty: one stage."""
     seed: int = 0
     """Seed for weights, data order and dropout-free RNG streams."""
     seq_len: int = at_least(1, 256)

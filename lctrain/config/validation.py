@@ -19,7 +19,7 @@ import os
 
 from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm
 from lctrain.config.deepspeed import conflicts
-from lctrain.config.derived import ulysses_degree
+from lctrain.config.derived import stage_problems, stages_of, ulysses_degree
 from lctrain.config.device_rules import cuda_problems, kernel_device_problems
 from lctrain.config.eval_rules import eval_problems, has_validation
 from lctrain.config.model_families import model_family
@@ -354,6 +354,18 @@ def _window(cfg: LctrainConfig) -> list[str]:
     return []
 
 
+def _stages(cfg: LctrainConfig, world_size: int) -> list[str]:
+    """train.stages: the schedule, then every stage's own layout, named by its stage."""
+    problems = stage_problems(cfg)
+    if problems or not cfg.train.stages:
+        return problems
+    for stage in stages_of(cfg)[:-1]:  # the last one is cfg's own layout
+        seq = stage.cfg.train.seq_len
+        problems += [f"train.stages[{stage.index}] (seq_len={seq}): {p}"
+                     for p in validate(stage.cfg, world_size)]
+    return problems
+
+
 def validate(cfg: LctrainConfig, world_size: int) -> list[str]:
     """Every problem of `cfg` for `world_size` ranks (empty list = valid)."""
     problems = field_problems(cfg, blocking_only=True) + _dp(cfg)
@@ -363,7 +375,8 @@ def validate(cfg: LctrainConfig, world_size: int) -> list[str]:
              + _logging(cfg) + _length_mix(cfg))
     if problems:  # the rules below divide by these sizes or branch on these names
         return problems + later if world_size >= 1 else problems
-    return layout_problems(cfg, world_size, later)
+    problems = layout_problems(cfg, world_size, later)
+    return problems + ([] if problems else _stages(cfg, world_size))
 
 
 def layout_problems(cfg: LctrainConfig, world_size: int, later: list[str] | None = None

@@ -62,16 +62,26 @@ class DataLoader:
         """The same on every rank: samples consumed, and what they were drawn from."""
         return {"consumed": self.consumed, "fingerprint": self._fingerprint()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, continue_data: bool = False) -> str | None:
+        """Resume where `state` stopped. With `continue_data` (the next stage of
+        train.stages, or an explicit checkpoint.load) a state saved at another train.seq_len
+        continues at the same token, when that is a whole number of this loader's sequences;
+        the note returned says so."""
         mine, theirs = self._fingerprint(), state["fingerprint"]
         if mine != theirs:
             diff = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+            tokens = int(state["consumed"]) * theirs.get("seq_len", 0)
+            if continue_data and diff == ["seq_len"] and tokens % self.seq_len == 0:
+                self.consumed = tokens // self.seq_len
+                return (f"the data continues at token {tokens:,} (train.seq_len "
+                        f"{theirs['seq_len']} -> {self.seq_len})")
             raise ValueError(
                 "the data-loader state was saved for other data: "
                 + "; ".join(f"{k}: saved {theirs.get(k)!r}, now {mine.get(k)!r}" for k in diff)
                 + ". Restore those settings to resume, or start the data over by loading the "
                 "model only")
         self.consumed = int(state["consumed"])
+        return None
 
 
 def build_loader(cfg: LctrainConfig, topology, rank: int, grad_accum: int) -> DataLoader:

@@ -115,6 +115,9 @@ class Checkpointer:
         self.pg = dist.new_group(backend="gloo", timeout=datetime.timedelta(
             seconds=cfg.launch.timeout_s)) if rt.world_size > 1 else None
         self._executor = ThreadPoolExecutor(1, "lctrain-ckpt") if c.async_save else None
+        self.continue_data = False
+        """Set for a stage after the first of train.stages: the data-loader state of the
+        previous stage's last checkpoint continues at the same token (another seq_len)."""
         self._pending: Future | None = None
         if rt.rank == 0 and self.root.is_dir():
             for stale in self.root.glob(".step-*.partial"):
@@ -338,9 +341,12 @@ class Checkpointer:
                            optim_state_dict={**optim_sd, "state": tensors["optim"]})
         resume_scheduler(scheduler, saved["step"])
         try:
-            loader.load_state_dict(saved["loader"])
+            note = loader.load_state_dict(saved["loader"], continue_data=self.continue_data
+                                          or self.cfg.checkpoint.load is not None)
         except ValueError as e:
             raise CheckpointError(f"{path}: {e}") from e
+        if note:
+            self.log(f"lctrain: {note}")
         same = saved["layout"] == self.layout
         if same:
             set_rng_state(json.loads((path / f"rng-{self.rt.rank:05d}.json").read_text()))

@@ -12,6 +12,7 @@ that group size to make the reduced gradient the exact gradient of the global to
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from lctrain.config import LctrainConfig
+from lctrain.config.derived import Stage, stages_of
 from lctrain.config.resolved import as_dict, to_yaml
 from lctrain.data.batch import IGNORE_INDEX, MicroBatch
 from lctrain.data.loader import DataLoader, build_loader
@@ -37,6 +39,7 @@ from lctrain.parallel.runtime import Runtime, setup_distributed
 from lctrain.parallel.tensor import loss_value, vocab_parallel
 from lctrain.planning.memory import param_count
 from lctrain.training.checkpoint import Checkpointer, TrainState
+from lctrain.training.checkpoint_format import complete_checkpoints
 from lctrain.training.evals import Evaluator, format_table
 from lctrain.training.files import write_atomic
 from lctrain.training.metrics import MetricsLogger, StepMeter
@@ -182,17 +185,54 @@ def _check_finite(out: dict, step: int, cfg: LctrainConfig, metrics: MetricsLogg
 def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
     """Train on this rank; returns the metrics of every step run (identical on all ranks).
 
+    With train.stages the stages run one after the other (`_train_stage`), each built for its
+    own sequence length and started from the checkpoint the stage before ended with (its data
+    continuing at the same token); a resumed run skips the stages its newest checkpoint has
+    finished. Without stages, the one stage is the run."""
+    history: list[dict] = []
+    stages = stages_of(cfg)
+    for stage in stages:
+        if stage.index > 0:  # from the run's own checkpoints, whatever checkpoint.* says
+            stage = dataclasses.replace(stage, cfg=dataclasses.replace(
+                stage.cfg, checkpoint=dataclasses.replace(stage.cfg.checkpoint, load=None,
+                                                          resume="auto")))
+        if len(stages) > 1 and _newest_step(stage.cfg, Path(run_dir)) >= stage.last:
+            continue  # finished before this run started
+        ran, stopped = _train_stage(cfg, stage, run_dir, final=stage is stages[-1])
+        history += ran
+        if stopped:
+            break
+    return history
+
+
+def _newest_step(cfg: LctrainConfig, run_dir: Path) -> int:
+    """The step of the newest complete checkpoint this stage would resume from (0: none)."""
+    c = cfg.checkpoint
+    if c.load is not None or c.resume != "auto":
+        return 0
+    found = complete_checkpoints(Path(c.dir) if c.dir else run_dir / "checkpoints")
+    return int(found[0].name.split("-")[1]) if found else 0
+
+
+def _train_stage(full: LctrainConfig, stage: Stage, run_dir: str | os.PathLike,
+                 final: bool) -> tuple[list[dict], bool]:
+    """Steps stage.first..stage.last of the run `full` (with stage.cfg's sequence length and
+    batch); returns the metrics of the steps run and whether a stop ended it early.
+
     Setup builds every part inside the `try`, so a part that fails to build still closes those
-    built before it (`_Closing`); the step loop runs to the last step or to a stop; teardown
-    waits for the last checkpoint and, after the last step, exports the weights."""
+    built before it (`_Closing`); the step loop runs to the stage's last step or to a stop, a
+    stage before the last ending with a checkpoint; teardown waits for the last checkpoint and,
+    after the run's last step, exports the weights."""
+    cfg = stage.cfg
     rt = setup_distributed(cfg)
     run_dir = _agree_run_dir(Path(run_dir), rt)
     closing, history = _Closing(), []
+    stopped = False
     try:
         # ---- setup, in data-flow order
         closing.watcher = watcher = PreemptionWatcher(run_dir / "STOP", rt.rank)
         closing.record = _progress_record(cfg, rt, run_dir)
-        _write_config(cfg, rt, run_dir)
+        _write_config(full, rt, run_dir)
         model, optimizer, scheduler, loader = _build_training(cfg, rt)
         closing.metrics = metrics = MetricsLogger(cfg.logging, run_dir, rt.rank, cfg.train.steps,
                                                   as_dict(cfg))
@@ -201,11 +241,16 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
         closing.checkpointer = checkpointer = Checkpointer(cfg, rt, run_dir, to_yaml(cfg),
                                                            metrics.info)
         evaluator = Evaluator(cfg, rt)
+        checkpointer.continue_data = stage.index > 0
+        if len(full.train.stages) > 1:
+            metrics.info(f"lctrain: stage {stage.index + 1} of {len(full.train.stages)}: steps "
+                         f"{stage.first}-{stage.last} at train.seq_len={cfg.train.seq_len}, "
+                         f"{cfg.train.global_batch} sequences per step")
         state = checkpointer.maybe_resume(model, optimizer, scheduler, loader)
         metrics.start(state.step)  # metrics.jsonl keeps each step once
         meter.start()
         # ---- the step loop
-        for step in range(state.step + 1, cfg.train.steps + 1):
+        for step in range(state.step + 1, stage.last + 1):
             progress.mark(step=step, micro_step=0, phase="train")
             out = _timed_step(model, optimizer, scheduler, loader, cfg, rt)
             meter.per_step(out)
@@ -214,9 +259,10 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
             out.update(step=step, tokens=state.tokens)
             evaluated = _maybe_evaluate(evaluator, step, model, out, cfg, metrics)
             stop = watcher.requested(rt)
-            if checkpointer.should_save(step) or stop:
+            boundary = step == stage.last and not final  # the next stage starts from it
+            if checkpointer.should_save(step) or stop or boundary:
                 out["checkpoint_stall"] = _save(checkpointer, step, model, optimizer, loader,
-                                                state, wait=stop)
+                                                state, wait=stop or boundary)
             history.append(out)
             if metrics.should_log(step) or evaluated or stop:  # the same steps on every rank
                 meter.reduce(out)  # collective: peak memory and data time over the ranks
@@ -224,15 +270,16 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
             if stop:
                 metrics.info(f"lctrain: stopping after step {step} ({watcher.reason}); the "
                              "checkpoint is saved: run again with checkpoint.resume=auto")
+                stopped = True
                 break
         # ---- teardown
         checkpointer.wait()
-        closing.outcome = "done" if state.step == cfg.train.steps else "stopped"
-        if closing.outcome == "done":
+        closing.outcome = "done" if state.step == stage.last else "stopped"
+        if closing.outcome == "done" and final:
             _complete(cfg, rt, model, watcher, metrics)
     finally:
         closing.close()
-    return history
+    return history, stopped
 
 
 class _Closing:
