@@ -171,3 +171,14 @@ def test_what_the_needle_needs_is_refused_by_name(corpus):
     short = _cfg(corpus, lengths=[16])
     assert any("eval.lengths contains 16; the needle task needs contexts of at least" in p
                for p in preflight(short, 1))
+
+
+def test_a_stage_too_short_for_the_needle_is_refused_by_name(corpus):
+    from lctrain.config.schema import StageConfig
+
+    staged = _cfg(corpus)
+    staged.train.steps = 2
+    staged.train.stages = [StageConfig(32, 1), StageConfig(256, 1)]
+    assert any(p.startswith("train.stages[0]: train.seq_len=32 (scored as eval.lengths is "
+                            "empty); the needle task needs")
+               for p in preflight(staged, 1))

@@ -49,8 +49,10 @@ def needle_problems(cfg: LctrainConfig) -> list[str]:
         need = NeedleTask(cfg).min_length()
     except (ValueError, OSError) as e:
         return [f"eval.tasks has needle: {e}"]
-    return [f"eval.lengths contains {n}; the needle task needs contexts of at least {need} "
-            f"tokens (eval.needle_keys={cfg.eval.needle_keys}, eval.needle_values="
+    where = ("eval.lengths contains {n}" if cfg.eval.lengths else
+             "train.seq_len={n} (scored as eval.lengths is empty)")
+    return [f"{where.format(n=n)}; the needle task needs contexts of at least {need} tokens "
+            f"(eval.needle_keys={cfg.eval.needle_keys}, eval.needle_values="
             f"{cfg.eval.needle_values}, in the model's tokens)"
             for n in cfg.eval.lengths or [cfg.train.seq_len] if n < need]
 
