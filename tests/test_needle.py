@@ -12,6 +12,7 @@ from torch import nn
 
 from lctrain.commands.checks import preflight
 from lctrain.config.eval_rules import NEEDLE_KEYS
+from lctrain.data.batch import array_window
 from lctrain.data.needle import KEYS, NEEDLE, QUESTION, QUESTION_MANY, NeedleTask
 from lctrain.data.shards import ShardWriter
 from lctrain.data.tasks import eval_examples
@@ -182,3 +183,27 @@ def test_a_stage_too_short_for_the_needle_is_refused_by_name(corpus):
     assert any(p.startswith("train.stages[0]: train.seq_len=32 (scored as eval.lengths is "
                             "empty); the needle task needs")
                for p in preflight(staged, 1))
+
+
+def test_the_score_is_greedy_decodings_exact_match(corpus):
+    """What the model generates greedily, token by token from the prompt, is exactly what the
+    one-forward score counts as right; one token off anywhere, and it is wrong."""
+    cfg = _cfg(corpus)
+    ev = Evaluator(cfg, setup_distributed(cfg))
+    model = reference_model(cfg)
+    ev.examples = ev.examples[::3]
+    for i, ex in enumerate(ev.examples):
+        first = int(ex.targets[0, 0]) + 1  # the first answer token's position
+        seq = torch.from_numpy(ex.window.read(0, first))[None]
+        with torch.no_grad():
+            for _ in range(len(ex.targets)):  # greedy generation, no cache
+                seq = torch.cat([seq, model(seq)[0, -1].argmax().view(1, 1)], dim=1)
+        generated = seq[0, first:].numpy().copy()
+        if i % 2:  # an answer greedy decoding does not give
+            generated[-1] += 1
+        # the example whose answer is `generated`
+        tokens = np.concatenate([ex.window.read(0, first), generated, [0]])
+        ex.window = array_window(tokens, np.array([len(tokens)]), cfg.train.seq_len + 1)
+        ex.targets = np.stack([ex.targets[:, 0], generated], axis=1)
+    results = ev.run(model)
+    assert results["eval/needle/acc"] == np.mean([i % 2 == 0 for i in range(len(ev.examples))])
