@@ -1,8 +1,9 @@
 """The needle in real text (eval.tasks=[needle]): examples built from held-out documents with a
 tokenizer trained here; the needle, the question and the answer where they belong (positions
 checked, for one and several keys and values); a model that retrieves by copying scores every
-cell, an untrained one none; the same scores per cell at cp=1 and cp=4 ring; what it needs is
-refused by name when missing."""
+cell, an untrained one none; the one-forward score is greedy decoding's exact match; the same
+scores per cell at cp=1 and cp=4 ring; what it needs is refused by name when missing, a stage
+of train.stages too short for it included."""
 
 import numpy as np
 import pytest
