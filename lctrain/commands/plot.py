@@ -210,14 +210,21 @@ def heatmaps(runs: list[Run]) -> dict[str, list[Grid]]:
     return grids
 
 
-def draw_heatmaps(grids: dict[str, list[Grid]], out: Path) -> list[Path]:
-    """<task>_heatmap.png per task: a panel per run, each cell's accuracy written in it."""
+def _pyplot(out: Path):
+    """matplotlib's pyplot on the Agg backend, `out` created. Lazy: a second of import, and
+    only when there is something to draw."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     out.mkdir(parents=True, exist_ok=True)
+    return plt
+
+
+def draw_heatmaps(grids: dict[str, list[Grid]], out: Path) -> list[Path]:
+    """<task>_heatmap.png per task: a panel per run, each cell's accuracy written in it."""
+    plt = _pyplot(out) if grids else None
     written = []
     for task, panels in grids.items():
         fig, axes = plt.subplots(1, len(panels), figsize=(FIGSIZE[0], FIGSIZE[1]), dpi=DPI,
@@ -241,12 +248,7 @@ def draw_heatmaps(grids: dict[str, list[Grid]], out: Path) -> list[Path]:
 
 def draw(figures: dict[str, list[Line]], out: Path) -> list[Path]:
     """One PNG per figure that has lines, in `out`; returns their paths."""
-    import matplotlib  # lazy: a second of import, and only when there is something to draw
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out.mkdir(parents=True, exist_ok=True)
+    plt = _pyplot(out) if any(figures.values()) else None
     written = []
     for stem, lines in figures.items():
         if not lines:

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from lctrain.attention.calls import Block
 from lctrain.attention.local import local_attention
 from lctrain.config import ModelConfig
+from lctrain.config.model_families import model_family
 from lctrain.data.batch import IGNORE_INDEX
 from lctrain.models.init import ZEROS, init_weights
 from lctrain.models.rope import rope_frequencies
@@ -118,12 +119,13 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    """Llama's attention: Q, K, V projections (with biases when `qkv_bias`: Qwen2), RoPE, the
-    core, the output projection. A family changes it by overriding `head_norms`."""
+    """Llama's attention: Q, K, V projections (with biases where the family has them:
+    `ModelFamily.qkv_bias`, Qwen2), RoPE, the core, the output projection. A family changes
+    it by overriding `head_norms`."""
 
-    def __init__(self, cfg: ModelConfig, core: AttentionCore = sdpa_attention,
-                 qkv_bias: bool = False):
+    def __init__(self, cfg: ModelConfig, core: AttentionCore = sdpa_attention):
         super().__init__()
+        qkv_bias = model_family(cfg.family).qkv_bias
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.d_head
         self.wq = nn.Linear(cfg.dim, cfg.q_dim, bias=qkv_bias)

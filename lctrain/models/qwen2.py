@@ -5,8 +5,6 @@ sliding window is read only where config.json turns it on (use_sliding_window).
 
 from __future__ import annotations
 
-from functools import partial
-
 from lctrain.config import ModelConfig
 from lctrain.models.families import FamilyCode
 from lctrain.models.llama import Attention
@@ -21,5 +19,5 @@ def windowed_hf_config(cfg: ModelConfig) -> dict:
             "max_window_layers": 0 if window is not None else cfg.n_layers}
 
 
-QWEN2 = FamilyCode("qwen2", attention=partial(Attention, qkv_bias=True),
+QWEN2 = FamilyCode("qwen2", attention=Attention,  # the biases: ModelFamily.qkv_bias
                    hf_config=windowed_hf_config)
