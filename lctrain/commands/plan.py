@@ -96,7 +96,8 @@ def step_time_lines(t: dict) -> list[str]:
             f"  {t['total_s']:.4g} s = compute {t['compute_s']:.4g} (recompute "
             f"{t['recompute_s']:.3g}) + exposed communication {t['exposed_comm_s']:.3g}"
             + (f" (of {comm})" if comm else "")
-            + f" + fixed costs {t['fixed_costs_s']:.3g} + bubble {t['bubble_s']:.3g}",
+            + f" + fixed costs {t['fixed_costs_s']:.3g} + bubble {t['bubble_s']:.3g}"
+            + (f" + host offload {t['offload_s']:.3g}" if t["offload_s"] else ""),
             f"  {t['tokens_per_s_per_rank']:,.0f} tokens/s per rank, {t['tokens_per_s']:,.0f} "
             f"in all, MFU {t['mfu']:.1%}"]
 
@@ -107,7 +108,19 @@ def memory_lines(mem: dict) -> list[str]:
             *(f"  {k}: {v:,.0f}" for k, v in mem["bytes"].items()),
             f"  {mem['verdict']} in plan.gpu_memory_gib={mem['gpu_memory_gib']:g} "
             f"(total {mem['total_gib']:,.3f} GiB)",
-            *(f"  - {n}" for n in mem["notes"])]
+            *(f"  - {n}" for n in mem["notes"]), *host_lines(mem["host"])]
+
+
+def host_lines(host: dict) -> list[str]:
+    """The host side: what a rank keeps there, the node's total and verdict, the copies."""
+    copies = host["copies_per_step_bytes"]
+    return ["", "host memory per rank (bytes; parallel.offload_state, "
+                "train.offload_activations):",
+            *(f"  {k}: {v:,.0f}" for k, v in host["bytes_per_rank"].items()),
+            f"  {host['verdict']} in plan.host_memory_gib={host['host_memory_gib']:g} per node "
+            f"({host['ranks_per_node']} rank(s): {host['per_node_gib']:,.3f} GiB)",
+            f"  host<->device copies per step: {copies['to_device']:,.0f} bytes to the device, "
+            f"{copies['to_host']:,.0f} to the host"]
 
 
 def pipeline_lines(pipe: dict) -> list[str]:
@@ -187,10 +200,12 @@ def search_table(result: SearchResult, cfg: LctrainConfig, hw: Hardware) -> str:
               else "pp1")
         engine = o["parallel.dp_engine"] + (f"-z{o['deepspeed.zero_stage']}"
                                             if "deepspeed.zero_stage" in o else "")
-        tiles = " tiled" if o["train.loss_chunk"] else ""
         layout = (f"tp{o['parallel.tp']}{'+sp' if o['parallel.sp'] else ''} {cp} {pp} "
                   f"dp{o['parallel.dp']} {engine} ac={o['train.activation_checkpointing']}"
-                  f"{tiles}")
+                  + (" tiled" if o["train.loss_chunk"] else "")
+                  + (" act->host" if o["train.offload_activations"] else "")
+                  + (f" host:{o['parallel.offload_state']}"
+                     if o["parallel.offload_state"] != "none" else ""))
         lines.append(row.format(i, f"{c.step.tokens_per_s_per_rank:,.0f}",
                                 f"{c.step.total_s:.3g}", f"{c.step.mfu:.1%}",
                                 f"{c.memory_gib:.1f}", layout))

@@ -53,6 +53,26 @@ def _derive(world_size: int, dp: int, tp: int, cp: int, pp: int, cp_ulysses: int
     )
 
 
+def data_parallel_engine_of(cfg: LctrainConfig, world_size: int) -> str | None:
+    """The engine that holds the weights over dp x cp: parallel.dp_engine, or None when no
+    group reduces gradients (one rank of dp x cp), except that FSDP's CPU offload
+    (parallel.offload_state=optimizer+params) and the DeepSpeed engine run at dp x cp = 1 too
+    (they are what keeps the state on the host)."""
+    p = cfg.parallel
+    if p.dp_engine == "deepspeed" or (p.dp_engine == "fsdp"
+                                      and p.offload_state == "optimizer+params"):
+        return p.dp_engine
+    dp = p.dp if p.dp != -1 else world_size // (p.tp * p.cp * p.pp)
+    return p.dp_engine if dp * p.cp > 1 else None
+
+
+def reduces_each_micro_step(cfg: LctrainConfig) -> bool:
+    """Whether gradients are reduced in every accumulation micro-step, not only the last: under
+    FSDP's CPU offload they then go to the host each time instead of accumulating unsharded
+    on the device."""
+    return cfg.parallel.offload_state == "optimizer+params"
+
+
 def local_world_size(cfg: LctrainConfig) -> int:
     """launch.nproc, else tp*cp*pp*dp with dp=-1 counting as 1."""
     if cfg.launch.nproc is not None:

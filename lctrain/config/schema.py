@@ -127,6 +127,19 @@ class ParallelConfig:
     dp_engine: str = one_of("fsdp", "ddp", "deepspeed")
     """Data-parallel engine over dp x cp: fsdp (FSDP2, parameters sharded) | ddp | deepspeed
     (a ZeRO engine: deepspeed.*)."""
+    offload_state: str = one_of("none", "optimizer", "optimizer+params")
+    """Training state kept in host memory instead of on the device, at any dp (1 included):
+    none | optimizer (AdamW's moments and the optimizer step on the host, lctrain's host AdamW:
+    the device keeps the weights and gradients; any engine but deepspeed) | optimizer+params
+    (FSDP2's CPUOffloadPolicy, even at dp x cp = 1: the fp32 weights, gradients and moments
+    live sharded in pinned host memory, the step runs on the host, and the device holds only
+    the gathered weights of the blocks computing; parallel.dp_engine=fsdp). The DeepSpeed
+    engine offloads through deepspeed.offload_optimizer and deepspeed.offload_param."""
+    auto: bool = False
+    """`lctrain train` and `lctrain submit`: search every layout for the run's world
+    (plan.search's ranking), print the winner and the runner-up, and train with the winner.
+    parallel.*, deepspeed.zero_stage and the train.* keys the search chooses that the command
+    line sets stay as set (constraints of the search)."""
 
 
 @dataclass

@@ -90,6 +90,15 @@ class PlanConfig:
     """Step-time model: GB/s one rank sends inside a node (450: H100 NVLink, one direction)."""
     inter_node_gbps: float = at_least(1e-9, 50.0, hint="plan.inter_node_gbps=50.0")
     """Step-time model: GB/s one rank sends across nodes (50: one 400 Gb/s InfiniBand NIC)."""
+    host_memory_gib: float = at_least(0.1, 2048.0, hint="plan.host_memory_gib=2048")
+    """Host memory of one node, GiB: the host verdict compares what the node's ranks keep
+    there (offloaded state, offloaded activations) with it (2048: a DGX H100's 2 TiB)."""
+    pcie_gbps: float = at_least(1e-9, 25.0, hint="plan.pcie_gbps=25.0")
+    """Step-time model: GB/s one rank copies between host and device (25: a conservative
+    share of a PCIe Gen5 x16 link's 64 GB/s peak per direction)."""
+    host_adam_gparams_per_s: float = at_least(1e-9, 1.0, hint="plan.host_adam_gparams_per_s=1")
+    """Step-time model: billions of parameters per second one rank's host AdamW step updates
+    (parallel.offload_state); a CPU run uses the rate `lctrain plan --calibrate` measured."""
     calibration: str = "~/.cache/lctrain/calibration.json"
     """`lctrain plan --calibrate` writes this machine's matmul rate, gloo bandwidth and latency
     and the training step's fixed costs here; the step-time model uses them for CPU runs

@@ -209,6 +209,33 @@ def _deepspeed(cfg: LctrainConfig, grad_accum: int) -> list[str]:
     return problems + conflicts(cfg, grad_accum)
 
 
+def offload_problems(cfg: LctrainConfig) -> list[str]:
+    """parallel.offload_state: what each engine can keep on the host (docs/parallelism.md
+    §20)."""
+    p = cfg.parallel
+    if p.offload_state == "none":
+        return []
+    if p.dp_engine == "deepspeed":
+        return [f"parallel.offload_state={p.offload_state} with parallel.dp_engine=deepspeed: "
+                "DeepSpeed offloads through its own keys; set parallel.offload_state=none and "
+                "deepspeed.offload_optimizer=cpu (and deepspeed.offload_param=cpu with "
+                "deepspeed.zero_stage=3)"]
+    if p.offload_state != "optimizer+params":
+        return []
+    problems = []
+    if p.dp_engine != "fsdp":
+        problems.append(f"parallel.offload_state=optimizer+params with parallel.dp_engine="
+                        f"{p.dp_engine}: only FSDP keeps its weights in host memory (DDP holds "
+                        "them whole on the device); set parallel.dp_engine=fsdp or "
+                        "parallel.offload_state=optimizer")
+    if p.pp > 1:
+        problems.append(f"parallel.offload_state=optimizer+params with parallel.pp={p.pp}: "
+                        "torch's pipeline stages defer FSDP's gradient reduction to the last "
+                        "micro-batch, which keeps unsharded gradients on the device; set "
+                        "parallel.offload_state=optimizer or parallel.pp=1")
+    return problems
+
+
 def _pipeline_micro_batches(p, accum: int, per_step: int) -> list[str]:
     """The schedules' needs in micro-batches per step (the accumulation micro-batches)."""
     have = (f"train.global_batch / (micro_batch x dp) = {accum} micro-batches per step; try "
@@ -388,7 +415,7 @@ def layout_problems(cfg: LctrainConfig, world_size: int, later: list[str] | None
         later = _scalars(cfg) + _logging(cfg) + _length_mix(cfg)
     world = _world(cfg, world_size)
     problems = (world + _heads(cfg) + _window(cfg) + _context(cfg) + _pipeline(cfg) + later
-                + eval_problems(cfg))
+                + eval_problems(cfg) + offload_problems(cfg))
     if cfg.train.device == "cuda":  # train.device=auto is resolved where the run starts
         problems += cuda_problems(cfg)
     elif cfg.train.device == "cpu":

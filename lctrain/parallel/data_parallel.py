@@ -8,29 +8,34 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from lctrain.config import LctrainConfig
+from lctrain.config.derived import data_parallel_engine_of
 from lctrain.parallel.runtime import Runtime
 
 
 def data_parallel_engine(cfg: LctrainConfig, rt: Runtime) -> str | None:
-    """fsdp | ddp, or None when no group reduces gradients (a single rank of dp x cp)."""
-    if rt.world_size == 1 or rt.topology.group_size("dp_cp") == 1:
-        return None
-    return cfg.parallel.dp_engine
+    """fsdp | ddp | deepspeed, or None when no group reduces gradients (a single rank of
+    dp x cp, unless the engine offloads state: `data_parallel_engine_of`)."""
+    return data_parallel_engine_of(cfg, rt.world_size)
 
 
-def apply_fsdp(model: nn.Module, rt: Runtime) -> nn.Module:
+def apply_fsdp(model: nn.Module, rt: Runtime, offload: bool = False) -> nn.Module:
     """FSDP2 over dp x cp: each block, then the root (on the meta device too: each rank then
     materialises only its shards). Under train.dtype=bf16 the weights are gathered and computed
     with in bf16 while the fp32 shards stay the master weights and gradients are reduced in fp32
-    (half the all-gather traffic and gathered-weight memory of fp32)."""
+    (half the all-gather traffic and gathered-weight memory of fp32). With `offload`
+    (parallel.offload_state=optimizer+params) the shards, their gradients and so AdamW's state
+    live in host memory (pinned on CUDA), each gather copies a block's shard to the device, and
+    the optimizer steps on the host."""
     dp_cp_mesh = rt.mesh["dp_cp"]
     policy = MixedPrecisionPolicy(param_dtype=rt.compute_dtype, reduce_dtype=torch.float32)
+    options = {"offload_policy": CPUOffloadPolicy(pin_memory=rt.device.type == "cuda")} \
+        if offload else {}
     for layer in model.layers.values():
-        fully_shard(layer, mesh=dp_cp_mesh, mp_policy=policy)
-    fully_shard(model, mesh=dp_cp_mesh, mp_policy=policy)
+        fully_shard(layer, mesh=dp_cp_mesh, mp_policy=policy, **options)
+    fully_shard(model, mesh=dp_cp_mesh, mp_policy=policy, **options)
     return model
 
 
@@ -47,7 +52,9 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def gradient_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
-    """Reduce gradients over dp x cp only when `sync` (the last accumulation micro-step)."""
+    """Reduce gradients over dp x cp only when `sync` (the last accumulation micro-step; every
+    micro-step under FSDP's CPU offload, whose gradients then leave the device each time
+    instead of accumulating unsharded there)."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         return contextlib.nullcontext() if sync else model.no_sync()
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2

@@ -68,7 +68,7 @@ def parallelize_model(model: Llama, cfg: LctrainConfig, rt: Runtime,
         model = apply_compile(model, p.tp)
     engine = data_parallel_engine(cfg, rt)
     if engine == "fsdp":
-        model = apply_fsdp(model, rt)
+        model = apply_fsdp(model, rt, offload=p.offload_state == "optimizer+params")
     if fill is not None:
         _materialize(model, rt.device, fill)
     return apply_ddp(model, rt) if engine == "ddp" else model

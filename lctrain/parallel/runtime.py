@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lctrain.attention import CPGroups
 from lctrain.config import Derived, LctrainConfig, derive
+from lctrain.config.derived import data_parallel_engine_of, reduces_each_micro_step
 from lctrain.layout.topology import AXES, GROUPS, Topology
 from lctrain.parallel.launch import env_from_environment
 
@@ -113,6 +114,8 @@ class Runtime:
     """train.dtype: the autocast dtype of forward passes."""
     offload_activations: bool = False
     """train.offload_activations: what the backward needs is kept in (pinned) host memory."""
+    sync_every_micro_step: bool = False
+    """Reduce gradients in every micro-step (`reduces_each_micro_step`)."""
 
     def axis_rank(self, group: str) -> int:
         """This rank's index inside the named group."""
@@ -175,13 +178,20 @@ def setup_distributed(cfg: LctrainConfig) -> Runtime:
         device = torch.device("cpu")
     topology = Topology.from_config(cfg, world)
     derived = derive(cfg, world)
-    extra = {"dtype": cfg.train.dtype, "offload_activations": cfg.train.offload_activations}
-    if world == 1:
+    extra = {"dtype": cfg.train.dtype, "offload_activations": cfg.train.offload_activations,
+             "sync_every_micro_step": reduces_each_micro_step(cfg)}
+    if world == 1 and data_parallel_engine_of(cfg, 1) is None:
         return Runtime(0, 1, device, topology, derived, None, **extra)
     if not dist.is_initialized():
         # auto on CUDA: NCCL for CUDA tensors, gloo for the CPU tensors of object collectives
+        # (the host shards of FSDP's CPU offload among them)
         backend = cfg.launch.backend if cfg.launch.backend != "auto" else (
             "cuda:nccl,cpu:gloo" if use_cuda else "gloo")
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.launch.timeout_s))
+        timeout = datetime.timedelta(seconds=cfg.launch.timeout_s)
+        if world == 1:  # a group of one for the engines that keep state on the host
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
+        else:
+            dist.init_process_group(backend, timeout=timeout)
     return Runtime(dist.get_rank(), world, device, topology, derived,
                    mesh_for(topology, device.type), **extra)

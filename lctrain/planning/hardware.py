@@ -43,6 +43,12 @@ class Hardware:
     dispatch, memory-bound elementwise kernels, FSDP's hooks, DTensor, the attention
     algorithm's loop). Empty for plan.*: on a GPU at long context they are far below the
     kernels' time."""
+    pcie_gbps: float = 0.0
+    """GB/s one rank copies between host and device (0: the host is the device, a CPU run:
+    offloading copies nothing)."""
+    host_adam_gparams_per_s: float = 0.0
+    """Billions of parameters per second one rank's host AdamW step updates (0: not known,
+    the host step is not counted)."""
     source: str = "plan.*"
 
     def flops_per_s(self, efficiency: float) -> float:
@@ -55,7 +61,8 @@ def hardware_from_plan(cfg: LctrainConfig) -> Hardware:
     return Hardware(device_tflops=p.device_tflops, matmul_efficiency=p.matmul_efficiency,
                     attention_efficiency=p.attention_efficiency,
                     intra_node_gbps=p.intra_node_gbps, inter_node_gbps=p.inter_node_gbps,
-                    ranks_per_node=slurm_ranks_per_node(cfg))
+                    ranks_per_node=slurm_ranks_per_node(cfg), pcie_gbps=p.pcie_gbps,
+                    host_adam_gparams_per_s=p.host_adam_gparams_per_s)
 
 
 def calibration_path(cfg: LctrainConfig) -> Path:
@@ -65,11 +72,13 @@ def calibration_path(cfg: LctrainConfig) -> Path:
 def hardware_from_calibration(data: dict, source: str = "calibration") -> Hardware:
     """A CPU whose ranks all sit on this machine: the measured matmul rate (efficiency 1 for
     both kernel classes: the rate is already what a matmul reaches), the gloo bandwidth and
-    latency between two local ranks for every group, and the step's fixed costs."""
+    latency between two local ranks for every group, the step's fixed costs, and the host
+    AdamW rate (no host<->device copies: the host is the device)."""
     return Hardware(device_tflops=data["matmul_tflops"], intra_node_gbps=data["gloo_gbps"],
                     inter_node_gbps=data["gloo_gbps"], cores=data["cores"],
                     latency_s=data.get("latency_s", 0.0),
                     fixed_costs={name: tuple(v) for name, v in data.get("fixed_costs", {}).items()},
+                    host_adam_gparams_per_s=data.get("host_adam_gparams_per_s", 0.0),
                     source=source)
 
 

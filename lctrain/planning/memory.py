@@ -15,6 +15,7 @@ from functools import cache
 
 from lctrain.config import LctrainConfig, ModelConfig, derive
 from lctrain.config.cp_algorithms import LayerShape, MemoryTerms, cp_algorithm
+from lctrain.config.derived import data_parallel_engine_of
 from lctrain.config.model_families import model_family
 from lctrain.layout.stages import (
     block_params,
@@ -84,20 +85,49 @@ def state_parts(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[s
     would reshard it)."""
     d, p, m = derive(cfg, world_size), cfg.parallel, cfg.model
     params, n = sum(local_params(cfg, pp_rank)), d.dp * p.cp
-    if p.dp_engine == "fsdp" and n > 1:
-        return {"weights": 4 * params / n, "gradients": 4 * params / n,
-                "optimizer_state": 8 * params / n}
-    if p.dp_engine == "ddp" or n == 1:
+    engine = data_parallel_engine_of(cfg, world_size)
+    moments = 0.0 if p.offload_state == "optimizer" else 1.0  # HostAdamW keeps them
+    if engine == "fsdp":
+        on_device = 0.0 if p.offload_state == "optimizer+params" else 1.0
+        return {"weights": on_device * 4 * params / n, "gradients": on_device * 4 * params / n,
+                "optimizer_state": on_device * moments * 8 * params / n}
+    if engine != "deepspeed":  # DDP, or one rank of dp x cp
         whole_embedding = (n == 1 and p.tp > 1 and 0 in stages_of(cfg, pp_rank))
         extra = 4 * m.vocab_size * m.dim * (p.tp - 1) // p.tp if whole_embedding else 0
         return {"weights": 4 * params, "gradients": 4 * params + extra,
-                "optimizer_state": 8 * params}
+                "optimizer_state": moments * 8 * params}
     ds, a = cfg.deepspeed, compute_bytes(cfg)
     offload = ds.offload_optimizer == "cpu"
     weights = 0 if ds.offload_param == "cpu" else a * params / (n if ds.zero_stage == 3 else 1)
     return {"weights": weights + (0.0 if offload else 4 * params / n),
             "gradients": 0.0 if offload else 4 * params / (n if ds.zero_stage >= 2 else 1),
             "optimizer_state": 0.0 if offload else 8 * params / n}
+
+
+def host_state_parts(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[str, float]:
+    """The state one rank keeps in host memory (docs/parallelism.md §20), itemised like
+    `state_parts`: under parallel.offload_state=optimizer+params FSDP's fp32 shards, their
+    gradients and AdamW moments, 4 + 4 + 8 bytes per parameter / (dp x cp); under
+    optimizer, HostAdamW's weight and gradient buffers and the moments, 4 + 4 + 8 bytes per
+    parameter the rank holds (a 1/(dp x cp) shard under FSDP, all of them otherwise); with the
+    DeepSpeed engine, what its offload keys move (an estimate: fp32 master partition, moments
+    and gradient partition, 4 + 8 + 4 bytes per parameter / (dp x cp); ZeRO-3's weights in the
+    compute dtype / (dp x cp)). Empty when nothing is offloaded."""
+    d, p = derive(cfg, world_size), cfg.parallel
+    params, n = sum(local_params(cfg, pp_rank)), d.dp * p.cp
+    engine = data_parallel_engine_of(cfg, world_size)
+    if engine == "deepspeed":
+        ds, out = cfg.deepspeed, {}
+        if ds.offload_optimizer == "cpu":
+            out = {"weights": 4 * params / n, "gradients": 4 * params / n,
+                   "optimizer_state": 8 * params / n}
+        if ds.offload_param == "cpu":
+            out["weights"] = out.get("weights", 0.0) + compute_bytes(cfg) * params / n
+        return out
+    if p.offload_state == "none":
+        return {}
+    local = params / n if engine == "fsdp" else params
+    return {"weights": 4 * local, "gradients": 4 * local, "optimizer_state": 8 * local}
 
 
 def attention_buffer_bytes(cfg: LctrainConfig, world_size: int, batch: int) -> float:
@@ -148,7 +178,7 @@ def gathered_weight_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0)
     resharding after the backward until the step's last one (`backward_maybe_with_nosync`),
     so a stage stays gathered from its backward to its next forward, and the multi-stage
     schedules gather whole stages ahead (`_add_unshard_reshard`; docs/parallelism.md §13)."""
-    if cfg.parallel.dp_engine != "fsdp" or derive(cfg, world_size).dp * cfg.parallel.cp == 1:
+    if data_parallel_engine_of(cfg, world_size) != "fsdp":
         return 0.0
     blocks, root = local_params(cfg, pp_rank)
     if cfg.parallel.pp == 1:
@@ -163,8 +193,7 @@ def dtype_bytes(cfg: LctrainConfig, world_size: int) -> tuple[int, int, bool]:
     weights keeps it fp32), and whether each matmul keeps a bf16 copy of its fp32 weight
     (autocast without FSDP's bf16 weights)."""
     bf16 = cfg.train.dtype == "bf16"
-    fsdp_bf16 = (bf16 and cfg.parallel.dp_engine == "fsdp"
-                 and derive(cfg, world_size).dp * cfg.parallel.cp > 1)
+    fsdp_bf16 = bf16 and data_parallel_engine_of(cfg, world_size) == "fsdp"
     return (2 if bf16 else 4), (2 if fsdp_bf16 else 4), bf16 and not fsdp_bf16
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from lctrain.config import LctrainConfig, derive
 from lctrain.config.cp_algorithms import cp_algorithm
-from lctrain.config.derived import slurm_ranks_per_node
+from lctrain.config.derived import reduces_each_micro_step, slurm_ranks_per_node
 from lctrain.config.validation import warnings_for
 from lctrain.layout.stages import bubble_fraction, split_layers, stages_of
 from lctrain.layout.topology import AXES, GROUPS, Topology
@@ -29,6 +29,7 @@ from lctrain.planning.memory import (
     attention_buffer_bytes,
     compute_bytes,
     gathered_weight_bytes,
+    host_state_parts,
     in_flight_moments,
     local_params,
     param_count,
@@ -42,6 +43,7 @@ from lctrain.planning.memory import (
 )
 from lctrain.planning.traffic import (
     attention_traffic,
+    host_copy_bytes,
     cp_step_bytes,
     dp_step_bytes,
     dp_step_traffic,
@@ -130,7 +132,23 @@ def itemised_memory(cfg: LctrainConfig, world_size: int, pp_rank: int, parts: di
             "activations_on_host_bytes": parts["activations_on_host"],
             "gpu_memory_gib": cfg.plan.gpu_memory_gib, "total_gib": total / GIB,
             "verdict": "FITS" if total <= capacity else "DOES NOT FIT",
+            "host": host_memory(cfg, world_size, pp_rank, parts["activations_on_host"]),
             "notes": memory_notes(cfg)}
+
+
+def host_memory(cfg: LctrainConfig, world_size: int, pp_rank: int, activations: float) -> dict:
+    """What one rank keeps in host memory (the offloaded state, `host_state_parts`, and the
+    offloaded activations), what the node's ranks keep together, the verdict against
+    plan.host_memory_gib, and the bytes the rank copies between host and device per step
+    (`host_copy_bytes`)."""
+    items = host_state_parts(cfg, world_size, pp_rank) | {"activations": activations}
+    per_rank = sum(items.values())
+    ranks_per_node = min(slurm_ranks_per_node(cfg) or world_size, world_size)
+    per_node = per_rank * ranks_per_node
+    return {"bytes_per_rank": items | {"total": per_rank}, "ranks_per_node": ranks_per_node,
+            "per_node_gib": per_node / GIB, "host_memory_gib": cfg.plan.host_memory_gib,
+            "verdict": "FITS" if per_node <= cfg.plan.host_memory_gib * GIB else "DOES NOT FIT",
+            "copies_per_step_bytes": host_copy_bytes(cfg, world_size, pp_rank)}
 
 
 def pipeline_table(cfg: LctrainConfig, world_size: int, ranks: list[dict]) -> dict:
@@ -167,10 +185,11 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
     seq_div = p.tp if (p.sp and p.tp > 1) else 1
     ranks = [rank_memory(cfg, world_size, r) for r in range(p.pp)]
     worst = max(ranks, key=lambda mem: mem["bytes"]["total_estimate"])
-    shards = d.dp * p.cp
+    shards, each = d.dp * p.cp, reduces_each_micro_step(cfg)
     dp_traffic = max(  # of the pipeline rank that sends the most
-        (dp_step_traffic(p.dp_engine, *local_params(cfg, r), shards, d.grad_accum),
-         dp_step_bytes(p.dp_engine, *local_params(cfg, r), shards, d.grad_accum, bytes_act))
+        (dp_step_traffic(p.dp_engine, *local_params(cfg, r), shards, d.grad_accum, each),
+         dp_step_bytes(p.dp_engine, *local_params(cfg, r), shards, d.grad_accum, bytes_act,
+                       each))
         for r in range(p.pp))
     traffic = attention_traffic_per_layer(cfg, world_size) if p.cp > 1 else {}
     notes = list(warnings_for(cfg))

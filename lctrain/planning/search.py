@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from lctrain.config import LctrainConfig, ParallelConfig, derive
 from lctrain.config.cp_algorithms import CP_ALGORITHMS
-from lctrain.config.validation import layout_problems
+from lctrain.config.validation import layout_problems, offload_problems
 from lctrain.planning.hardware import Hardware
 from lctrain.planning.plan import rank_memory
 from lctrain.planning.timing import StepTime, predict_step_time
@@ -32,10 +32,16 @@ SCHEDULES = (("1f1b", 1), ("gpipe", 1), *(("interleaved_1f1b", v) for v in (1, 2
 at 1, 2 and 4 stages per rank."""
 ENGINES = (("fsdp", None), ("ddp", None), ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3))
 """(parallel.dp_engine, deepspeed.zero_stage) tried (DeepSpeed without offload)."""
-CHECKPOINTING = ("none", "selective", "full")
+CHECKPOINTING = (("none", False), ("selective", False), ("full", False), ("full", True))
+"""(train.activation_checkpointing, train.offload_activations) tried: the block inputs full
+checkpointing keeps may go to the host."""
+OFFLOAD_STATE = ("none", "optimizer", "optimizer+params")
+"""parallel.offload_state tried, for the engines that can (`offload_problems`)."""
 TILE_CHUNKS = 8
-"""With tiling on, train.loss_chunk and train.mlp_chunk cut a rank's sequence into this many
-chunks."""
+TILE_MAX_TOKENS = 4096
+"""With tiling on, train.loss_chunk and train.mlp_chunk cut a rank's sequence into TILE_CHUNKS
+chunks, of at most TILE_MAX_TOKENS tokens (a chunk's [tokens, V/tp] logits of a 128K vocabulary
+are then a few GB)."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +134,17 @@ def memory_gib(cfg: LctrainConfig, world_size: int) -> float:
                for r in range(cfg.parallel.pp))
 
 
+def fits(cfg: LctrainConfig, world_size: int) -> tuple[bool, float]:
+    """(whether every pipeline rank fits plan.gpu_memory_gib and its node's ranks
+    plan.host_memory_gib, the largest device total in GiB)."""
+    device, host_fits = 0.0, True
+    for r in range(cfg.parallel.pp):
+        itemised = rank_memory(cfg, world_size, r)["itemised"]
+        device = max(device, itemised["total_gib"])
+        host_fits = host_fits and itemised["host"]["verdict"] == "FITS"
+    return host_fits and device <= cfg.plan.gpu_memory_gib, device
+
+
 @dataclass
 class _Part:
     """What one worker finds among its share of the layouts: (enumeration index, candidate)
@@ -143,35 +160,43 @@ def _search_part(cfg: LctrainConfig, world_size: int, hw: Hardware,
     """The best fitting variant of each valid layout in `share` ((index, parallel.*,
     deepspeed.*) overrides)."""
     part = _Part()
-    plain = {"activation_checkpointing": "none", "loss_chunk": 0, "mlp_chunk": 0}
+    plain = {"activation_checkpointing": "none", "offload_activations": False, "loss_chunk": 0,
+             "mlp_chunk": 0}
     for index, parallel, deepspeed in share:
-        layout_cfg = _with(cfg, parallel, deepspeed, plain)
+        layout_cfg = _with(cfg, {**parallel, "offload_state": "none"}, deepspeed, plain)
         if layout_problems(layout_cfg, world_size):
             continue
         part.layouts += 1
-        chunk = max(1, derive(layout_cfg, world_size).local_seq_len // TILE_CHUNKS)
+        chunk = max(1, min(TILE_MAX_TOKENS,
+                           derive(layout_cfg, world_size).local_seq_len // TILE_CHUNKS))
         tiled = {"loss_chunk": chunk, "mlp_chunk": chunk}
         # the layout rules read the chunks, not the checkpointing mode: one check for each
         tiles = [0] + ([chunk] if not layout_problems(
             dataclasses.replace(layout_cfg, train=dataclasses.replace(cfg.train, **tiled)),
             world_size) else [])
+        states = [o for o in OFFLOAD_STATE if not offload_problems(_with(
+            layout_cfg, {"offload_state": o}, {}, {}))]
         best = None
-        for mode, tile in itertools.product(CHECKPOINTING, tiles):
-            train = {"activation_checkpointing": mode, "loss_chunk": tile, "mlp_chunk": tile}
-            candidate_cfg = dataclasses.replace(layout_cfg,
-                                                train=dataclasses.replace(cfg.train, **train))
-            part.evaluated += 1
-            gib = memory_gib(candidate_cfg, world_size)
-            if gib > cfg.plan.gpu_memory_gib:
-                continue
-            step = predict_step_time(candidate_cfg, world_size, hw)
-            if best is None or step.total_s < best.step.total_s:
-                overrides = {f"parallel.{k}": v for k, v in parallel.items()}
-                overrides |= {f"deepspeed.{k}": v for k, v in deepspeed.items()}
-                overrides |= {f"train.{k}": v for k, v in train.items()}
-                best = Candidate(overrides, step, gib)
-            if mode == "none" and not tile:  # nothing recomputed: no variant is faster
-                break
+        for state in states:
+            for (mode, to_host), tile in itertools.product(CHECKPOINTING, tiles):
+                train = {"activation_checkpointing": mode, "offload_activations": to_host,
+                         "loss_chunk": tile, "mlp_chunk": tile}
+                candidate_cfg = _with(layout_cfg, {"offload_state": state}, {}, train)
+                part.evaluated += 1
+                ok, gib = fits(candidate_cfg, world_size)
+                if not ok:
+                    continue
+                step = predict_step_time(candidate_cfg, world_size, hw)
+                if best is None or step.total_s < best.step.total_s:
+                    overrides = {f"parallel.{k}": v for k, v in parallel.items()}
+                    overrides["parallel.offload_state"] = state
+                    overrides |= {f"deepspeed.{k}": v for k, v in deepspeed.items()}
+                    overrides |= {f"train.{k}": v for k, v in train.items()}
+                    best = Candidate(overrides, step, gib)
+                if mode == "none" and not tile:  # nothing recomputed: no variant is faster
+                    break
+            if best is not None and state == "none" and not best.step.recompute_s:
+                break  # nothing recomputed nor offloaded: no variant is faster
         if best is None:
             part.too_big += 1
         else:

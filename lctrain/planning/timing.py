@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from lctrain.config import Derived, LctrainConfig, derive
 from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm
+from lctrain.config.derived import data_parallel_engine_of, reduces_each_micro_step
 from lctrain.layout.stages import (
     FLOPS_PER_WEIGHT,
     MLP_MATRICES,
@@ -37,6 +38,7 @@ from lctrain.planning.traffic import (
     cp_step_groups,
     cp_transfers,
     dp_step_bytes,
+    host_copy_bytes,
     step_traffic_bytes,
 )
 
@@ -168,7 +170,7 @@ def dp_bytes(step: StepShape) -> float:
         engine = "fsdp" if cfg.deepspeed.zero_stage == 3 else "ddp"
     gathers = 1 if p.pp > 1 else step.micro_batches
     return max(dp_step_bytes(engine, *local_params(cfg, r), step.shards, gathers,
-                             compute_bytes(cfg)) for r in range(p.pp))
+                             compute_bytes(cfg), reduces_each_micro_step(cfg)) for r in range(p.pp))
 
 
 def step_bytes(step: StepShape) -> dict[str, float]:
@@ -297,6 +299,25 @@ def fixed_seconds(step: StepShape, hw: Hardware) -> float:
     return (max(0.0, block) * step.blocks + max(0.0, rest)) * step.micro_batches
 
 
+# ---- state in host memory ----------------------------------------------------------------------
+
+
+def offload_seconds(step: StepShape, hw: Hardware) -> float:
+    """Seconds the busiest rank spends on what it keeps in host memory (docs/parallelism.md
+    §20): its host<->device copies (`host_copy_bytes`, both directions) at the PCIe bandwidth,
+    not hidden behind compute, and the host AdamW step over the parameters whose state is on
+    the host (parallel.offload_state), at the host's rate."""
+    cfg = step.cfg
+    copies = max(sum(host_copy_bytes(cfg, step.world_size, r).values())
+                 for r in range(cfg.parallel.pp))
+    seconds = copies / (hw.pcie_gbps * 1e9) if hw.pcie_gbps else 0.0
+    if cfg.parallel.offload_state != "none" and hw.host_adam_gparams_per_s:
+        params = max(sum(local_params(cfg, r)) for r in range(cfg.parallel.pp))
+        n = step.shards if data_parallel_engine_of(cfg, step.world_size) == "fsdp" else 1
+        seconds += params / n / (hw.host_adam_gparams_per_s * 1e9)
+    return seconds
+
+
 # ---- the step ----------------------------------------------------------------------------------
 
 
@@ -319,6 +340,8 @@ class StepTime:
     """Fixed costs per block and micro-batch, and per micro-batch (`Hardware.fixed_costs`)."""
     bubble_s: float
     """Pipeline idle time (pp > 1): bubble_fraction of the step."""
+    offload_s: float
+    """Host<->device copies and the host optimizer step (`offload_seconds`)."""
     total_s: float
     tokens_per_s_per_rank: float
     mfu: float
@@ -342,11 +365,12 @@ def predict_step_time(cfg: LctrainConfig, world_size: int, hw: Hardware) -> Step
     busy = share * compute.total_s + exposed + overhead
     fraction = bubble_fraction(p.pp_schedule, p.pp, step.micro_batches, p.pp_virtual_stages)
     bubble = busy * fraction / (1 - fraction)
-    total = busy + bubble
+    offload = share * offload_seconds(step, hw)
+    total = busy + bubble + offload
     tokens = step.derived.tokens_per_step
     return StepTime(compute_s=share * compute.total_s, recompute_s=share * compute.recompute_s,
                     comm_s=comm, exposed_comm_s=exposed, overhead_s=overhead, bubble_s=bubble,
-                    total_s=total, tokens_per_s_per_rank=tokens / total / world_size,
+                    offload_s=offload, total_s=total, tokens_per_s_per_rank=tokens / total / world_size,
                     mfu=train_flops_per_step(cfg, tokens)
                     / (total * world_size * hw.flops_per_s(1.0)))
 
@@ -358,5 +382,6 @@ def step_time_summary(cfg: LctrainConfig, world_size: int, hw: Hardware) -> dict
     return {"hardware": hw.source, "total_s": step.total_s, "compute_s": step.compute_s,
             "recompute_s": step.recompute_s, "comm_s": step.comm_s,
             "exposed_comm_s": step.exposed_comm_s, "fixed_costs_s": step.overhead_s,
-            "bubble_s": step.bubble_s, "tokens_per_s_per_rank": step.tokens_per_s_per_rank,
+            "bubble_s": step.bubble_s, "offload_s": step.offload_s,
+            "tokens_per_s_per_rank": step.tokens_per_s_per_rank,
             "tokens_per_s": step.tokens_per_s_per_rank * world_size, "mfu": step.mfu}

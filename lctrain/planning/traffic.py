@@ -16,8 +16,14 @@ from __future__ import annotations
 
 from lctrain.config import LctrainConfig, derive
 from lctrain.config.cp_algorithms import Transfer, cp_algorithm
+from lctrain.config.derived import data_parallel_engine_of, reduces_each_micro_step
 from lctrain.layout.stages import split_layers, stages_of
-from lctrain.planning.memory import compute_bytes, local_params, pipeline_buffer_bytes
+from lctrain.planning.memory import (
+    compute_bytes,
+    local_params,
+    pipeline_buffer_bytes,
+    stage_activation_bytes,
+)
 
 DIRECTIONS = {"fwd": "forward", "bwd": "backward"}
 """`Transfer.direction` -> the key of `attention_traffic`."""
@@ -65,34 +71,62 @@ def tp_end_traffic(tokens: int, dim: int, tp: int) -> float:
     return 2 * (tp - 1) / tp * tokens * dim
 
 
-def dp_step_traffic(engine: str, blocks: int, root: int, shards: int, accum: int) -> float:
+def dp_step_traffic(engine: str, blocks: int, root: int, shards: int, accum: int,
+                    reduce_each: bool = False) -> float:
     """One optimizer step of data parallelism over `shards` ranks, for `blocks` and `root`
     parameters per rank and `accum` micro-steps (docs/parallelism.md §9).
 
     FSDP2: in every micro-step each block's parameters are all-gathered for the forward and again
     for the backward (they are freed in between), the root's once (never freed); gradients are
-    reduce-scattered once, on the last micro-step. DDP: one all-reduce of the gradients."""
-    return sum(_dp_parts(engine, blocks, root, shards, accum))
+    reduce-scattered once, on the last micro-step, or in every one with `reduce_each` (FSDP's
+    CPU offload, parallel.offload_state=optimizer+params). DDP: one all-reduce of the
+    gradients."""
+    return sum(_dp_parts(engine, blocks, root, shards, accum, reduce_each))
 
 
-def _dp_parts(engine: str, blocks: int, root: int, shards: int,
-              accum: int) -> tuple[float, float]:
+def _dp_parts(engine: str, blocks: int, root: int, shards: int, accum: int,
+              reduce_each: bool = False) -> tuple[float, float]:
     """(elements of weights gathered, elements of gradients reduced) per rank and step."""
     if shards == 1:
         return 0.0, 0.0
     share = (shards - 1) / shards
     if engine == "ddp":
         return 0.0, 2 * share * (blocks + root)
-    return share * accum * (2 * blocks + root), share * (blocks + root)
+    reductions = accum if reduce_each else 1
+    return share * accum * (2 * blocks + root), share * reductions * (blocks + root)
 
 
 def dp_step_bytes(engine: str, blocks: int, root: int, shards: int, accum: int,
-                  compute_bytes: int) -> float:
+                  compute_bytes: int, reduce_each: bool = False) -> float:
     """`dp_step_traffic` in bytes: FSDP gathers weights in the compute dtype (bf16 under
     train.dtype=bf16: its mixed-precision policy) and reduces gradients in fp32; DDP all-reduces
     fp32 gradients."""
-    gathered, reduced = _dp_parts(engine, blocks, root, shards, accum)
+    gathered, reduced = _dp_parts(engine, blocks, root, shards, accum, reduce_each)
     return gathered * compute_bytes + reduced * 4
+
+
+def host_copy_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[str, float]:
+    """Bytes one rank of pipeline rank `pp_rank` copies per step between host and device
+    (docs/parallelism.md §20), {"to_device", "to_host"}: under parallel.offload_state=
+    optimizer+params every FSDP gather first copies the fp32 shard to the device (each block
+    twice per micro-step, the root once) and every micro-step's reduced gradient shard goes to
+    the host; under optimizer, once per step, the gradients out and the updated weights back
+    (4 bytes per parameter the rank holds); under train.offload_activations, what the blocks
+    keep, out in the forward and back in the backward, every micro-step."""
+    p, t, d = cfg.parallel, cfg.train, derive(cfg, world_size)
+    blocks, root = local_params(cfg, pp_rank)
+    n = d.dp * p.cp if data_parallel_engine_of(cfg, world_size) == "fsdp" else 1
+    out = {"to_device": 0.0, "to_host": 0.0}
+    if p.offload_state == "optimizer+params":
+        out = {"to_device": 4 * d.grad_accum * (2 * blocks + root) / n,
+               "to_host": 4 * d.grad_accum * (blocks + root) / n}
+    elif p.offload_state == "optimizer":
+        out = {"to_device": 4 * (blocks + root) / n, "to_host": 4 * (blocks + root) / n}
+    if t.offload_activations:
+        kept = d.grad_accum * sum(stage_activation_bytes(cfg, world_size, t.micro_batch, s)
+                                  for s in stages_of(cfg, pp_rank))
+        out = {k: v + kept for k, v in out.items()}
+    return out
 
 
 def step_traffic_bytes(cfg: LctrainConfig, world_size: int) -> dict[str, float]:
@@ -111,7 +145,7 @@ def step_traffic_bytes(cfg: LctrainConfig, world_size: int) -> dict[str, float]:
                         for r in range(p.pp))
     if d.dp * p.cp > 1 and p.pp == 1 and p.dp_engine != "deepspeed":
         out["dp"] = dp_step_bytes(p.dp_engine, *local_params(cfg), d.dp * p.cp, d.grad_accum,
-                                  compute_bytes(cfg))
+                                  compute_bytes(cfg), reduce_each=reduces_each_micro_step(cfg))
     return out
 
 

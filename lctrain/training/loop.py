@@ -79,7 +79,7 @@ def _micro_steps(model: nn.Module, micro_batches: list[MicroBatch], loss_scale: 
     loss_sum = torch.zeros((), device=rt.device, dtype=torch.float32)
     for i, mb in enumerate(micro_batches):
         progress.mark(micro_step=i)
-        with gradient_sync(model, sync=i == len(micro_batches) - 1):
+        with gradient_sync(model, sync=rt.sync_every_micro_step or i == len(micro_batches) - 1):
             loss_sum += forward_backward(model, mb, loss_scale, rt)
     return loss_sum
 
@@ -328,7 +328,8 @@ def _build_training(cfg: LctrainConfig, rt: Runtime) -> tuple[nn.Module, torch.o
     """The model (under its data-parallel engine), AdamW, the lr schedule and the data loader."""
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg, rt)
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(model, cfg.optim,
+                                on_host=cfg.parallel.offload_state == "optimizer")
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     if data_parallel_engine(cfg, rt) == "deepspeed":
         model = deepspeed_engine.initialize(model, optimizer, cfg, rt)

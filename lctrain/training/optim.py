@@ -8,12 +8,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam
 
 from lctrain.config import OptimConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW; norms (1-D) and embeddings get no weight decay.
+def build_optimizer(model: nn.Module, cfg: OptimConfig, on_host: bool = False
+                    ) -> torch.optim.AdamW:
+    """AdamW (`HostAdamW` when `on_host`: parallel.offload_state=optimizer); norms (1-D) and
+    embeddings get no weight decay.
 
     DTensor and plain parameters go to separate groups: foreach kernels cannot mix them (they do
     mix when TP shards some modules and no FSDP wraps the rest).
@@ -29,8 +32,97 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     param_groups = [{"params": ps, "weight_decay": cfg.weight_decay if decay else 0.0}
                     for (decay, _), ps in sorted(groups.items(), key=lambda kv: (not kv[0][0],
                                                                                    kv[0][1]))]
-    return torch.optim.AdamW(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             foreach=True)
+    kind = HostAdamW if on_host else torch.optim.AdamW
+    return kind(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                foreach=True)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _laid_out_as(grad: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`grad` with its parameter's placements (TP's row-wise embedding returns its gradient
+    replicated: each rank takes its rows, as AdamW's DTensor arithmetic would)."""
+    if isinstance(grad, DTensor) and grad.placements != p.placements:
+        return grad.redistribute(p.device_mesh, p.placements)
+    return grad
+
+
+class HostAdamW(torch.optim.AdamW):
+    """AdamW whose moments live in host memory and whose step runs there
+    (parallel.offload_state=optimizer; docs/parallelism.md §20).
+
+    The param groups hold the model's parameters, so the lr schedule, clipping and checkpoints
+    see an ordinary AdamW; `state[p]` holds host tensors ("exp_avg", "exp_avg_sq": DTensors
+    with host shards for a DTensor parameter, so checkpoints shard and reshard them as any
+    AdamW state). A step copies each gradient and weight into the parameter's host buffers
+    (pinned on CUDA), runs torch's AdamW arithmetic there (the same foreach kernels), and copies
+    the weights back: the device AdamW's result bit for bit. Host bytes per local parameter:
+    4 (weight buffer) + 4 (gradient buffer) + 8 (moments)."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.buffers: dict[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.register_load_state_dict_post_hook(HostAdamW._state_to_host)
+
+    def _pinned(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu",
+                           pin_memory=like.device.type == "cuda")
+
+    def _host_state(self, p: torch.Tensor) -> dict:
+        """`state[p]`, created in host memory at the first step."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = self._as_param(p, self._pinned(_local(p)).zero_())
+        return state
+
+    @staticmethod
+    def _as_param(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """`local` laid out as `p` (a DTensor with the same mesh and placements for a DTensor
+        parameter)."""
+        if not isinstance(p, DTensor):
+            return local
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
+
+    @staticmethod
+    def _state_to_host(optimizer: HostAdamW) -> None:
+        """After load_state_dict (which puts state on each parameter's device): back to host."""
+        for p, state in optimizer.state.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = state.get(key)
+                if value is not None and _local(value).device.type != "cpu":
+                    state[key] = optimizer._as_param(
+                        p, optimizer._pinned(_local(value)).copy_(_local(value)))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is None, "HostAdamW takes no closure"
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if p not in self.buffers:
+                    self.buffers[p] = (self._pinned(_local(p)), self._pinned(_local(p)))
+                weight, grad = self.buffers[p]
+                weight.copy_(_local(p), non_blocking=True)
+                grad.copy_(_local(_laid_out_as(p.grad, p)), non_blocking=True)
+            if any(p.device.type == "cuda" for p in params):
+                torch.cuda.synchronize()
+            states = [self._host_state(p) for p in params]
+            beta1, beta2 = group["betas"]
+            adam(
+                [self.buffers[p][0] for p in params], [self.buffers[p][1] for p in params],
+                [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
+                [], [s["step"] for s in states], foreach=group["foreach"],
+                decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2,
+                lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                maximize=group["maximize"])
+            for p in params:
+                _local(p).copy_(self.buffers[p][0], non_blocking=True)
+        return None
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
