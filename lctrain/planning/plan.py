@@ -43,10 +43,10 @@ from lctrain.planning.memory import (
 )
 from lctrain.planning.traffic import (
     attention_traffic,
-    host_copy_bytes,
     cp_step_bytes,
     dp_step_bytes,
     dp_step_traffic,
+    host_copy_bytes,
     step_traffic_bytes,
     tp_block_traffic,
 )
