@@ -77,6 +77,8 @@ COMMANDS = {
                     "step, runs overlaid (--out=DIR: where; default RUN_DIR/plots)",
                     frozenset({"--out"}), composes=False),
 }
+AUTO_LAYOUT = frozenset({"train", "submit"})
+"""The commands on which parallel.auto=true chooses the layout (lctrain.commands.auto)."""
 EXIT_RUN_FAILED = 1
 """A run that started and failed (or a data error); the commands return it."""
 EXIT_CONFIG = 2
@@ -107,6 +109,9 @@ def _run_command(name: str, words: list[str], flags: set[str]) -> int:
     composed = None
     if command.composes and not command.composes_itself & flags:
         composed = resolve_model(compose(words))
+        if composed.cfg.parallel.auto and name in AUTO_LAYOUT:  # the search imports torch
+            composed = importlib.import_module("lctrain.commands.auto").apply_auto(name,
+                                                                                  composed)
         if "--cfg" in flags:  # the resolved configuration, nothing run
             print(to_yaml(composed.cfg), end="")
             return 0

@@ -50,6 +50,19 @@ def test_zero_stages_match_fsdp(tmp_path):
 
 
 @pytest.mark.slow
+def test_zero3_offload_on_one_rank_matches_one_process(tmp_path):
+    """At world 1 the engine still runs (a group of one): ZeRO-3 with the optimizer and the
+    weights on the host trains like the plain one-process model, and checkpoints its own
+    files."""
+    ref = on_ranks(train, 1, _cfg({"dp": 1}), str(tmp_path / "plain"))[0]
+    zero = dict(ZERO)["zero3_offload"]
+    cfg = dataclasses.replace(_cfg({"dp": 1}, zero), checkpoint=dataclasses.replace(
+        tiny_config().checkpoint, every=3))
+    _same(on_ranks(train, 1, cfg, str(tmp_path / "zero3"))[0], ref, "zero3 offload, 1 rank")
+    assert (tmp_path / "zero3" / "checkpoints" / "step-00000003" / "deepspeed").is_dir()
+
+
+@pytest.mark.slow
 def test_zero3_with_context_parallel_and_documents_matches_fsdp(tmp_path):
     layout = {"dp": 2, "cp": 2, "attention": "ring", "load_balance": "zigzag"}
     data = {"document_masking": True}

@@ -224,10 +224,12 @@ def test_calibration_round_trip(tmp_path):
     assert written["fixed_costs_for"] == {"model": dataclasses.asdict(model), "seq_len": 32}
     cfg = tiny_config(plan={"calibration": str(path)}, train={"device": "cpu"})
     hw = hardware_for(cfg, gpu_available=True)
+    assert written["host_adam_gparams_per_s"] > 0
     assert (hw.device_tflops, hw.intra_node_gbps, hw.inter_node_gbps, hw.latency_s,
-            hw.fixed_costs, hw.source) == (
+            hw.fixed_costs, hw.host_adam_gparams_per_s, hw.pcie_gbps, hw.source) == (
         written["matmul_tflops"], written["gloo_gbps"], written["gloo_gbps"],
-        written["latency_s"], {"base": tuple(written["fixed_costs"]["base"])}, str(path))
+        written["latency_s"], {"base": tuple(written["fixed_costs"]["base"])},
+        written["host_adam_gparams_per_s"], 0.0, str(path))
     auto = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device="auto"))
     assert hardware_for(auto, gpu_available=False) == hw
     assert hardware_for(auto, gpu_available=True).device_tflops == cfg.plan.device_tflops

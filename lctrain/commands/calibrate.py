@@ -1,5 +1,5 @@
 """`lctrain plan --calibrate`: measure this machine's fp32 matmul rate, the gloo bandwidth and
-latency between two local ranks, and the fixed costs of lctrain's training step (per block and
+latency between two local ranks, the host AdamW step's rate, and the fixed costs of lctrain's training step (per block and
 micro-batch, per step: what the FLOPs and bytes leave out), print them, and write them to
 plan.calibration, which the step-time model (`lctrain.planning.timing`) uses for CPU runs
 (docs/parallelism.md §15)."""
@@ -49,12 +49,29 @@ def _one_way_seconds(buf: torch.Tensor, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _measure(nbytes: int, repeats: int) -> tuple[float, float, float]:
+def measure_host_adam_gparams_per_s(params: int = 1 << 21, repeats: int = 5) -> float:
+    """Billions of parameters per second torch's foreach AdamW updates in host memory (the
+    step parallel.offload_state runs on the host): the median of `repeats` timed steps over
+    8 tensors of `params` / 8 elements (the first step, which creates the state, not timed)."""
+    weights = [torch.nn.Parameter(torch.randn(params // 8)) for _ in range(8)]
+    for w in weights:
+        w.grad = torch.randn_like(w)
+    optimizer = torch.optim.AdamW(weights, lr=1e-4, foreach=True)
+    optimizer.step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - t0)
+    return params / statistics.median(times) / 1e9
+
+
+def _measure(nbytes: int, repeats: int) -> tuple[float, float, float, float]:
     """On each of 2 ranks at once (1 thread each, as training runs): (matmul TFLOP/s, seconds
-    of one one-way send of `nbytes`, of a 4-byte one: the latency)."""
+    of one one-way send of `nbytes`, of a 4-byte one: the latency, host AdamW Gparams/s)."""
     rate = measure_matmul_tflops()
     return (rate, _one_way_seconds(torch.zeros(nbytes // 4), repeats),
-            _one_way_seconds(torch.zeros(1), 4 * repeats))
+            _one_way_seconds(torch.zeros(1), 4 * repeats), measure_host_adam_gparams_per_s())
 
 
 OVERHEAD_LAYERS = (2, 4)
@@ -127,6 +144,7 @@ def calibrate(path: Path, model: ModelConfig | None = None, seq_len: int = 256,
     data = {"matmul_tflops": statistics.mean(r[0] for r in results),
             "gloo_gbps": nbytes / statistics.mean(r[1] for r in results) / 1e9,
             "latency_s": statistics.mean(r[2] for r in results),
+            "host_adam_gparams_per_s": statistics.mean(r[3] for r in results),
             "cores": os.cpu_count() or 1, "message_bytes": nbytes}
     data["fixed_costs"] = fixed_costs(data, model, seq_len, layouts)
     data["fixed_costs_for"] = {"model": dataclasses.asdict(model), "seq_len": seq_len}
@@ -145,6 +163,8 @@ def run(args: CommandArgs) -> int:
     print(f"gloo send/recv of {data['message_bytes']:,} bytes between 2 local ranks: "
           f"{data['gloo_gbps']:.3g} GB/s")
     print(f"gloo latency (a 4-byte send): {data['latency_s'] * 1e6:.0f} us")
+    print(f"host AdamW step (foreach, 1 thread per rank): "
+          f"{data['host_adam_gparams_per_s'] * 1e3:.3g} M parameters/s")
     print(f"fixed costs per micro-batch of 1 x {cfg.train.seq_len} tokens, model.dim="
           f"{cfg.model.dim} (ms per block / besides the blocks):")
     for layout in CALIBRATED_LAYOUTS:

@@ -173,6 +173,25 @@ def plan_hardware(cfg: LctrainConfig) -> tuple[Hardware, list[str]]:
     return hw, []
 
 
+def layout_label(o: dict[str, object]) -> str:
+    """A search candidate's overrides in one short line (tp, cp and its algorithm, pp and its
+    schedule, dp and the engine, checkpointing, tiling, what lives on the host)."""
+    cp = (f"cp{o['parallel.cp']} {o['parallel.attention']}"
+          + (f"(u{o['parallel.ulysses_degree']})"
+             if cp_algorithm(o["parallel.attention"]).heads_over == "ulysses_degree" else "")
+          if o["parallel.cp"] > 1 else "cp1")
+    pp = (f"pp{o['parallel.pp']} {o['parallel.pp_schedule']}" if o["parallel.pp"] > 1
+          else "pp1")
+    engine = o["parallel.dp_engine"] + (f"-z{o['deepspeed.zero_stage']}"
+                                        if "deepspeed.zero_stage" in o else "")
+    return (f"tp{o['parallel.tp']}{'+sp' if o['parallel.sp'] else ''} {cp} {pp} "
+            f"dp{o['parallel.dp']} {engine} ac={o['train.activation_checkpointing']}"
+            + (" tiled" if o["train.loss_chunk"] else "")
+            + (" act->host" if o["train.offload_activations"] else "")
+            + (f" host:{o['parallel.offload_state']}"
+               if o["parallel.offload_state"] != "none" else ""))
+
+
 def search_table(result: SearchResult, cfg: LctrainConfig, hw: Hardware) -> str:
     """The plan.search answer: what was searched, then the best plan.top layouts, each with the
     overrides that select it."""
@@ -190,25 +209,9 @@ def search_table(result: SearchResult, cfg: LctrainConfig, hw: Hardware) -> str:
     lines += ["", "(under each layout: the overrides that select it, on top of this command's)",
               row.format("rank", "tokens/s/GPU", "step s", "MFU", "GiB", "layout")]
     for i, c in enumerate(result.ranked[:cfg.plan.top], 1):
-        o = c.overrides
-        cp = (f"cp{o['parallel.cp']} {o['parallel.attention']}"
-              + (f"(u{o['parallel.ulysses_degree']})"
-                 if cp_algorithm(o["parallel.attention"]).heads_over == "ulysses_degree"
-                 else "")
-              if o["parallel.cp"] > 1 else "cp1")
-        pp = (f"pp{o['parallel.pp']} {o['parallel.pp_schedule']}" if o["parallel.pp"] > 1
-              else "pp1")
-        engine = o["parallel.dp_engine"] + (f"-z{o['deepspeed.zero_stage']}"
-                                            if "deepspeed.zero_stage" in o else "")
-        layout = (f"tp{o['parallel.tp']}{'+sp' if o['parallel.sp'] else ''} {cp} {pp} "
-                  f"dp{o['parallel.dp']} {engine} ac={o['train.activation_checkpointing']}"
-                  + (" tiled" if o["train.loss_chunk"] else "")
-                  + (" act->host" if o["train.offload_activations"] else "")
-                  + (f" host:{o['parallel.offload_state']}"
-                     if o["parallel.offload_state"] != "none" else ""))
         lines.append(row.format(i, f"{c.step.tokens_per_s_per_rank:,.0f}",
                                 f"{c.step.total_s:.3g}", f"{c.step.mfu:.1%}",
-                                f"{c.memory_gib:.1f}", layout))
+                                f"{c.memory_gib:.1f}", layout_label(c.overrides)))
         lines.append(f"{'':>42}{c.command_line(cfg)}")
     return "\n".join(lines)
 

@@ -253,6 +253,10 @@ def _sweep(overrides: list[str]) -> list[Composed]:
         name = f"{i}_{re.sub(r'[^A-Za-z0-9._=,+-]', '_', label)}" if label else str(i)
         try:
             job = resolve_model(compose([*combo, run_dir_override(base / name)]))
+            if job.cfg.parallel.auto:
+                from lctrain.commands.auto import apply_auto  # the search imports torch
+
+                job = apply_auto("submit", job)
         except ConfigError as e:
             problems += [f"[{label}] {p}" for p in e.problems]
             continue

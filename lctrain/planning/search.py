@@ -32,6 +32,19 @@ SCHEDULES = (("1f1b", 1), ("gpipe", 1), *(("interleaved_1f1b", v) for v in (1, 2
 at 1, 2 and 4 stages per rank."""
 ENGINES = (("fsdp", None), ("ddp", None), ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3))
 """(parallel.dp_engine, deepspeed.zero_stage) tried (DeepSpeed without offload)."""
+SEARCHED_KEYS = frozenset({
+    *(f"parallel.{k}" for k in ("tp", "sp", "cp", "attention", "ulysses_degree", "pp",
+                                "pp_schedule", "pp_virtual_stages", "pp_layers", "dp",
+                                "dp_engine", "offload_state")),
+    "deepspeed.zero_stage",
+    *(f"train.{k}" for k in ("activation_checkpointing", "offload_activations", "loss_chunk",
+                             "mlp_chunk"))})
+"""The keys a candidate's overrides set: what `search(fixed=...)` can hold fixed."""
+ENUMERATED = ("parallel.tp", "parallel.cp", "parallel.attention", "parallel.ulysses_degree",
+              "parallel.pp", "parallel.pp_schedule", "parallel.pp_virtual_stages",
+              "parallel.dp", "parallel.dp_engine", "deepspeed.zero_stage")
+"""The searched keys whose every value the enumeration tries: a fixed one filters the layouts;
+the others (parallel.sp, parallel.pp_layers and the train.* keys), fixed, are set instead."""
 CHECKPOINTING = (("none", False), ("selective", False), ("full", False), ("full", True))
 """(train.activation_checkpointing, train.offload_activations) tried: the block inputs full
 checkpointing keeps may go to the host."""
@@ -59,7 +72,7 @@ class Candidate:
             section, name = key.split(".")
             return key == "parallel.dp" or getattr(getattr(cfg, section), name) != value
 
-        return " ".join(f"{k}={_value(v)}" for k, v in self.overrides.items()
+        return " ".join(f"{k}={as_override(v)}" for k, v in self.overrides.items()
                         if cfg is None or changes(k, v))
 
 
@@ -76,7 +89,8 @@ class SearchResult:
     """Valid layouts that fit in no checkpointing mode or tiling."""
 
 
-def _value(v: object) -> str:
+def as_override(v: object) -> str:
+    """`v` as a command-line override's value."""
     if v is None:
         return "null"
     if isinstance(v, bool):
@@ -155,15 +169,33 @@ class _Part:
     too_big: int = 0
 
 
+def _allowed(parallel: dict, deepspeed: dict, fixed: dict[str, object]) -> bool:
+    """Whether a layout has the value of every fixed key the enumeration varies."""
+    values = {f"parallel.{k}": v for k, v in parallel.items()} | {
+        f"deepspeed.{k}": v for k, v in deepspeed.items()}
+    return all(values[k] == v for k, v in fixed.items() if k in ENUMERATED and k in values)
+
+
+def _section(fixed: dict[str, object], section: str) -> dict[str, object]:
+    """The fixed keys of `section` that are set rather than enumerated, by field name."""
+    return {k.split(".", 1)[1]: v for k, v in fixed.items()
+            if k.startswith(f"{section}.") and k not in ENUMERATED}
+
+
 def _search_part(cfg: LctrainConfig, world_size: int, hw: Hardware,
-                 share: list[tuple[int, dict, dict]]) -> _Part:
+                 share: list[tuple[int, dict, dict]], fixed: dict[str, object]) -> _Part:
     """The best fitting variant of each valid layout in `share` ((index, parallel.*,
-    deepspeed.*) overrides)."""
+    deepspeed.*) overrides), the `fixed` keys held at their values."""
     part = _Part()
     plain = {"activation_checkpointing": "none", "offload_activations": False, "loss_chunk": 0,
              "mlp_chunk": 0}
+    set_parallel, set_train = _section(fixed, "parallel"), _section(fixed, "train")
+    offload_states = [set_parallel.pop("offload_state")] if "offload_state" in set_parallel \
+        else OFFLOAD_STATE
     for index, parallel, deepspeed in share:
-        layout_cfg = _with(cfg, {**parallel, "offload_state": "none"}, deepspeed, plain)
+        parallel = {**parallel, **set_parallel}
+        layout_cfg = _with(cfg, {**parallel, "offload_state": "none"}, deepspeed,
+                           {**plain, **set_train})
         if layout_problems(layout_cfg, world_size):
             continue
         part.layouts += 1
@@ -172,15 +204,15 @@ def _search_part(cfg: LctrainConfig, world_size: int, hw: Hardware,
         tiled = {"loss_chunk": chunk, "mlp_chunk": chunk}
         # the layout rules read the chunks, not the checkpointing mode: one check for each
         tiles = [0] + ([chunk] if not layout_problems(
-            dataclasses.replace(layout_cfg, train=dataclasses.replace(cfg.train, **tiled)),
-            world_size) else [])
-        states = [o for o in OFFLOAD_STATE if not offload_problems(_with(
+            dataclasses.replace(layout_cfg, train=dataclasses.replace(
+                layout_cfg.train, **{**tiled, **set_train})), world_size) else [])
+        states = [o for o in offload_states if not offload_problems(_with(
             layout_cfg, {"offload_state": o}, {}, {}))]
         best = None
         for state in states:
             for (mode, to_host), tile in itertools.product(CHECKPOINTING, tiles):
                 train = {"activation_checkpointing": mode, "offload_activations": to_host,
-                         "loss_chunk": tile, "mlp_chunk": tile}
+                         "loss_chunk": tile, "mlp_chunk": tile, **set_train}
                 candidate_cfg = _with(layout_cfg, {"offload_state": state}, {}, train)
                 part.evaluated += 1
                 ok, gib = fits(candidate_cfg, world_size)
@@ -209,18 +241,22 @@ PARALLEL_FROM = 256
 this process may use, at most 8): below it a worker's start costs more than it saves."""
 
 
-def search(cfg: LctrainConfig, world_size: int, hw: Hardware) -> SearchResult:
+def search(cfg: LctrainConfig, world_size: int, hw: Hardware,
+           fixed: dict[str, object] | None = None) -> SearchResult:
     """Every layout of `world_size` ranks for `cfg`'s model, batch and sequence, ranked (ties in
-    predicted step time and memory keep the enumeration order)."""
+    predicted step time and memory keep the enumeration order); `fixed` (key -> value, keys of
+    SEARCHED_KEYS) holds those keys at their values."""
+    fixed = fixed or {}
     share = [(i, parallel, deepspeed) for i, (parallel, deepspeed)
-             in enumerate(layouts(cfg, world_size, hw.ranks_per_node))]
+             in enumerate(layouts(cfg, world_size, hw.ranks_per_node))
+             if _allowed(parallel, deepspeed, fixed)]
     workers = min(8, len(os.sched_getaffinity(0)))
     if workers > 1 and len(share) >= PARALLEL_FROM:
         with multiprocessing.get_context("fork").Pool(workers) as pool:
-            parts = pool.starmap(_search_part, [(cfg, world_size, hw, share[w::workers])
+            parts = pool.starmap(_search_part, [(cfg, world_size, hw, share[w::workers], fixed)
                                                 for w in range(workers)])
     else:
-        parts = [_search_part(cfg, world_size, hw, share)]
+        parts = [_search_part(cfg, world_size, hw, share, fixed)]
     found = sorted((pair for part in parts for pair in part.ranked),
                    key=lambda pair: (pair[1].step.total_s, pair[1].memory_gib, pair[0]))
     return SearchResult(world_size, [c for _, c in found], sum(p.layouts for p in parts),
