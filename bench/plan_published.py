@@ -29,6 +29,7 @@ from lctrain.config.compose import compose  # noqa: E402
 from lctrain.config.validation import layout_problems  # noqa: E402
 from lctrain.planning.flops import train_flops_per_step  # noqa: E402
 from lctrain.planning.hardware import hardware_from_plan  # noqa: E402
+from lctrain.planning.plan import rank_memory  # noqa: E402
 from lctrain.planning.search import memory_gib  # noqa: E402
 from lctrain.planning.timing import StepTime, predict_step_time  # noqa: E402
 
@@ -51,10 +52,10 @@ NEMO = [  # (sequence, GPUs, global batch, tp, dp, cp, TFLOP/s per GPU with CP)
     (524_288, 512, 8, 8, 4, 16, 549),
     (1_048_576, 1024, 4, 8, 4, 32, 536),
 ]
-ALST = [  # (GPUs, the longest sequence published, deepspeed.offload_param)
-    (1, 500_000, "cpu"),
-    (8, 3_700_000, "none"),
-    (32, 15_000_000, "none"),
+ALST = [  # (GPUs, the longest sequence published, what ALST keeps on the host)
+    (1, 500_000, "optimizer+params"),
+    (8, 3_700_000, "optimizer"),
+    (32, 15_000_000, "optimizer"),
 ]
 TILE = 4096
 """train.loss_chunk and train.mlp_chunk of the ALST rows: the tiles ALST's Liger loss and
@@ -153,23 +154,32 @@ def nemo_rows() -> list[str]:
     return lines
 
 
-def alst_config(gpus: int, seq: int, offload_param: str) -> list[str]:
+def alst_config(gpus: int, seq: int, offload: str, engine: str) -> list[str]:
+    """ALST's setting for `gpus` H100s at `seq` tokens: Ulysses over every GPU, full
+    checkpointing with the checkpoints on the host, tiles of TILE; the state offloaded by
+    DeepSpeed's ZeRO-3 as ALST does (`engine` deepspeed: the optimizer state on the host, the
+    weights too when `offload` is optimizer+params) or by lctrain's FSDP2
+    (parallel.offload_state=`offload`)."""
+    if engine == "deepspeed":
+        state = ["parallel.dp_engine=deepspeed", "deepspeed.zero_stage=3",
+                 "deepspeed.offload_optimizer=cpu",
+                 f"deepspeed.offload_param={'cpu' if 'params' in offload else 'none'}"]
+    else:
+        state = ["parallel.dp_engine=fsdp", f"parallel.offload_state={offload}"]
     return [*GPU, "model=llama3-8b", f"train.seq_len={seq}", f"parallel.cp={gpus}",
-            "parallel.attention=ulysses", "parallel.dp=1", "parallel.dp_engine=deepspeed",
-            "deepspeed.zero_stage=3", "deepspeed.offload_optimizer=cpu",
-            f"deepspeed.offload_param={offload_param}", "train.global_batch=1",
+            "parallel.attention=ulysses", "parallel.dp=1", *state, "train.global_batch=1",
             "train.activation_checkpointing=full", "train.offload_activations=true",
             f"train.loss_chunk={TILE}", f"train.mlp_chunk={TILE}",
             f"slurm.nodes={max(1, gpus // 8)}", f"slurm.gpus_per_node={min(gpus, 8)}"]
 
 
-def longest_fitting(gpus: int, offload_param: str) -> tuple[int, float]:
+def longest_fitting(gpus: int, offload: str, engine: str) -> tuple[int, float]:
     """The longest sequence (a multiple of TILE x gpus) whose plan fits 80 GiB and its GiB, or
     0 and the GiB of the shortest when none fits."""
     unit = TILE * gpus
 
     def gib(k: int) -> float:
-        return planned(alst_config(gpus, k * unit, offload_param), gpus)[2]
+        return planned(alst_config(gpus, k * unit, offload, engine), gpus)[2]
 
     if gib(1) > 80:
         return 0, gib(1)
@@ -183,17 +193,21 @@ def longest_fitting(gpus: int, offload_param: str) -> tuple[int, float]:
 
 
 def alst_rows() -> list[str]:
-    lines = [f"{'ALST Llama 3.1 8B':<24} {'longest published':>17} {'lctrain':>10} "
-             f"{'ratio':>6} {'GiB':>6}  layout"]
-    for gpus, seq, offload_param in ALST:
-        longest, gib = longest_fitting(gpus, offload_param)
-        if gpus == 1:  # no data-parallel group: no engine, so nothing of the state offloaded
-            layout = "1 rank: no engine (no ZeRO, no offload), checkpoints on the host"
-        else:
-            layout = (f"cp {gpus} ulysses, ZeRO-3, optimizer state and checkpoints on the "
-                      "host")
-        lines.append(f"{f'{gpus} H100 80 GB':<24} {seq:>17,} {longest:>10,} "
-                     f"{longest / seq:>6.2f} {gib:>6.1f}  {layout}, tiles of {TILE}")
+    lines = [f"{'ALST Llama 3.1 8B':<18} {'longest published':>17} {'engine':<9} "
+             f"{'lctrain':>10} {'ratio':>6} {'GiB':>5} {'host GiB/node':>13}  layout"]
+    for gpus, seq, offload in ALST:
+        for engine in ("deepspeed", "fsdp"):
+            longest, gib = longest_fitting(gpus, offload, engine)
+            cfg = compose(alst_config(gpus, max(longest, TILE * gpus), offload, engine)).cfg
+            host = rank_memory(cfg, gpus, 0)["itemised"]["host"]
+            on_host = ("optimizer state and weights" if "params" in offload
+                       else "optimizer state")
+            label = ("ZeRO-3" if engine == "deepspeed" else
+                     f"FSDP2 parallel.offload_state={offload}")
+            lines.append(f"{f'{gpus} H100 80 GB':<18} {seq:>17,} {engine:<9} {longest:>10,} "
+                         f"{longest / seq:>6.2f} {gib:>5.1f} {host['per_node_gib']:>13,.0f}  "
+                         f"cp {gpus} ulysses, {label}: {on_host} and checkpoints on the host, "
+                         f"tiles of {TILE}")
     return lines
 
 

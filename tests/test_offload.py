@@ -2,7 +2,8 @@
 
 The reference of each layout is the same layout with every state on the device (itself checked
 against one process elsewhere): losses, gradient norms and every whole gradient equal it, at
-one rank, dp2, cp2 ring x dp2 and tp2 + SP; a checkpoint saved offloaded resumes on the device
+one rank, dp2, cp2 ring x dp2, tp2 + SP, Ulysses with tiling and activation offload,
+all-gather KV under DDP and USP; a checkpoint saved offloaded resumes on the device
 and back, the next steps equal an uninterrupted run; the host bytes the planner predicts equal
 those the offloaded state holds, tensor by tensor.
 """
@@ -22,17 +23,26 @@ from lctrain.training.optim import HostAdamW, build_optimizer, build_scheduler
 from tests.helpers import on_ranks, tiny_config, train_on_ranks, with_overrides
 
 MODES = ("none", "optimizer", "optimizer+params")
-LAYOUTS = {  # name: (world, parallel.*, train.micro_batch)
-    "one_rank": (1, {"dp": 1}, 2),
-    "dp2": (2, {"dp": 2}, 1),
-    "cp2_ring_dp2": (4, {"cp": 2, "dp": 2, "attention": "ring"}, 1),
-    "tp2_sp": (2, {"tp": 2, "sp": True, "dp": 1}, 2),
+TILED = {"loss_chunk": 8, "mlp_chunk": 8, "activation_checkpointing": "full",
+         "offload_activations": True}
+LAYOUTS = {  # name: (world, parallel.*, train.*)
+    "one_rank": (1, {"dp": 1}, {"micro_batch": 2}),
+    "dp2": (2, {"dp": 2}, {"micro_batch": 1}),
+    "cp2_ring_dp2": (4, {"cp": 2, "dp": 2, "attention": "ring"}, {"micro_batch": 1}),
+    "tp2_sp": (2, {"tp": 2, "sp": True, "dp": 1}, {"micro_batch": 2}),
+    # the other cp algorithms, tiling and activation offload with it
+    "cp2_ulysses_tiled": (2, {"cp": 2, "dp": 1, "attention": "ulysses"},
+                          {"micro_batch": 2, **TILED}),
+    "cp2_allgather_ddp": (2, {"cp": 2, "dp": 1, "attention": "allgather", "dp_engine": "ddp"},
+                          {"micro_batch": 2}),
+    "cp4_usp": (4, {"cp": 4, "dp": 1, "attention": "usp", "ulysses_degree": 2},
+                {"micro_batch": 2}),
 }
 
 
-def _config(parallel: dict, micro_batch: int, mode: str):
+def _config(parallel: dict, train: dict, mode: str):
     return tiny_config(parallel={**parallel, "offload_state": mode},
-                       train={"steps": 2, "global_batch": 4, "micro_batch": micro_batch})
+                       train={"steps": 2, "global_batch": 4, **train})
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -80,8 +90,10 @@ def _steps(cfg, world: int) -> dict:
 
 
 def _all_modes(layout: str) -> dict:
-    world, parallel, micro = LAYOUTS[layout]
-    return {mode: _steps(_config(parallel, micro, mode), world) for mode in MODES}
+    """Every mode the layout's engine takes (DDP keeps its weights on the device)."""
+    world, parallel, train = LAYOUTS[layout]
+    modes = MODES[:2] if parallel.get("dp_engine") == "ddp" else MODES
+    return {mode: _steps(_config(parallel, train, mode), world) for mode in modes}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -89,7 +101,7 @@ def test_offloaded_state_equals_device_state(layout):
     world = LAYOUTS[layout][0]
     for rank, out in enumerate(on_ranks(_all_modes, world, layout)):
         ref = out["none"]
-        for mode in MODES[1:]:
+        for mode in list(out)[1:]:
             got = out[mode]
             # HostAdamW runs the device AdamW's arithmetic: bit for bit. FSDP's offload reduces
             # every micro-step's gradients (the reference: their sum once), so the sums round

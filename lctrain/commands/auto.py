@@ -2,7 +2,7 @@
 (`lctrain.planning.search`, what `lctrain plan plan.search=true` ranks) run for the world the
 run will have, its winner printed with the runner-up and why it won, and applied as overrides
 on top of the command line's, so the run is validated, recorded in config.yaml and submitted
-like a hand-written layout (docs/parallelism.md §21).
+like a hand-written layout (docs/parallelism.md §23).
 
 The keys the search chooses that the command line sets are constraints: the search varies only
 the others (`parallel.cp=8 parallel.auto=true` searches the layouts with cp = 8). Applied, the

@@ -211,7 +211,7 @@ def _deepspeed(cfg: LctrainConfig, grad_accum: int) -> list[str]:
 
 def offload_problems(cfg: LctrainConfig) -> list[str]:
     """parallel.offload_state: what each engine can keep on the host (docs/parallelism.md
-    §20)."""
+    §22)."""
     p = cfg.parallel
     if p.offload_state == "none":
         return []

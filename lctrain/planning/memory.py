@@ -105,7 +105,7 @@ def state_parts(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[s
 
 
 def host_state_parts(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[str, float]:
-    """The state one rank keeps in host memory (docs/parallelism.md §20), itemised like
+    """The state one rank keeps in host memory (docs/parallelism.md §22), itemised like
     `state_parts`: under parallel.offload_state=optimizer+params FSDP's fp32 shards, their
     gradients and AdamW moments, 4 + 4 + 8 bytes per parameter / (dp x cp); under
     optimizer, HostAdamW's weight and gradient buffers and the moments, 4 + 4 + 8 bytes per

@@ -209,14 +209,19 @@ def _search_part(cfg: LctrainConfig, world_size: int, hw: Hardware,
         states = [o for o in offload_states if not offload_problems(_with(
             layout_cfg, {"offload_state": o}, {}, {}))]
         best = None
+        # a variant with more state on the host only adds time: it is sized only where the
+        # same checkpointing and tiling with less on the host did not fit
+        unfit = list(itertools.product(CHECKPOINTING, tiles))
         for state in states:
-            for (mode, to_host), tile in itertools.product(CHECKPOINTING, tiles):
+            tried, unfit = unfit, []
+            for (mode, to_host), tile in tried:
                 train = {"activation_checkpointing": mode, "offload_activations": to_host,
                          "loss_chunk": tile, "mlp_chunk": tile, **set_train}
                 candidate_cfg = _with(layout_cfg, {"offload_state": state}, {}, train)
                 part.evaluated += 1
                 ok, gib = fits(candidate_cfg, world_size)
                 if not ok:
+                    unfit.append(((mode, to_host), tile))
                     continue
                 step = predict_step_time(candidate_cfg, world_size, hw)
                 if best is None or step.total_s < best.step.total_s:
@@ -225,10 +230,9 @@ def _search_part(cfg: LctrainConfig, world_size: int, hw: Hardware,
                     overrides |= {f"deepspeed.{k}": v for k, v in deepspeed.items()}
                     overrides |= {f"train.{k}": v for k, v in train.items()}
                     best = Candidate(overrides, step, gib)
-                if mode == "none" and not tile:  # nothing recomputed: no variant is faster
+                if mode == "none" and not tile and not to_host:  # nothing recomputed
+                    unfit = []  # nor offloaded (less offloaded first): no variant is faster
                     break
-            if best is not None and state == "none" and not best.step.recompute_s:
-                break  # nothing recomputed nor offloaded: no variant is faster
         if best is None:
             part.too_big += 1
         else:

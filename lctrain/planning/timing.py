@@ -304,7 +304,7 @@ def fixed_seconds(step: StepShape, hw: Hardware) -> float:
 
 def offload_seconds(step: StepShape, hw: Hardware) -> float:
     """Seconds the busiest rank spends on what it keeps in host memory (docs/parallelism.md
-    §20): its host<->device copies (`host_copy_bytes`, both directions) at the PCIe bandwidth,
+    §22): its host<->device copies (`host_copy_bytes`, both directions) at the PCIe bandwidth,
     not hidden behind compute, and the host AdamW step over the parameters whose state is on
     the host (parallel.offload_state), at the host's rate."""
     cfg = step.cfg

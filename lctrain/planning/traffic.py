@@ -107,7 +107,7 @@ def dp_step_bytes(engine: str, blocks: int, root: int, shards: int, accum: int,
 
 def host_copy_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[str, float]:
     """Bytes one rank of pipeline rank `pp_rank` copies per step between host and device
-    (docs/parallelism.md §20), {"to_device", "to_host"}: under parallel.offload_state=
+    (docs/parallelism.md §22), {"to_device", "to_host"}: under parallel.offload_state=
     optimizer+params every FSDP gather first copies the fp32 shard to the device (each block
     twice per micro-step, the root once) and every micro-step's reduced gradient shard goes to
     the host; under optimizer, once per step, the gradients out and the updated weights back

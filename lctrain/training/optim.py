@@ -51,7 +51,7 @@ def _laid_out_as(grad: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 class HostAdamW(torch.optim.AdamW):
     """AdamW whose moments live in host memory and whose step runs there
-    (parallel.offload_state=optimizer; docs/parallelism.md §20).
+    (parallel.offload_state=optimizer; docs/parallelism.md §22).
 
     The param groups hold the model's parameters, so the lr schedule, clipping and checkpoints
     see an ordinary AdamW; `state[p]` holds host tensors ("exp_avg", "exp_avg_sq": DTensors
