@@ -74,9 +74,6 @@ def _measure(nbytes: int, repeats: int) -> tuple[float, float, float, float]:
             _one_way_seconds(torch.zeros(1), 4 * repeats), measure_host_adam_gparams_per_s())
 
 
-OVERHEAD_LAYERS = (2, 4)
-"""Model depths of the two timed training runs per layout: the difference is blocks, the rest
-is per micro-batch."""
 MICRO_BATCHES = 4
 """Micro-batches of one sample per step and rank in a timed run."""
 
@@ -121,14 +118,13 @@ def fixed_costs(data: dict, model: ModelConfig, seq_len: int,
     out = {}
     for layout in layouts:
         rest = []
-        for layers in OVERHEAD_LAYERS:
+        for layers in layout.depths:
             cfg = overhead_config(model, seq_len, layout, layers)
             world = local_world_size(cfg)
             rest.append(_measured_step_s(cfg, world) - predict_step_time(cfg, world, hw).total_s)
-        pp = layout.parallel.get("pp", 1)
-        block = (rest[1] - rest[0]) / (
-            (OVERHEAD_LAYERS[1] - OVERHEAD_LAYERS[0]) // pp * MICRO_BATCHES)
-        out[layout.name] = [block, rest[0] / MICRO_BATCHES - block * (OVERHEAD_LAYERS[0] // pp)]
+        pp, (short, deep) = layout.parallel.get("pp", 1), layout.depths
+        block = (rest[1] - rest[0]) / ((deep - short) // pp * MICRO_BATCHES)
+        out[layout.name] = [block, rest[0] / MICRO_BATCHES - block * (short // pp)]
     return out
 
 

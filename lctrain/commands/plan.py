@@ -180,8 +180,9 @@ def layout_label(o: dict[str, object]) -> str:
           + (f"(u{o['parallel.ulysses_degree']})"
              if cp_algorithm(o["parallel.attention"]).heads_over == "ulysses_degree" else "")
           if o["parallel.cp"] > 1 else "cp1")
-    pp = (f"pp{o['parallel.pp']} {o['parallel.pp_schedule']}" if o["parallel.pp"] > 1
-          else "pp1")
+    pp = (f"pp{o['parallel.pp']} {o['parallel.pp_schedule']}"
+          + (f"x{o['parallel.pp_virtual_stages']}" if o["parallel.pp_virtual_stages"] > 1
+             else "") if o["parallel.pp"] > 1 else "pp1")
     engine = o["parallel.dp_engine"] + (f"-z{o['deepspeed.zero_stage']}"
                                         if "deepspeed.zero_stage" in o else "")
     return (f"tp{o['parallel.tp']}{'+sp' if o['parallel.sp'] else ''} {cp} {pp} "

@@ -247,11 +247,15 @@ class CalibratedLayout:
     train: dict = field(default_factory=dict)
     """The train.* overrides of its calibration run."""
     reference: str | None = "base"
-    """The layout its extra is measured against: "base" (2 FSDP ranks), or "single" for what
-    is the rank's own work, the same beside any engine (the checkpointing modes). None: it is
+    """The layout its extra is measured against: "base" (2 FSDP ranks), "single" for what
+    is the rank's own work, the same beside any engine (the checkpointing modes), or another
+    calibrated layout it adds to ("pp" for each further pipeline stage per rank). None: it is
     a reference."""
     times: Callable[[StepShape], float] = _never
     """How many times per block a layout pays its extra (0: it does not use the feature)."""
+    depths: tuple[int, int] = (2, 4)
+    """The model depths of its two timed runs (the difference is blocks, the rest is per
+    micro-batch): enough layers for every stage of its pipeline."""
 
 
 CALIBRATED_LAYOUTS: tuple[CalibratedLayout, ...] = (
@@ -263,6 +267,10 @@ CALIBRATED_LAYOUTS: tuple[CalibratedLayout, ...] = (
                        times=_attention_feature(a.name))
       for a in CP_ALGORITHMS.entries() if a.timing.calibrated),
     CalibratedLayout("pp", {"pp": 2, "dp": 1}, times=lambda s: float(s.cfg.parallel.pp > 1)),
+    CalibratedLayout("pp_stages", {"pp": 2, "dp": 1, "pp_schedule": "interleaved_1f1b",
+                                   "pp_virtual_stages": 2}, reference="pp", depths=(4, 8),
+                     times=lambda s: float(s.cfg.parallel.pp_virtual_stages - 1)
+                     if s.cfg.parallel.pp > 1 else 0.0),
     CalibratedLayout("ddp", {"dp": 2, "dp_engine": "ddp"},
                      times=lambda s: float(s.cfg.parallel.dp_engine == "ddp" and s.shards > 1)),
     *(CalibratedLayout(mode, {}, {"activation_checkpointing": mode}, reference="single",
@@ -272,7 +280,8 @@ CALIBRATED_LAYOUTS: tuple[CalibratedLayout, ...] = (
 )
 """The layouts `lctrain plan --calibrate` trains and times, in its order: one process, 2-rank
 FSDP, then one feature each on 2 ranks (each context-parallel algorithm whose registry entry
-says `calibrated`), the checkpointing modes on one process."""
+says `calibrated`; a second pipeline stage per rank on top of the pipeline's), the
+checkpointing modes on one process."""
 
 
 def calibrated_layout(name: str) -> CalibratedLayout:
@@ -293,7 +302,8 @@ def fixed_seconds(step: StepShape, hw: Hardware) -> float:
         times = feature.times(step)
         if times and feature.name in hw.fixed_costs:
             own = hw.fixed_costs[feature.name]
-            ref = hw.fixed_costs["single" if feature.reference == "single" else base]
+            ref = hw.fixed_costs[{"single": "single", "base": base}.get(feature.reference,
+                                                                         feature.reference)]
             block += times * (own[0] - ref[0])
             rest += times * (own[1] - ref[1])
     return (max(0.0, block) * step.blocks + max(0.0, rest)) * step.micro_batches
