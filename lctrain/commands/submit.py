@@ -254,7 +254,8 @@ def _sweep(overrides: list[str]) -> list[Composed]:
         try:
             job = resolve_model(compose([*combo, run_dir_override(base / name)]))
             if job.cfg.parallel.auto:
-                from lctrain.commands.auto import apply_auto  # the search imports torch
+                # here only: the search imports torch, which submitting otherwise never does
+                from lctrain.commands.auto import apply_auto
 
                 job = apply_auto("submit", job)
         except ConfigError as e:
