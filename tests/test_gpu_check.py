@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ALL_CHECKS = {"env", "kernels", "cp_algorithms", "train_tiny", "selective_memory",
-              "offload_and_tiling", "compile", "checkpoint_resume", "step_8b",
+              "offload_and_tiling", "state_offload", "compile", "checkpoint_resume", "step_8b",
               "kernel_throughput", "batch_transfer"}
 
 

@@ -121,8 +121,8 @@ def test_offloaded_state_equals_device_state(layout):
 
 def test_checkpoint_moves_between_offloaded_and_device_state(tmp_path):
     """A run checkpointed at step 2 with its state on the device resumes with it on the host
-    (both modes), and one checkpointed offloaded resumes on the device: steps 3 and 4 equal
-    the uninterrupted run's."""
+    (both modes, and resharded onto one rank), and one checkpointed offloaded resumes on the
+    device: steps 3 and 4 equal the uninterrupted run's."""
     base = tiny_config(parallel={"dp": 2}, train={"steps": 4, "global_batch": 4,
                                                   "micro_batch": 1},
                        checkpoint={"every": 2, "keep": 0})
@@ -136,7 +136,13 @@ def test_checkpoint_moves_between_offloaded_and_device_state(tmp_path):
         runs[f"{saved}_to_{loaded}"] = (2, with_overrides(
             modes[loaded], checkpoint={"load": str(tmp_path / f"half_{saved}" / "checkpoints"
                                                    / "step-00000002")}))
+    # resharded too: the dp2 checkpoint on one rank, its state on the host
+    runs["none_to_one_rank"] = (1, with_overrides(
+        modes["optimizer+params"], parallel={"dp": 1},
+        checkpoint={"load": str(tmp_path / "half_none" / "checkpoints" / "step-00000002")}))
     out = train_on_ranks(runs, str(tmp_path))
+    moves.append(("none", "one_rank"))
+    out["full_one_rank"] = out["full_none"]
     for saved, loaded in moves:
         resumed = out[f"{saved}_to_{loaded}"][0]
         full = out[f"full_{loaded}"][0]

@@ -15,7 +15,8 @@ causal or not, MHA / GQA / MQA, bf16 tolerances 2.5e-2 and 3.5e-2 with GQA) and 
 backend's deterministic backward; every context-parallel algorithm with packed documents on 2
 and 4 ranks sharing the GPU (gloo, collectives staged through host memory); 20 tiny steps in
 bf16 on CUDA against fp32 on the CPU; selective checkpointing's activation bytes; offload and
-the tiled loss and MLP; torch.compile; one checkpoint save and resume; a Llama-3-8B-shaped step
+the tiled loss and MLP; the training state in host memory (parallel.offload_state: losses, pinned
+bytes against the plan); torch.compile; one checkpoint save and resume; a Llama-3-8B-shaped step
 (2 layers, 64K or 32K tokens) with its loss finite and `lctrain plan`'s time and memory beside
 the measured ones; attention throughput in TFLOP/s per backend at 8K / 32K / 128K against the
 device's bf16 matmul rate; the host-to-device batch copy.
@@ -49,17 +50,20 @@ from lctrain.attention.local import local_attention  # noqa: E402
 from lctrain.attention.varlen_reference import register_cpu_flash_ops  # noqa: E402
 from lctrain.config import LctrainConfig, ModelConfig  # noqa: E402
 from lctrain.data.batch import micro_batch_from_tokens  # noqa: E402
+from lctrain.data.loader import build_loader  # noqa: E402
 from lctrain.layout import sequence  # noqa: E402
 from lctrain.layout.comm import check_collective_devices  # noqa: E402
 from lctrain.parallel.data_parallel import unwrap  # noqa: E402
 from lctrain.parallel.launch import RankFailure, run_ranks  # noqa: E402
 from lctrain.parallel.memory import build_measured_model, measure_activations  # noqa: E402
+from lctrain.parallel.parallelize import build_model  # noqa: E402
 from lctrain.parallel.runtime import setup_distributed  # noqa: E402
 from lctrain.planning.hardware import hardware_for  # noqa: E402
-from lctrain.planning.memory import activation_formula  # noqa: E402
+from lctrain.planning.memory import activation_formula, host_state_parts  # noqa: E402
 from lctrain.planning.plan import rank_memory  # noqa: E402
 from lctrain.planning.timing import predict_step_time  # noqa: E402
 from lctrain.training import loop  # noqa: E402
+from lctrain.training.optim import build_optimizer, build_scheduler  # noqa: E402
 from tests.reference import reference_attention  # noqa: E402
 
 H200_BF16_PEAK = 989e12
@@ -400,6 +404,71 @@ def check_checkpoint_resume(ctx: Context, run_root: Path) -> dict:
                       f"(tolerance {tolerance})"}
 
 
+def _offloaded_steps(cfg: LctrainConfig) -> dict:
+    """Three steps of `cfg` on this process: the losses, the bytes of the host storages the
+    offloaded state holds after each step (FSDP's shards, gradients and moments under
+    optimizer+params, HostAdamW's buffers and moments under optimizer), how many of them are
+    pinned, and the device bytes allocated after the last."""
+    rt = setup_distributed(cfg)
+    model = build_model(cfg, rt)
+    mode = cfg.parallel.offload_state
+    optimizer = build_optimizer(model, cfg.optim, on_host=mode == "optimizer")
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    loader = build_loader(cfg, rt.topology, rt.rank, rt.derived.grad_accum)
+    host: list[tuple[int, int]] = []
+
+    def host_bytes(opt, *_):
+        tensors = [v for state in opt.state.values() for k, v in state.items() if k != "step"]
+        if mode == "optimizer":
+            tensors += [t for pair in opt.buffers.values() for t in pair]
+        else:
+            tensors += [p for p in model.parameters()] + [p.grad for p in model.parameters()]
+        storages = {}
+        for t in tensors:
+            local = getattr(t, "_local_tensor", t)
+            if local is not None and local.device.type == "cpu":
+                storage = local.untyped_storage()
+                storages[storage.data_ptr()] = (storage.nbytes(), local.is_pinned())
+        host.append((sum(n for n, _ in storages.values()),
+                     sum(n for n, pinned in storages.values() if pinned)))
+
+    if mode != "none":
+        optimizer.register_step_post_hook(host_bytes)
+    losses = [loop.train_step(model, optimizer, scheduler, loader.next_step(), cfg, rt)["loss"]
+              for _ in range(cfg.train.steps)]
+    allocated = torch.cuda.memory_allocated() if rt.device.type == "cuda" else 0
+    (total, pinned), = host[-1:] or [(0, 0)]
+    return {"losses": losses, "host_bytes": total, "pinned_bytes": pinned,
+            "device_bytes": allocated}
+
+
+def check_state_offload(ctx: Context) -> dict:
+    """parallel.offload_state on one rank of the device: each mode's losses against the state
+    on the device (fp32: HostAdamW exact, FSDP's offload to float32 rounding), the host bytes
+    of the offloaded state against `host_state_parts` (exact; the pinned share reported), and
+    the device bytes each mode leaves."""
+    rows, ok = [], True
+    for mode in ("none", "optimizer", "optimizer+params"):
+        cfg = _tiny_cfg(3, ctx.device.type, "fp32")
+        cfg.train.deterministic = not ctx.dry_run
+        cfg.parallel.offload_state = mode
+        got = _offloaded_steps(cfg)
+        want = sum(host_state_parts(cfg, 1).values())
+        rows.append({"mode": mode, **got, "host_bytes_predicted": want})
+        ok = ok and got["host_bytes"] == want
+    for row in rows[1:]:
+        row["largest_relative_loss_difference"] = max(
+            abs(a - b) / abs(b) for a, b in zip(row["losses"], rows[0]["losses"]))
+        ok = ok and row["largest_relative_loss_difference"] <= 1e-5
+    return {"status": "PASS" if ok else "FAIL", "cases": rows,
+            "detail": ", ".join(f"{r['mode']}: host {r['host_bytes']:,} B (predicted "
+                                f"{r['host_bytes_predicted']:,.0f}; pinned {r['pinned_bytes']:,}),"
+                                f" device {r['device_bytes']:,} B"
+                                + (f", loss diff {r['largest_relative_loss_difference']:.1e}"
+                                   if "largest_relative_loss_difference" in r else "")
+                                for r in rows)}
+
+
 def llama8b_flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token: 6 x (matmul parameters, output layer included) for forward and
     backward, plus causal attention 6 x n_layers x seq_len x dim (QK^T and PV, 2 FLOPs per
@@ -589,6 +658,7 @@ CHECKS = {  # in order of what a first GPU run must not miss
     "checkpoint_resume": Check(check_checkpoint_resume, 25, 90, True),
     "selective_memory": Check(check_selective_memory, 15, 60),
     "offload_and_tiling": Check(check_offload_and_tiling, 20, 90),
+    "state_offload": Check(check_state_offload, 20, 90),
     "compile": Check(check_compile, 60, 150, True),
     "batch_transfer": Check(check_batch_transfer, 10, 60),
 }
