@@ -20,7 +20,7 @@ from lctrain.parallel.runtime import setup_distributed
 from lctrain.planning.memory import host_state_parts
 from lctrain.training.loop import train_step
 from lctrain.training.optim import HostAdamW, build_optimizer, build_scheduler
-from tests.helpers import on_ranks, tiny_config, train_on_ranks, with_overrides
+from tests.helpers import on_ranks, run_cli, tiny_config, train_on_ranks, with_overrides
 
 MODES = ("none", "optimizer", "optimizer+params")
 TILED = {"loss_chunk": 8, "mlp_chunk": 8, "activation_checkpointing": "full",
@@ -150,3 +150,25 @@ def test_checkpoint_moves_between_offloaded_and_device_state(tmp_path):
         for got, ref in zip(resumed, full[2:]):  # float32 rounding: see the test above
             for key in ("loss", "grad_norm"):
                 assert got[key] == pytest.approx(ref[key], rel=1e-5), (saved, loaded, got)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.dp_engine=deepspeed", "parallel.offload_state=optimizer"],
+     "DeepSpeed offloads through its own keys; set parallel.offload_state=none and "
+     "deepspeed.offload_optimizer=cpu"),
+    (["parallel.dp_engine=ddp", "parallel.offload_state=optimizer+params"],
+     "only FSDP keeps its weights in host memory"),
+    (["parallel.pp=2", "parallel.cp=1", "parallel.offload_state=optimizer+params"],
+     "set parallel.offload_state=optimizer or parallel.pp=1"),
+])
+def test_offload_that_cannot_compose_is_exit_2(overrides, message, capsys):
+    code, _, err = run_cli(["plan", "+recipe=tiny", *overrides], capsys)
+    assert code == 2 and message in err, err
+
+
+def test_plan_prints_the_host_side(capsys):
+    code, out, _ = run_cli(["plan", "+recipe=tiny", "parallel.offload_state=optimizer+params"],
+                           capsys)
+    assert code == 0
+    assert "host memory per rank" in out and "FITS in plan.host_memory_gib=2048 per node" in out
+    assert "host<->device copies per step" in out

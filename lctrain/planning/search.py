@@ -190,6 +190,8 @@ def _search_part(cfg: LctrainConfig, world_size: int, hw: Hardware,
     plain = {"activation_checkpointing": "none", "offload_activations": False, "loss_chunk": 0,
              "mlp_chunk": 0}
     set_parallel, set_train = _section(fixed, "parallel"), _section(fixed, "train")
+    if set_train.get("offload_activations"):  # the layout's rules: only with full checkpointing
+        plain["activation_checkpointing"] = "full"
     offload_states = [set_parallel.pop("offload_state")] if "offload_state" in set_parallel \
         else OFFLOAD_STATE
     for index, parallel, deepspeed in share:
@@ -213,10 +215,14 @@ def _search_part(cfg: LctrainConfig, world_size: int, hw: Hardware,
         # same checkpointing and tiling with less on the host did not fit
         unfit = list(itertools.product(CHECKPOINTING, tiles))
         for state in states:
-            tried, unfit = unfit, []
+            tried, unfit, sized = unfit, [], set()
             for (mode, to_host), tile in tried:
                 train = {"activation_checkpointing": mode, "offload_activations": to_host,
                          "loss_chunk": tile, "mlp_chunk": tile, **set_train}
+                if (train["offload_activations"] and train["activation_checkpointing"] != "full"
+                        or tuple(train.values()) in sized):
+                    continue  # ruled out, or made the same, by what the command line fixed
+                sized.add(tuple(train.values()))
                 candidate_cfg = _with(layout_cfg, {"offload_state": state}, {}, train)
                 part.evaluated += 1
                 ok, gib = fits(candidate_cfg, world_size)
