@@ -27,10 +27,15 @@ def block_split(m: ModelConfig) -> tuple[int, int]:
     """(parameters TP shards, parameters TP replicates) of one transformer block: Q, K, V, O and
     the MLP's matrices, plus the family's biases (`ModelFamily.block_extra_params`); the two
     norms, plus the family's head norms."""
-    attention = m.dim * (2 * m.q_dim + 2 * m.kv_dim)
-    sharded, replicated = model_family(m.family).block_extra_params(m.d_head, m.n_heads,
-                                                                    m.n_kv_heads)
-    return attention + MLP_MATRICES * m.dim * m.ffn_dim + sharded, 2 * m.dim + replicated
+    return _block_split(m.family, m.dim, m.d_head, m.n_heads, m.n_kv_heads, m.ffn_dim)
+
+
+@cache  # pure in its arguments; a layout search asks for the same ones many times
+def _block_split(family: str, dim: int, d_head: int, heads: int, kv_heads: int,
+                 ffn_dim: int) -> tuple[int, int]:
+    attention = dim * (2 * heads * d_head + 2 * kv_heads * d_head)
+    sharded, replicated = model_family(family).block_extra_params(d_head, heads, kv_heads)
+    return attention + MLP_MATRICES * dim * ffn_dim + sharded, 2 * dim + replicated
 
 
 def block_params(m: ModelConfig) -> int:
@@ -65,9 +70,15 @@ def attention_flops(m: ModelConfig, seq_len: int) -> float:
 def _unit_costs(m: ModelConfig, seq_len: int) -> tuple[float, float, float]:
     """`layer_costs` with one block's cost (every block costs the same); the embedding a row
     lookup, d_model per token."""
-    block = TRAIN_OVER_FORWARD * FLOPS_PER_WEIGHT * block_params(m) + attention_flops(m, seq_len)
-    output = TRAIN_OVER_FORWARD * (FLOPS_PER_WEIGHT * m.dim + SOFTMAX_FLOPS) * m.vocab_size
-    return TRAIN_OVER_FORWARD * m.dim, block, output
+    return _unit_costs_of(block_params(m), attention_flops(m, seq_len), m.dim, m.vocab_size)
+
+
+@cache  # a layout search asks for the same ones many times
+def _unit_costs_of(block_weights: int, attention: float, dim: int,
+                   vocab: int) -> tuple[float, float, float]:
+    block = TRAIN_OVER_FORWARD * FLOPS_PER_WEIGHT * block_weights + attention
+    output = TRAIN_OVER_FORWARD * (FLOPS_PER_WEIGHT * dim + SOFTMAX_FLOPS) * vocab
+    return TRAIN_OVER_FORWARD * dim, block, output
 
 
 def stage_count(cfg: LctrainConfig) -> int:

@@ -113,9 +113,12 @@ def host_state_parts(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> d
     DeepSpeed engine, what its offload keys move (an estimate: fp32 master partition, moments
     and gradient partition, 4 + 8 + 4 bytes per parameter / (dp x cp); ZeRO-3's weights in the
     compute dtype / (dp x cp)). Empty when nothing is offloaded."""
-    d, p = derive(cfg, world_size), cfg.parallel
-    params, n = sum(local_params(cfg, pp_rank)), d.dp * p.cp
+    p = cfg.parallel
     engine = data_parallel_engine_of(cfg, world_size)
+    if p.offload_state == "none" and engine != "deepspeed":
+        return {}
+    d = derive(cfg, world_size)
+    params, n = sum(local_params(cfg, pp_rank)), d.dp * p.cp
     if engine == "deepspeed":
         ds, out = cfg.deepspeed, {}
         if ds.offload_optimizer == "cpu":
@@ -124,8 +127,6 @@ def host_state_parts(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> d
         if ds.offload_param == "cpu":
             out["weights"] = out.get("weights", 0.0) + compute_bytes(cfg) * params / n
         return out
-    if p.offload_state == "none":
-        return {}
     local = params / n if engine == "fsdp" else params
     return {"weights": 4 * local, "gradients": 4 * local, "optimizer_state": 8 * local}
 

@@ -215,13 +215,15 @@ def _search_part(cfg: LctrainConfig, world_size: int, hw: Hardware,
         # same checkpointing and tiling with less on the host did not fit
         unfit = list(itertools.product(CHECKPOINTING, tiles))
         for state in states:
-            tried, unfit, sized = unfit, [], set()
+            tried, unfit, sized, fitted = unfit, [], set(), set()
             for (mode, to_host), tile in tried:
                 train = {"activation_checkpointing": mode, "offload_activations": to_host,
                          "loss_chunk": tile, "mlp_chunk": tile, **set_train}
                 if (train["offload_activations"] and train["activation_checkpointing"] != "full"
                         or tuple(train.values()) in sized):
                     continue  # ruled out, or made the same, by what the command line fixed
+                if to_host and (mode, tile) in fitted:
+                    continue  # the block inputs fit on the device: the host only adds copies
                 sized.add(tuple(train.values()))
                 candidate_cfg = _with(layout_cfg, {"offload_state": state}, {}, train)
                 part.evaluated += 1
@@ -229,6 +231,7 @@ def _search_part(cfg: LctrainConfig, world_size: int, hw: Hardware,
                 if not ok:
                     unfit.append(((mode, to_host), tile))
                     continue
+                fitted.add((mode, tile))
                 step = predict_step_time(candidate_cfg, world_size, hw)
                 if best is None or step.total_s < best.step.total_s:
                     overrides = {f"parallel.{k}": v for k, v in parallel.items()}

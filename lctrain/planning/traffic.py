@@ -113,10 +113,13 @@ def host_copy_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> di
     the host; under optimizer, once per step, the gradients out and the updated weights back
     (4 bytes per parameter the rank holds); under train.offload_activations, what the blocks
     keep, out in the forward and back in the backward, every micro-step."""
-    p, t, d = cfg.parallel, cfg.train, derive(cfg, world_size)
+    p, t = cfg.parallel, cfg.train
+    out = {"to_device": 0.0, "to_host": 0.0}
+    if p.offload_state == "none" and not t.offload_activations:
+        return out
+    d = derive(cfg, world_size)
     blocks, root = local_params(cfg, pp_rank)
     n = d.dp * p.cp if data_parallel_engine_of(cfg, world_size) == "fsdp" else 1
-    out = {"to_device": 0.0, "to_host": 0.0}
     if p.offload_state == "optimizer+params":
         out = {"to_device": 4 * d.grad_accum * (2 * blocks + root) / n,
                "to_host": 4 * d.grad_accum * (blocks + root) / n}
