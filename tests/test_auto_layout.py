@@ -4,6 +4,7 @@ keeps; `--cfg` shows the chosen layout; a constraint nothing satisfies is exit 2
 planner side of state offload: the done-when plan of Llama 3 8B at 600K tokens on one 80 GB
 GPU fits only with the state on the host, and the search holds fixed keys."""
 
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import yaml
 
 from lctrain.config.compose import compose
 from lctrain.planning.hardware import hardware_from_plan
-from lctrain.planning.search import search
+from lctrain.planning.search import as_override, search
 from tests.helpers import run_cli, tiny_config
 
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -28,16 +29,23 @@ def _chosen(stderr: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_tiny_recipe_trains_with_the_layout_auto_printed(tmp_path):
+def test_tiny_recipe_trains_with_the_layout_auto_printed(tmp_path, capsys):
+    """The winner of `lctrain plan plan.search=true` for the tiny recipe's 4 CPU ranks is what
+    parallel.auto prints, and it trains."""
+    calibration = f"plan.calibration={tmp_path / 'none.json'}"
+    found = json.loads(run_cli(["plan", "+recipe=tiny", "slurm.gpus_per_node=0",
+                                "plan.search=true", calibration, "--json"], capsys)[1])
+    assert found["world_size"] == 4 and "no calibration" in found["notes"][0]
     run = tmp_path / "run"
     done = subprocess.run(
         [sys.executable, "-m", "lctrain.cli", "train", "+recipe=tiny", "parallel.auto=true",
          "train.steps=2", "eval.every=0", "checkpoint.every=0", "logging.progress=false",
-         f"plan.calibration={tmp_path / 'none.json'}", f"hydra.run.dir={run}"],
+         calibration, f"hydra.run.dir={run}"],
         capture_output=True, text=True, env=OFFLINE, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "lctrain: runner-up" in done.stderr and "s per step" in done.stderr
     chosen = _chosen(done.stderr)
+    assert chosen == {k: as_override(v) for k, v in found["top"][0]["overrides"].items()}
     recorded = yaml.safe_load((run / "config.yaml").read_text())
     assert recorded["parallel"]["auto"] is True
     for key, value in chosen.items():
@@ -98,8 +106,6 @@ def test_llama3_8b_at_600k_tokens_fits_one_80gb_gpu_with_the_state_on_the_host(c
             "train.device=cuda"]
     code, out, err = run_cli(["plan", *args, "plan.search=true", "--json"], capsys)
     assert code == 0, err
-    import json
-
     found = json.loads(out)
     assert found["fitting"] >= 1
     best = found["top"][0]["overrides"]
