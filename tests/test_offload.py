@@ -15,11 +15,12 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lctrain.data.loader import build_loader
+from lctrain.parallel.memory import measure_host_state
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.planning.memory import host_state_parts
 from lctrain.training.loop import train_step
-from lctrain.training.optim import HostAdamW, build_optimizer, build_scheduler
+from lctrain.training.optim import build_optimizer, build_scheduler
 from tests.helpers import on_ranks, run_cli, tiny_config, train_on_ranks, with_overrides
 
 MODES = ("none", "optimizer", "optimizer+params")
@@ -49,24 +50,6 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def _host_bytes(model, optimizer) -> int:
-    """Bytes of the distinct storages the offloaded state holds on the host: FSDP's shards and
-    their gradients and moments (optimizer+params), or HostAdamW's buffers and moments."""
-    tensors = []
-    if isinstance(optimizer, HostAdamW):
-        tensors += [t for pair in optimizer.buffers.values() for t in pair]
-    else:
-        tensors += [p for p in model.parameters()] + [p.grad for p in model.parameters()
-                                                      if p.grad is not None]
-    tensors += [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
-    storages = {}
-    for t in tensors:
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        assert local.device.type == "cpu"
-        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
-    return sum(storages.values())
-
-
 def _steps(cfg, world: int) -> dict:
     """Two steps of `cfg` on this rank: every step's metrics, every whole gradient the
     optimizer was given, and the host bytes of the offloaded state after each step (before
@@ -82,7 +65,7 @@ def _steps(cfg, world: int) -> dict:
     optimizer.register_step_pre_hook(lambda *_: grads.append(
         {n: _whole(p.grad) for n, p in model.named_parameters()}))
     optimizer.register_step_post_hook(lambda opt, *_: host.append(
-        _host_bytes(model, opt) if cfg.parallel.offload_state != "none" else 0))
+        measure_host_state(model, opt, cfg.parallel.offload_state)[0]))
     metrics = [train_step(model, optimizer, scheduler, loader.next_step(), cfg, rt)
                for _ in range(cfg.train.steps)]
     return {"metrics": metrics, "grads": grads, "host": host,

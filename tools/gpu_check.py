@@ -55,7 +55,11 @@ from lctrain.layout import sequence  # noqa: E402
 from lctrain.layout.comm import check_collective_devices  # noqa: E402
 from lctrain.parallel.data_parallel import unwrap  # noqa: E402
 from lctrain.parallel.launch import RankFailure, run_ranks  # noqa: E402
-from lctrain.parallel.memory import build_measured_model, measure_activations  # noqa: E402
+from lctrain.parallel.memory import (  # noqa: E402
+    build_measured_model,
+    measure_activations,
+    measure_host_state,
+)
 from lctrain.parallel.parallelize import build_model  # noqa: E402
 from lctrain.parallel.runtime import setup_distributed  # noqa: E402
 from lctrain.planning.hardware import hardware_for  # noqa: E402
@@ -416,28 +420,12 @@ def _offloaded_steps(cfg: LctrainConfig) -> dict:
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     loader = build_loader(cfg, rt.topology, rt.rank, rt.derived.grad_accum)
     host: list[tuple[int, int]] = []
-
-    def host_bytes(opt, *_):
-        tensors = [v for state in opt.state.values() for k, v in state.items() if k != "step"]
-        if mode == "optimizer":
-            tensors += [t for pair in opt.buffers.values() for t in pair]
-        else:
-            tensors += [p for p in model.parameters()] + [p.grad for p in model.parameters()]
-        storages = {}
-        for t in tensors:
-            local = getattr(t, "_local_tensor", t)
-            if local is not None and local.device.type == "cpu":
-                storage = local.untyped_storage()
-                storages[storage.data_ptr()] = (storage.nbytes(), local.is_pinned())
-        host.append((sum(n for n, _ in storages.values()),
-                     sum(n for n, pinned in storages.values() if pinned)))
-
-    if mode != "none":
-        optimizer.register_step_post_hook(host_bytes)
+    optimizer.register_step_post_hook(
+        lambda opt, *_: host.append(measure_host_state(model, opt, mode)))
     losses = [loop.train_step(model, optimizer, scheduler, loader.next_step(), cfg, rt)["loss"]
               for _ in range(cfg.train.steps)]
     allocated = torch.cuda.memory_allocated() if rt.device.type == "cuda" else 0
-    (total, pinned), = host[-1:] or [(0, 0)]
+    total, pinned = host[-1]
     return {"losses": losses, "host_bytes": total, "pinned_bytes": pinned,
             "device_bytes": allocated}
 

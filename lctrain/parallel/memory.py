@@ -6,6 +6,7 @@ forward (a TorchDispatchMode, so it sees DTensor local shards, checkpointing and
 functions alike, on any device) and, once the forward returns, adds up the storages that are
 still alive, at their size then (FSDP frees gathered weights by resizing their storage to 0):
 exactly the memory kept for the backward, attributed to the block that created it.
+`measure_host_state` adds up the host storages of the state parallel.offload_state moved.
 `lctrain.planning.memory.activation_formula` is the closed form it is tested against.
 `measure_peak(run_step, model)` follows the same storages through a forward and backward (or a
 model's build) and reports the most alive at once.
@@ -205,3 +206,26 @@ def build_measured_model(cfg: LctrainConfig, batch: int, seed: int = 0):
             return model(mb.inputs, mb.positions, mb.doc_ids, labels=mb.labels)
 
     return model, run_forward
+
+
+def measure_host_state(model: nn.Module, optimizer: torch.optim.Optimizer,
+                       offload_state: str) -> tuple[int, int]:
+    """(bytes, pinned bytes) of the distinct host storages the state offloaded under
+    parallel.offload_state holds (0 for none): AdamW's moments, and FSDP's shards and
+    gradients (optimizer+params) or HostAdamW's weight and gradient buffers (optimizer).
+    `lctrain.planning.memory.host_state_parts` is the closed form it is tested against."""
+    if offload_state == "none":
+        return 0, 0
+    tensors = [v for state in optimizer.state.values() for k, v in state.items() if k != "step"]
+    if offload_state == "optimizer":
+        tensors += [t for pair in optimizer.buffers.values() for t in pair]
+    else:
+        tensors += [p for p in model.parameters()] + [p.grad for p in model.parameters()]
+    storages = {}
+    for t in tensors:
+        local = getattr(t, "_local_tensor", t)
+        if local is not None and local.device.type == "cpu":
+            storage = local.untyped_storage()
+            storages[storage.data_ptr()] = (storage.nbytes(), local.is_pinned())
+    return (sum(n for n, _ in storages.values()),
+            sum(n for n, pinned in storages.values() if pinned))

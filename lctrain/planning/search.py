@@ -144,8 +144,8 @@ def _with(cfg: LctrainConfig, parallel: dict, deepspeed: dict, train: dict) -> L
 
 
 def memory_gib(cfg: LctrainConfig, world_size: int) -> float:
-    return max(rank_memory(cfg, world_size, r)["itemised"]["total_gib"]
-               for r in range(cfg.parallel.pp))
+    """The itemised device total of the pipeline rank with the most, GiB (`fits`' second)."""
+    return fits(cfg, world_size)[1]
 
 
 def fits(cfg: LctrainConfig, world_size: int) -> tuple[bool, float]:
