@@ -31,9 +31,29 @@ from tests.reference import reference_attention
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
-def doc_ids_from_lengths(lengths: list[int], batch: int) -> torch.Tensor:
+def doc_ids_from_lengths(lengths: list[int] | list[list[int]], batch: int) -> torch.Tensor:
+    """Document ids [B, S]: one list of lengths for every row, rolled (different borders per
+    sample), or a list per row."""
+    if isinstance(lengths[0], list):
+        return torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r))
+                            for r in lengths])
     ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
-    return torch.stack([ids.roll(7 * b) for b in range(batch)])  # different borders per sample
+    return torch.stack([ids.roll(7 * b) for b in range(batch)])
+
+
+def packed_rows(seq_len: int, cp: int) -> list[list[int]]:
+    """Two rows of different documents: many short ones, a 1-token one and one longer than
+    S/cp; and documents of prime lengths (the last one whatever is left)."""
+    short = [1, 3, 2, 5, 4, 9]
+    long_doc = seq_len - sum(short)
+    assert long_doc > seq_len // cp, (seq_len, cp)
+    primes, left = [], seq_len
+    for p in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61):
+        if p >= left:
+            break
+        primes.append(p)
+        left -= p
+    return [short[:4] + [long_doc] + short[4:], primes + [left]]
 
 
 def cp_groups(world: int, ring: int, ulysses: int, cache: dict) -> CPGroups:
@@ -61,8 +81,10 @@ def check_case(case: dict, cache: dict) -> None:
     ref_out, ref_lse = reference_attention(*ref_in, full, full, causal, scale)
     ref_out.backward(dout.to(dtype).double())
 
-    def local(x, dim=1):
-        return sequence.split(x, dim, g.cp_rank, g.cp_size, lb)
+    u = cp_algorithm(algo).degree(g.cp_size, uly)
+
+    def local(x, dim=1):  # documents: each row split by its documents, per balance unit
+        return sequence.split(x, dim, g.cp_rank, g.cp_size, lb, doc_ids=docs, ulysses=u)
 
     ins = [local(x.to(dtype)).requires_grad_() for x in (q, k, v)]
     attn = ContextParallelAttention(algo, g, S, lb, causal=causal, kv_replication=rep,
@@ -76,13 +98,12 @@ def check_case(case: dict, cache: dict) -> None:
     for name, x, r in zip("qkv", ins, ref_in):
         torch.testing.assert_close(x.grad.double(), local(r.grad), **tol, msg=f"d{name} {case}")
     # lse in the algorithm's core layout: Ulysses cores hold H/u heads of their group's tokens
-    u = cp_algorithm(algo).degree(g.cp_size, uly)
     if u == 1:
         ref_core = local(ref_lse.detach(), dim=2)
     else:
         heads = slice(g.ulysses_rank * H // u, (g.ulysses_rank + 1) * H // u)
-        pos = attn.blocks(None)[0].pos  # the query block: the Ulysses group's tokens
-        ref_core = ref_lse.detach()[:, heads][:, :, pos]
+        pos = attn.blocks(docs)[0].pos  # the query block: the Ulysses group's tokens
+        ref_core = sequence.take(ref_lse.detach()[:, heads], pos, 2)
     finite = torch.isfinite(ref_core)
     assert torch.equal(torch.isfinite(lse), finite), f"lse -inf rows differ {case}"
     torch.testing.assert_close(lse.double()[finite], ref_core[finite], **tol, msg=f"lse {case}")
@@ -164,6 +185,12 @@ def cases_for(world: int) -> list[dict]:
             out.append(dict(algorithm=algo, ring=ring, ulysses=uly, B=2, S=6 * 2 * world,
                             H=2 * world, Hkv=world, hd=8, rep=1, dtype=torch.bfloat16,
                             lb="zigzag", causal=True, docs=docs, backend="torch"))
+        # the balanced split per row (load_balance=documents): CPU kernels and varlen path
+        S = 28 * world
+        for backend in ("cpu", "reference"):
+            out.append(dict(algorithm=algo, ring=ring, ulysses=uly, B=2, S=S, H=2 * world,
+                            Hkv=world, hd=8, rep=1, dtype=torch.float32, lb="documents",
+                            causal=True, docs=packed_rows(S, world), backend=backend))
     return out
 
 

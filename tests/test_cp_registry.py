@@ -86,7 +86,7 @@ def test_every_algorithm_has_every_entry(name):
     # memory and timing terms answer for any layer
     for term in (a.memory.kept_per_token, a.memory.buffers):
         assert term(SHAPE) >= 0
-    assert a.memory.doc_ids(128, 4) >= 128  # every token's document at least once
+    assert a.memory.block_tokens(128, 4) >= 128  # every token at least once
     for feature, times in a.timing.fixed_costs(2, 2).items():
         assert feature in {c.name for c in CALIBRATED_LAYOUTS} and times >= 0, (name, feature)
     if a.timing.calibrated:

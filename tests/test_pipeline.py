@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
+from lctrain.config.derived import load_balance_of
 from lctrain.config.validation import validate
 from lctrain.data.batch import IGNORE_INDEX
 from lctrain.data.loader import build_loader
@@ -240,7 +241,7 @@ def _forward_and_export(cfg, out_dir):
     tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.train.seq_len + 1),
                            generator=torch.Generator().manual_seed(3))
     mb = micro_batch_from_tokens(tokens, cfg.train.seq_len, rt.axis_rank("cp"),
-                                 rt.topology.cp, cfg.parallel.load_balance)
+                                 rt.topology.cp, load_balance_of(cfg))
     logits = model(mb.inputs, mb.positions, mb.doc_ids)
     with vocab_parallel(rt.topology.tp):
         loss = model(mb.inputs, mb.positions, mb.doc_ids, labels=mb.labels)

@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from lctrain.config import ModelConfig
+from lctrain.config.derived import load_balance_of
 from lctrain.data.batch import micro_batch_from_tokens
 from lctrain.layout.comm import record_dtensor_traffic
 from lctrain.models.llama import RotaryEmbedding, TransformerBlock
@@ -109,7 +110,7 @@ def _grads_after_one_backward(cfg, seqs):
     mine = seqs.chunk(dp)[dp_rank]  # this dp rank's sequences
     scale = rt.topology.group_size("dp_cp") / seqs[:, 1:].numel()
     mb = micro_batch_from_tokens(mine, cfg.train.seq_len, rt.topology.axis_rank(rt.rank, "cp"),
-                                 cfg.parallel.cp, cfg.parallel.load_balance)
+                                 cfg.parallel.cp, load_balance_of(cfg))
     forward_backward(model, mb, scale, rt)
     return {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
             for n, p in model.named_parameters()}

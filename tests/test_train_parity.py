@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from lctrain.config import derive
+from lctrain.config.derived import load_balance_of
 from lctrain.data.batch import IGNORE_INDEX, MicroBatch, micro_batch_from_tokens
 from lctrain.parallel.data_parallel import gradient_sync
 from lctrain.parallel.parallelize import build_model
@@ -70,7 +71,8 @@ def test_loss_is_token_weighted_across_ranks_and_micro_steps():
     for i, keep in enumerate((3, 32, 10, 1)):
         labels[i, keep:] = IGNORE_INDEX
     positions = torch.arange(cfg.train.seq_len)[None]
-    mbs = [MicroBatch(seqs[i: i + 1, :-1], labels[i: i + 1], positions, None) for i in range(4)]
+    mbs = [MicroBatch(seqs[i: i + 1, :-1], labels[i: i + 1], positions, None, positions)
+           for i in range(4)]
     out = on_ranks(_token_weighted_step, 2, cfg, [mbs[:2], mbs[2:]])
     # reference: one process, mean over all valid tokens of the whole global batch
     model = reference_model(cfg)
@@ -157,7 +159,7 @@ def _dp_traffic(cfg, accum):
                 x = torch.randint(1, cfg.model.vocab_size, (1, cfg.train.seq_len + 1),
                                   generator=gen)
                 mb = micro_batch_from_tokens(x, cfg.train.seq_len, rt.axis_rank("cp"),
-                                             cfg.parallel.cp, cfg.parallel.load_balance)
+                                             cfg.parallel.cp, load_balance_of(cfg))
                 with gradient_sync(model, sync=i == accum - 1):
                     forward_backward(model, mb, 1.0, rt)
             model.zero_grad(set_to_none=True)

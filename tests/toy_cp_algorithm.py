@@ -70,7 +70,7 @@ def transfers(L: float, d: float, d_kv: float, P: int, u: int) -> tuple[Transfer
 
 FACTS = CPAlgorithm(
     NAME, "docs/parallelism.md §8", heads_over="none", transfers=transfers,
-    memory=MemoryTerms(gathered_kv, gathered_kv_grads, doc_ids=own_and_gathered),
+    memory=MemoryTerms(gathered_kv, gathered_kv_grads, block_tokens=own_and_gathered),
     timing=TimingTerms(lambda R, u: {"allgather": 1.0}))  # all-gather's calibrated extra
 """The entry that would go into lctrain/config/cp_algorithms.py."""
 ATTENTION = CPAttention(NAME, attend, all_keys_blocks)

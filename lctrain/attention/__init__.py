@@ -38,7 +38,10 @@ class ContextParallelAttention:
 
     The blocks (positions, and document ids when given) are described on the host and their
     kernel calls planned once: at construction without documents, once per micro-batch with
-    them (the same doc_ids tensor reaches every layer, the backward and any recompute).
+    them (the same doc_ids tensor reaches every layer, the backward and any recompute). With
+    load_balance=documents the positions themselves come from each micro-batch's documents
+    (`lctrain.layout.sequence`, balanced per row over the algorithm's balance units: its ring
+    groups).
     """
 
     def __init__(self, algorithm: str, groups: CPGroups, seq_len: int, load_balance: str, *,
@@ -52,33 +55,49 @@ class ContextParallelAttention:
         self.load_balance, self.causal, self.kv_replication = load_balance, causal, kv_replication
         self.options = options
         self._run = CP_ATTENTION[algorithm]
-        cp = groups.cp_size
-        self._pos = [sequence.positions(seq_len, r, cp, load_balance) for r in range(cp)]
-        self.ulysses_degree = cp_algorithm(algorithm).degree(cp, groups.ulysses_size)
+        self.ulysses_degree = cp_algorithm(algorithm).degree(groups.cp_size, groups.ulysses_size)
         """Ranks the heads are split over (1 for ring and all-gather)."""
-        # the positions of the query block and of each key block, once: every micro-batch's
-        # blocks (documents) share them
-        self._block_pos = (self._pos[0], [self._pos[0]]) if cp == 1 else self._run.blocks(
-            self._pos, groups)
+        # without a per-row split every micro-batch's blocks share their positions: made once
+        self._fixed_pos = None if self.per_row else self._block_positions(None)
         self._planned_for: Tensor | None = None
-        self._blocks = self._make_blocks(None)
+        self._blocks = None if self.per_row else self._make_blocks(None)
+
+    @property
+    def per_row(self) -> bool:
+        """Whether each micro-batch row has its own split (load_balance=documents, cp > 1)."""
+        return self.load_balance == "documents" and self.groups.cp_size > 1
+
+    def rank_positions(self, doc_ids: Tensor | None) -> list[Tensor]:
+        """Global positions of every cp rank's tokens ([S/cp], or [B, S/cp] per row)."""
+        cp = self.groups.cp_size
+        return [sequence.positions(self.seq_len, r, cp, self.load_balance, doc_ids=doc_ids,
+                                   ulysses=self.ulysses_degree) for r in range(cp)]
+
+    def _block_positions(self, doc_ids: Tensor | None) -> tuple[Tensor, list[Tensor]]:
+        """Positions of this rank's query block and of the key blocks it attends to."""
+        pos = self.rank_positions(doc_ids)
+        return (pos[0], [pos[0]]) if len(pos) == 1 else self._run.blocks(pos, self.groups)
 
     def _make_blocks(self, doc_ids: Tensor | None) -> tuple[Block, list[Block]]:
         """(this rank's query block, the key blocks its algorithm attends to)."""
         doc = None if doc_ids is None else doc_ids.cpu()
+        query, keys = self._fixed_pos or self._block_positions(doc)
         made: dict[int, Block] = {}
 
-        def block(pos: Tensor) -> Block:  # one Block per positions tensor: planned once
-            if id(pos) not in made:
-                made[id(pos)] = Block(pos, None if doc is None else doc[:, pos])
-            return made[id(pos)]
+        def block(p: Tensor) -> Block:  # one Block per positions tensor: planned once
+            if id(p) not in made:
+                made[id(p)] = Block(p, None if doc is None else sequence.take(doc, p, 1))
+            return made[id(p)]
 
-        query, keys = self._block_pos
         return block(query), [block(p) for p in keys]
 
     def blocks(self, doc_ids: Tensor | None) -> tuple[Block, list[Block]]:
         """The blocks for these document ids, planned once per doc_ids tensor."""
         if doc_ids is None:
+            if self._blocks is None:
+                raise ValueError("load_balance=documents splits each row by its documents: "
+                                 "the attention needs the document ids (data.document_masking"
+                                 "=true), or use parallel.load_balance=zigzag")
             return self._blocks
         if doc_ids is not self._planned_for:
             self._planned_for, self._doc_blocks = doc_ids, self._make_blocks(doc_ids)

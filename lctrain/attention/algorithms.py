@@ -48,23 +48,24 @@ class CPGroups:
 
 
 BlocksRule = Callable[[list[Tensor], CPGroups], tuple[Tensor, list[Tensor]]]
-"""(positions of each cp rank's tokens, groups) -> (positions of this rank's query block,
-positions of each key block it attends to). Return the same tensor object for a query block
-that is also a key block: they become one `Block`, planned once."""
+"""(positions of each cp rank's tokens, [S/cp] or [B, S/cp], groups) -> (positions of this
+rank's query block, positions of each key block it attends to), tokens on the last dim. Return
+the same tensor object for a query block that is also a key block: they become one `Block`,
+planned once."""
 
 
 def ring_group_blocks(pos: list[Tensor], groups: CPGroups) -> tuple[Tensor, list[Tensor]]:
     """The tokens of each ring group (its Ulysses members' tokens, in member order): this rank's
     group queries, every group's tokens are keys (Ring, Ulysses, USP)."""
     u = groups.ulysses_size
-    group_pos = [torch.cat(pos[i * u:(i + 1) * u]) for i in range(groups.ring_size)]
+    group_pos = [torch.cat(pos[i * u:(i + 1) * u], dim=-1) for i in range(groups.ring_size)]
     return group_pos[groups.ring_rank], group_pos
 
 
 def all_keys_blocks(pos: list[Tensor], groups: CPGroups) -> tuple[Tensor, list[Tensor]]:
     """This rank's tokens query; every rank's tokens, in cp-rank order, are one key block
     (all-gather KV)."""
-    return pos[groups.cp_rank], [torch.cat(pos)]
+    return pos[groups.cp_rank], [torch.cat(pos, dim=-1)]
 
 
 @dataclass(frozen=True)

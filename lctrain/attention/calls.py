@@ -3,8 +3,9 @@
 Every context-parallel algorithm reduces to: queries at global positions q_pos attend to keys at
 k_pos (causal: k_pos <= q_pos; packed documents: same document id). A `Block` describes one
 operand on the host: positions and document ids as CPU tensors, so planning never waits for the
-device. Positions form runs of consecutive values (`lctrain.layout.sequence.Run`); documents cut
-each run into same-document stretches. A (query stretch, key stretch) pair then splits, by
+device. Positions ([S], or [B, S] when each row has its own split: load_balance=documents)
+form runs of consecutive values (`lctrain.layout.sequence.Run`); documents cut each run into
+same-document stretches. A (query stretch, key stretch) pair then splits, by
 positions alone, into at most three rectangles (docs/parallelism.md §4):
 
     keys before the overlap of the two position ranges -> full (no mask) for the overlap queries
@@ -28,7 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from lctrain.layout.sequence import Run, runs
+from lctrain.layout.sequence import Run, runs, take
 
 ALL_ROWS = slice(None)
 
@@ -88,8 +89,9 @@ class Ordered:
 
 @dataclass(frozen=True, eq=False)
 class Block:
-    """Tokens of one attention operand, on the host: global positions [S] and optional document
-    ids [B, S] (CPU tensors; others are copied once, here)."""
+    """Tokens of one attention operand, on the host: global positions [S] (the same in every
+    row) or [B, S] (each row its own: load_balance=documents, which needs documents), and
+    optional document ids [B, S] (CPU tensors; others are copied once, here)."""
 
     pos: Tensor
     doc: Tensor | None = None
@@ -102,17 +104,29 @@ class Block:
 
     @cached_property
     def runs(self) -> list[Run]:
+        """Runs of positions [S] shared by every row (not for per-row positions)."""
+        assert self.pos.dim() == 1, "per-row positions: use row_runs"
         return runs(self.pos)
+
+    @cached_property
+    def _row_runs(self) -> list[list[Run]]:
+        return [runs(p) for p in self.pos]
+
+    def row_runs(self, b: int) -> list[Run]:
+        """Runs of the positions of batch row `b`."""
+        return self.runs if self.pos.dim() == 1 else self._row_runs[b]
 
     @cached_property
     def ordered(self) -> Ordered:
         """This block in position order (a zigzag group's tokens become one run per stretch of
-        consecutive chunks, so attention over it needs the fewest calls)."""
-        index = torch.argsort(self.pos)
-        if torch.equal(index, torch.arange(len(index))):
+        consecutive chunks, so attention over it needs the fewest calls); per row for per-row
+        positions."""
+        index = torch.argsort(self.pos, dim=-1)
+        if torch.equal(index, torch.arange(index.shape[-1]).expand_as(index)):
             return Ordered(None, None, self)
-        sorted_block = Block(self.pos[index], None if self.doc is None else self.doc[:, index])
-        return Ordered(index, torch.argsort(index), sorted_block)
+        pos = self.pos[index] if index.dim() == 1 else self.pos.gather(1, index)
+        doc = None if self.doc is None else take(self.doc, index, 1)
+        return Ordered(index, torch.argsort(index, dim=-1), Block(pos, doc))
 
     def calls(self, kb: Block, causal: bool) -> list[KernelCall]:
         """The kernel calls of this block's queries against `kb`'s keys (planned once)."""
@@ -122,7 +136,7 @@ class Block:
         """`calls(kb, causal)` packed by kind for a variable-length kernel (planned once)."""
         plan = self._plan(kb, causal)
         if plan[1] is None:
-            plan[1] = _pack(plan[0], len(self.pos), len(kb.pos))
+            plan[1] = _pack(plan[0], self.pos.shape[-1], kb.pos.shape[-1])
         return plan[1]
 
     def _plan(self, kb: Block, causal: bool) -> list:
@@ -161,6 +175,13 @@ def _stretches(doc: Tensor) -> dict[int, list[tuple[int, int]]]:
 def kernel_calls(qb: Block, kb: Block, causal: bool):
     """Every kernel call of q block x kv block, in order: the decomposition the kernels run
     (public for tests and benchmarks that count work)."""
+    if qb.pos.dim() == 2 or kb.pos.dim() == 2:  # each row its own split
+        assert qb.doc is not None and kb.doc is not None, "per-row positions need documents"
+        for b in range(qb.doc.shape[0]):
+            for q_run in qb.row_runs(b):
+                for k_run in kb.row_runs(b):
+                    yield from _document_calls(qb, kb, b, q_run, k_run, causal)
+        return
     for q_run in qb.runs:
         for k_run in kb.runs:
             if qb.doc is None:
@@ -168,14 +189,18 @@ def kernel_calls(qb: Block, kb: Block, causal: bool):
                     yield KernelCall(ALL_ROWS, qr.rows, kr.rows, kind)
                 continue
             for b in range(qb.doc.shape[0]):  # each row's documents attend only to themselves
-                row = slice(b, b + 1)
-                q_docs, k_docs = _stretches(qb.doc[b, q_run.rows]), _stretches(kb.doc[b, k_run.rows])
-                for d, q_pieces in q_docs.items():
-                    for qo, ql in q_pieces:
-                        for ko, kl in k_docs.get(d, ()):
-                            for qr, kr, kind in _rectangles(q_run.part(qo, ql),
-                                                            k_run.part(ko, kl), causal):
-                                yield KernelCall(row, qr.rows, kr.rows, kind)
+                yield from _document_calls(qb, kb, b, q_run, k_run, causal)
+
+
+def _document_calls(qb: Block, kb: Block, b: int, q_run: Run, k_run: Run, causal: bool):
+    """The calls of row `b`'s query run against its key run: each document only to itself."""
+    row = slice(b, b + 1)
+    q_docs, k_docs = _stretches(qb.doc[b, q_run.rows]), _stretches(kb.doc[b, k_run.rows])
+    for d, q_pieces in q_docs.items():
+        for qo, ql in q_pieces:
+            for ko, kl in k_docs.get(d, ()):
+                for qr, kr, kind in _rectangles(q_run.part(qo, ql), k_run.part(ko, kl), causal):
+                    yield KernelCall(row, qr.rows, kr.rows, kind)
 
 
 def _waves(calls: list[KernelCall]) -> list[list[KernelCall]]:

@@ -21,6 +21,7 @@ from lctrain.attention.calls import Block, Ordered
 from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions
 from lctrain.attention.local import local_attention
 from lctrain.layout.comm import all_to_all_autograd
+from lctrain.layout.sequence import take
 
 
 def scatter_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -34,16 +35,17 @@ def gather_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
 
 
 class _Permute(torch.autograd.Function):
-    """x's tokens (dim 1) in another order; the backward applies the inverse order."""
+    """x's tokens (dim 1) in another order (index [S], or [B, S] per row); the backward applies
+    the inverse order."""
 
     @staticmethod
     def forward(ctx, x, index, inverse):
         ctx.inverse = inverse
-        return x.index_select(1, index)
+        return take(x, index, 1)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.index_select(1, ctx.inverse), None, None
+        return take(grad, ctx.inverse, 1), None, None
 
 
 def in_position_order(ordered: Ordered, *xs: Tensor) -> list[Tensor]:
@@ -59,7 +61,7 @@ def in_block_order(ordered: Ordered, out: Tensor, lse: Tensor) -> tuple[Tensor, 
     if ordered.index is None:
         return out, lse
     index, inverse = ordered.on(out.device)
-    return _Permute.apply(out, inverse, index), lse.index_select(2, inverse)
+    return _Permute.apply(out, inverse, index), take(lse, inverse, 2)
 
 
 def replicate_kv(k: Tensor, v: Tensor, times: int) -> tuple[Tensor, Tensor]:

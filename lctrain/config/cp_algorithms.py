@@ -98,12 +98,14 @@ class MemoryTerms:
     output and lse (`activation_formula`)."""
     buffers: Callable[[LayerShape], float] = _nothing
     """Device bytes held for a moment at the backward's peak (`attention_buffer_bytes`)."""
-    doc_ids: Callable[[int, int], int] = each_token_once
-    """(B S tokens of a micro-batch, cp) -> the document ids (one int64 per row and token) its
-    blocks' call plans hold with packed documents (`planning_bytes`)."""
+    block_tokens: Callable[[int, int], int] = each_token_once
+    """(B S tokens of a micro-batch, cp) -> the tokens its blocks cover, each block once: the
+    document ids (one int64 per row and token) its call plans hold with packed documents, and
+    the positions with a split of its own per row (`planning_bytes`)."""
     sorts_positions: bool = False
     """It sorts a zigzag group's tokens into position order: a sort index, its inverse and the
-    sorted positions on the host (`planning_bytes`)."""
+    sorted positions on the host, and the document ids a second time, in that order
+    (`planning_bytes`)."""
     unmodelled: str = ""
     """What of its memory no formula counts (for the plan's memory notes)."""
 
@@ -219,13 +221,8 @@ def usp_degrees(cp: int) -> tuple[int, ...]:
     return tuple(u for u in range(2, cp) if cp % u == 0)
 
 
-def in_both_orders(tokens: int, cp: int) -> int:
-    """Every token's, in rank order and again in position order (Ulysses, USP)."""
-    return 2 * tokens
-
-
-ULYSSES_MEMORY = MemoryTerms(kept_per_token=ulysses_output_copy, doc_ids=in_both_orders,
-                             sorts_positions=True, unmodelled="Ulysses' all-to-all buffers")
+ULYSSES_MEMORY = MemoryTerms(kept_per_token=ulysses_output_copy, sorts_positions=True,
+                             unmodelled="Ulysses' all-to-all buffers")
 
 register(CPAlgorithm(
     "ulysses", "docs/parallelism.md §5", heads_over="cp", transfers=ulysses_ring_transfers,
@@ -237,8 +234,8 @@ register(CPAlgorithm(
 register(CPAlgorithm(
     "usp", "docs/parallelism.md §7", heads_over="ulysses_degree",
     transfers=ulysses_ring_transfers,
-    memory=MemoryTerms(ulysses_output_copy, ring_buffers, doc_ids=in_both_orders,
-                       sorts_positions=True, unmodelled=ULYSSES_MEMORY.unmodelled),
+    memory=MemoryTerms(ulysses_output_copy, ring_buffers, sorts_positions=True,
+                       unmodelled=ULYSSES_MEMORY.unmodelled),
     timing=TimingTerms(ring_and_ulysses_costs), searched_degrees=usp_degrees))
 
 
@@ -272,5 +269,5 @@ def own_and_gathered(tokens: int, cp: int) -> int:
 
 register(CPAlgorithm(
     "allgather", "docs/parallelism.md §8", heads_over="none", transfers=allgather_transfers,
-    memory=MemoryTerms(gathered_kv, gathered_kv_grads, doc_ids=own_and_gathered),
+    memory=MemoryTerms(gathered_kv, gathered_kv_grads, block_tokens=own_and_gathered),
     timing=TimingTerms(lambda R, u: {"allgather": 1.0}, calibrated=True)))

@@ -96,6 +96,15 @@ def slurm_world(cfg: LctrainConfig) -> int:
     return cfg.slurm.nodes * slurm_ranks_per_node(cfg)
 
 
+def load_balance_of(cfg: LctrainConfig) -> str:
+    """parallel.load_balance with `auto` resolved: documents when packed documents are masked
+    (data.document_masking: each row balanced by its own documents), zigzag otherwise
+    (docs/parallelism.md §24)."""
+    if cfg.parallel.load_balance != "auto":
+        return cfg.parallel.load_balance
+    return "documents" if cfg.data.document_masking else "zigzag"
+
+
 def ulysses_degree(p: ParallelConfig) -> int:
     """Ulysses (all-to-all) degree inside the cp group: the algorithm's degree rule
     (`CPAlgorithm.degree`); 1 without context parallelism."""

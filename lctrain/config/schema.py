@@ -122,8 +122,11 @@ class ParallelConfig:
     registry in lctrain/config/cp_algorithms.py)."""
     ulysses_degree: int = at_least(1, 1)
     """Ulysses degree inside usp; the ring degree is cp / ulysses_degree."""
-    load_balance: str = one_of("zigzag", "none")
-    """Sequence split across cp ranks: zigzag (2*cp chunks, causal balance) | none (contiguous)."""
+    load_balance: str = one_of("auto", "zigzag", "none", "documents")
+    """Sequence split across cp ranks: auto (documents with data.document_masking, else zigzag)
+    | zigzag (2*cp chunks, causal balance for one document per sequence) | none (contiguous) |
+    documents (each packed row split by its own documents: S/cp tokens per rank, causal work
+    balanced, short documents kept whole; needs data.document_masking)."""
     dp_engine: str = one_of("fsdp", "ddp", "deepspeed")
     """Data-parallel engine over dp x cp: fsdp (FSDP2, parameters sharded) | ddp | deepspeed
     (a ZeRO engine: deepspeed.*)."""

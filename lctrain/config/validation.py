@@ -19,7 +19,7 @@ import os
 
 from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm
 from lctrain.config.deepspeed import conflicts
-from lctrain.config.derived import stage_problems, stages_of, ulysses_degree
+from lctrain.config.derived import load_balance_of, stage_problems, stages_of, ulysses_degree
 from lctrain.config.device_rules import cuda_problems, kernel_device_problems
 from lctrain.config.eval_rules import eval_problems, has_validation
 from lctrain.config.model_families import model_family
@@ -137,12 +137,18 @@ def _context(cfg: LctrainConfig) -> list[str]:
         problems.append(f"parallel.ulysses_degree={p.ulysses_degree} does not divide parallel.cp="
                         f"{p.cp} (ring degree = cp / ulysses_degree); try ulysses_degree in "
                         f"{divisors(p.cp)}")
+    balance = load_balance_of(cfg)
+    if balance == "documents" and not cfg.data.document_masking:
+        problems.append("parallel.load_balance=documents splits each sequence by its documents "
+                        "and needs data.document_masking=true; set it, or use "
+                        "parallel.load_balance=zigzag")
     needs, why = 1, []
     if p.cp > 1:
-        chunks = 2 * p.cp if p.load_balance == "zigzag" else p.cp
+        chunks = 2 * p.cp if balance == "zigzag" else p.cp
         needs = chunks
-        why.append(f"parallel.cp={p.cp} with load_balance={p.load_balance} splits it into "
-                   f"{chunks} chunks")
+        named = balance if p.load_balance == balance else f"auto ({balance})"
+        why.append(f"parallel.cp={p.cp} with load_balance={named} splits it into "
+                   f"{chunks} {'chunks' if balance != 'documents' else 'equal parts'}")
     if p.sp and p.tp > 1:
         needs = math.lcm(needs, p.cp * p.tp)
         why.append(f"parallel.sp=true splits each cp shard over parallel.tp={p.tp}")

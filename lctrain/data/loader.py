@@ -15,6 +15,7 @@ would change what the count points at: loading refuses it and says what changed.
 from __future__ import annotations
 
 from lctrain.config import LctrainConfig
+from lctrain.config.derived import load_balance_of, ulysses_degree
 from lctrain.data.batch import MicroBatch, build_micro_batch
 from lctrain.data.sources import build_source
 
@@ -24,11 +25,13 @@ class DataLoader:
 
     def __init__(self, source, seq_len: int, *, dp_rank: int, dp: int, cp_rank: int, cp: int,
                  load_balance: str, micro_batch: int, grad_accum: int, document_masking: bool,
-                 seed: int):
+                 seed: int, ulysses: int = 1):
         assert 0 <= dp_rank < dp and 0 <= cp_rank < cp, "rank outside its group"
         self.source, self.seq_len, self.seed = source, seq_len, seed
         self.dp_rank, self.dp, self.cp_rank, self.cp = dp_rank, dp, cp_rank, cp
         self.load_balance, self.document_masking = load_balance, document_masking
+        self.ulysses = ulysses
+        """cp ranks that share one balance unit (load_balance=documents)."""
         self.micro_batch, self.grad_accum = micro_batch, grad_accum
         self.consumed = 0
         """Global samples consumed by all ranks together."""
@@ -45,7 +48,8 @@ class DataLoader:
 
     def next_step(self) -> list[MicroBatch]:
         out = [build_micro_batch([self.source.window(i) for i in idx], self.seq_len, self.cp_rank,
-                                 self.cp, self.load_balance, self.document_masking)
+                                 self.cp, self.load_balance, self.document_masking,
+                                 self.ulysses)
                for idx in self.indices()]
         self.consumed += self.global_batch
         return out
@@ -89,6 +93,6 @@ def build_loader(cfg: LctrainConfig, topology, rank: int, grad_accum: int) -> Da
     return DataLoader(build_source(cfg), cfg.train.seq_len,
                       dp_rank=topology.axis_rank(rank, "dp"), dp=topology.dp,
                       cp_rank=topology.axis_rank(rank, "cp"), cp=topology.cp,
-                      load_balance=cfg.parallel.load_balance, micro_batch=cfg.train.micro_batch,
+                      load_balance=load_balance_of(cfg), micro_batch=cfg.train.micro_batch,
                       grad_accum=grad_accum, document_masking=cfg.data.document_masking,
-                      seed=cfg.train.seed)
+                      seed=cfg.train.seed, ulysses=ulysses_degree(cfg.parallel))

@@ -1,65 +1,234 @@
 """The split of a global sequence across context-parallel ranks: the ONE definition.
 
-The data path, the RoPE position ids, the loss labels, the attention masks and the tests all call
-these functions, so a token's global position is never recomputed a second way.
+The data path, the RoPE position ids, the loss labels, the attention masks, the evals and the
+tests all call these functions, so a token's global position is never recomputed a second way.
 
 - load_balance="none": S is cut into cp contiguous chunks; rank r holds chunk r.
 - load_balance="zigzag": S is cut into 2*cp chunks; rank r holds chunks r and 2*cp-1-r, so every
-  rank gets the same amount of causal attention work (docs/parallelism.md §3).
+  rank gets the same amount of causal attention work for one document (docs/parallelism.md §3).
+- load_balance="documents": each packed row has its own split, computed from its document lengths
+  alone (`document_ranges`, docs/parallelism.md §24): exactly S/cp tokens per rank and the causal
+  work of the row's documents balanced, short documents kept whole where that balances. It needs
+  the document ids; its positions are [B, S/cp], one row per sequence.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
+LOAD_BALANCES = ("zigzag", "none", "documents")
+"""parallel.load_balance's splits (`auto` picks documents or zigzag: lctrain.config)."""
+
 
 def rank_chunks(cp_rank: int, cp: int, load_balance: str) -> list[int]:
-    """Chunk ids held by `cp_rank`, in the order they are laid out locally."""
+    """Chunk ids held by `cp_rank`, in the order they are laid out locally (zigzag, none)."""
     assert 0 <= cp_rank < cp, f"cp_rank {cp_rank} outside [0, {cp})"
     if load_balance == "zigzag":
         return [cp_rank, 2 * cp - 1 - cp_rank]
-    assert load_balance == "none", f"unknown load_balance {load_balance!r}"
+    assert load_balance == "none", f"no fixed chunks for load_balance {load_balance!r}"
     return [cp_rank]
 
 
 def num_chunks(cp: int, load_balance: str) -> int:
+    """Equal parts S must divide into: 2 cp for zigzag, cp otherwise (documents: S/cp tokens
+    per rank)."""
     return 2 * cp if load_balance == "zigzag" else cp
 
 
 def check_divisible(seq_len: int, cp: int, load_balance: str) -> None:
+    assert load_balance in LOAD_BALANCES, f"unknown load_balance {load_balance!r}"
     n = num_chunks(cp, load_balance)
     if seq_len % n:
         raise ValueError(f"sequence length {seq_len} is not divisible into {n} chunks "
                          f"(cp={cp}, load_balance={load_balance}); use a multiple of {n}")
 
 
-def chunk_ranges(seq_len: int, cp_rank: int, cp: int, load_balance: str) -> list[tuple[int, int]]:
-    """[start, stop) of each chunk of a length-`seq_len` sequence that `cp_rank` holds, in local
-    order. The data loader reads exactly these token ranges; `split` cuts tensors with them."""
+Ranges = tuple[tuple[int, int], ...]
+"""[start, stop) stretches of a row, ascending."""
+
+
+def document_lengths(doc_ids: Tensor | np.ndarray) -> np.ndarray:
+    """Lengths of the maximal stretches of equal ids in one row [S] (its documents, in order)."""
+    ids = np.asarray(doc_ids)
+    cuts = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+    return np.diff(np.concatenate([[0], cuts, [len(ids)]])).astype(np.int64)
+
+
+def _pairs(lo: np.ndarray | int, hi: np.ndarray | int):
+    """Causal (query, key) pairs of a document's tokens [lo, hi): token i sees i + 1 keys."""
+    return (hi * (hi + 1) - lo * (lo + 1)) // 2
+
+
+def _merged(ranges: list[tuple[int, int]]) -> Ranges:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(r for r in ranges if r[1] > r[0]):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return tuple(out)
+
+
+def document_ranges(lengths: np.ndarray, units: int) -> tuple[Ranges, ...]:
+    """The balanced split of one packed row (documents of `lengths`, in order) into `units`
+    parts of exactly S/units tokens each, S = sum(lengths); docs/parallelism.md §24.
+
+    Work is counted in causal pairs (a document's token i attends i + 1 keys). A document
+    longer than S/units, but the longest, is cut zigzag into 2 units pieces (unit u: pieces u
+    and 2 units - 1 - u, equal work per unit). The other documents, shortest first, then the
+    longest, form one "region"; unit u, in order, takes x tokens from the region's front and
+    the rest of its S/units from the region's back, x chosen so that its work comes closest to
+    the mean (front tokens are early in short documents, cheap; back tokens are the end of the
+    longest, expensive). The region is cut at most twice per unit, so at most 2 units - 1
+    short documents cross units; the rest stay whole. Deterministic: every rank computes the
+    same split from the same lengths.
+    """
+    return _document_ranges(np.asarray(lengths, dtype=np.int64).tobytes(), units)
+
+
+@lru_cache(maxsize=512)  # every rank and layer asks for the same rows within a micro-batch
+def _document_ranges(lengths_bytes: bytes, units: int) -> tuple[Ranges, ...]:
+    lengths = np.frombuffer(lengths_bytes, dtype=np.int64)
+    seq_len = int(lengths.sum())
+    assert seq_len % units == 0, f"{seq_len} tokens do not split into {units} equal parts"
+    per, starts = seq_len // units, np.cumsum(lengths) - lengths
+    target = float(_pairs(0, lengths).sum()) / units
+    taken: list[list[tuple[int, int]]] = [[] for _ in range(units)]
+    tokens, work = np.zeros(units, dtype=np.int64), np.zeros(units)
+    by_length = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    long_docs = [i for i in by_length if lengths[i] > per]
+    for i in long_docs[1:]:  # zigzag inside the document: 2 units near-equal pieces
+        cut = (np.arange(2 * units + 1) * int(lengths[i])) // (2 * units)
+        for u in range(units):
+            for piece in (u, 2 * units - 1 - u):
+                lo, hi = int(cut[piece]), int(cut[piece + 1])
+                taken[u].append((int(starts[i]) + lo, int(starts[i]) + hi))
+                tokens[u] += hi - lo
+                work[u] += _pairs(lo, hi)
+    region = sorted([i for i in by_length if lengths[i] <= per] + long_docs[:1],
+                    key=lambda i: (lengths[i], i))
+    seg_len = lengths[region]
+    seg_at = np.cumsum(seg_len) - seg_len  # each document's offset in the region
+    # region offset -> causal pairs before it (prefix sums of 1..L per document)
+    weight = np.arange(int(seg_len.sum()), dtype=np.int64) + 1 - np.repeat(seg_at, seg_len)
+    prefix = np.concatenate([[0], np.cumsum(weight)])
+    lo, hi = 0, len(weight)
+    for u in range(units):
+        n = per - int(tokens[u])
+        if u == units - 1:
+            x = hi - lo
+        else:
+            front = np.arange(n + 1)
+            got = prefix[lo + front] - prefix[lo] + prefix[hi] - prefix[hi - (n - front)]
+            x = int(np.argmin(np.abs(got + work[u] - target)))
+        for a, b in ((lo, lo + x), (hi - (n - x), hi)):
+            taken[u] += _region_ranges(a, b, seg_at, seg_len, starts[region])
+        lo, hi = lo + x, hi - (n - x)
+    assert lo == hi, "the region's tokens are all taken"
+    return tuple(_merged(t) for t in taken)
+
+
+def _region_ranges(a: int, b: int, seg_at: np.ndarray, seg_len: np.ndarray,
+                   seg_start: np.ndarray) -> list[tuple[int, int]]:
+    """Region offsets [a, b) as global ranges (one per document they touch)."""
+    out = []
+    first = int(np.searchsorted(seg_at, a, side="right")) - 1
+    for j in range(max(first, 0), len(seg_at)):
+        if seg_at[j] >= b:
+            break
+        lo, hi = max(a, int(seg_at[j])), min(b, int(seg_at[j] + seg_len[j]))
+        if hi > lo:
+            out.append((int(seg_start[j]) + lo - int(seg_at[j]),
+                        int(seg_start[j]) + hi - int(seg_at[j])))
+    return out
+
+
+def _take_tokens(ranges: Ranges, lo: int, hi: int) -> Ranges:
+    """The tokens [lo, hi) of the token list that `ranges` spell, as ranges."""
+    out, seen = [], 0
+    for a, b in ranges:
+        s, e = max(lo, seen), min(hi, seen + b - a)
+        if e > s:
+            out.append((a + s - seen, a + e - seen))
+        seen += b - a
+    return tuple(out)
+
+
+def chunk_ranges(seq_len: int, cp_rank: int, cp: int, load_balance: str,
+                 lengths: np.ndarray | None = None, ulysses: int = 1) -> list[tuple[int, int]]:
+    """[start, stop) of each stretch of a length-`seq_len` sequence that `cp_rank` holds, in
+    local order. The data loader reads exactly these token ranges; `split` cuts tensors with
+    them. documents: `lengths` are the row's documents; the balance unit is a group of
+    `ulysses` consecutive cp ranks (USP's Ulysses group, whose ranks pool their tokens before
+    attending; Ulysses alone is one group of cp), each of which holds a contiguous share of its
+    group's tokens."""
     if cp == 1:
         return [(0, seq_len)]
     check_divisible(seq_len, cp, load_balance)
+    if load_balance == "documents":
+        assert lengths is not None, "load_balance=documents needs the document lengths"
+        assert int(np.sum(lengths)) == seq_len and cp % ulysses == 0, (seq_len, cp, ulysses)
+        unit = document_ranges(lengths, cp // ulysses)[cp_rank // ulysses]
+        local, member = seq_len // cp, cp_rank % ulysses
+        return list(_take_tokens(unit, member * local, (member + 1) * local))
     width = seq_len // num_chunks(cp, load_balance)
     return [(c * width, (c + 1) * width) for c in rank_chunks(cp_rank, cp, load_balance)]
 
 
-def split(x: Tensor, dim: int, cp_rank: int, cp: int, load_balance: str) -> Tensor:
-    """This rank's part of the global tensor `x` along `dim` (a copy when chunks are not adjacent)."""
+def _row_positions(seq_len: int, cp_rank: int, cp: int, load_balance: str,
+                   doc_ids: Tensor | None, ulysses: int) -> Tensor:
+    """[S/cp] (zigzag, none) or [B, S/cp] (documents) global positions, on the host."""
+    def of(lengths: np.ndarray | None) -> Tensor:
+        return torch.cat([torch.arange(a, b) for a, b in chunk_ranges(
+            seq_len, cp_rank, cp, load_balance, lengths, ulysses)])
+
+    if load_balance != "documents" or cp == 1:
+        return of(None)
+    assert doc_ids is not None, "load_balance=documents needs the document ids"
+    return torch.stack([of(document_lengths(row)) for row in doc_ids.cpu().numpy()])
+
+
+def take(x: Tensor, index: Tensor, dim: int) -> Tensor:
+    """x's entries at `index` along `dim` (not 0): index [n], the same for every row, or
+    [B, n], one per batch row (dim 0 of x)."""
+    index = index.to(x.device)
+    if index.dim() == 1:
+        return x.index_select(dim, index)
+    view, size = [index.shape[0]] + [1] * (x.dim() - 1), list(x.shape)
+    view[dim] = size[dim] = index.shape[1]
+    return x.gather(dim, index.view(view).expand(size))
+
+
+def split(x: Tensor, dim: int, cp_rank: int, cp: int, load_balance: str,
+          doc_ids: Tensor | None = None, ulysses: int = 1) -> Tensor:
+    """This rank's part of the global tensor `x` along `dim` (batch rows on dim 0; documents:
+    doc_ids [B, S] name each row's documents)."""
     if cp == 1:
         return x
+    if load_balance == "documents":
+        return take(x, positions(x.shape[dim], cp_rank, cp, load_balance, doc_ids=doc_ids,
+                                 ulysses=ulysses), dim)
     parts = [x.narrow(dim, a, b - a) for a, b in chunk_ranges(x.shape[dim], cp_rank, cp,
                                                                load_balance)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
-def merge(parts: list[Tensor], dim: int, load_balance: str) -> Tensor:
+def merge(parts: list[Tensor], dim: int, load_balance: str, doc_ids: Tensor | None = None,
+          ulysses: int = 1) -> Tensor:
     """Inverse of `split`: the global tensor from every rank's part, given in cp-rank order."""
     cp = len(parts)
     if cp == 1:
         return parts[0]
+    seq_len = sum(p.shape[dim] for p in parts)
+    if load_balance == "documents":
+        index = torch.cat([positions(seq_len, r, cp, load_balance, doc_ids=doc_ids,
+                                     ulysses=ulysses) for r in range(cp)], dim=-1)
+        return take(torch.cat(parts, dim=dim), torch.argsort(index, dim=-1), dim)
     n = num_chunks(cp, load_balance)
     chunks: list[Tensor | None] = [None] * n
     for r, part in enumerate(parts):
@@ -70,9 +239,12 @@ def merge(parts: list[Tensor], dim: int, load_balance: str) -> Tensor:
 
 
 def positions(seq_len: int, cp_rank: int, cp: int, load_balance: str,
-              device: torch.device | None = None) -> Tensor:
-    """Global positions (0..S-1) of the tokens this rank holds, in local order. [S/cp]"""
-    return split(torch.arange(seq_len, device=device), 0, cp_rank, cp, load_balance)
+              device: torch.device | None = None, doc_ids: Tensor | None = None,
+              ulysses: int = 1) -> Tensor:
+    """Global positions (0..S-1) of the tokens this rank holds, in local order: [S/cp], or
+    [B, S/cp] for load_balance=documents (each row of doc_ids [B, S] has its own split)."""
+    pos = _row_positions(seq_len, cp_rank, cp, load_balance, doc_ids, ulysses)
+    return pos if device is None else pos.to(device)
 
 
 class Run(NamedTuple):

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lctrain.config import LctrainConfig
+from lctrain.config.derived import load_balance_of, ulysses_degree
 from lctrain.data.batch import micro_batch_from_tokens
 from lctrain.parallel.data_parallel import unwrap
 from lctrain.parallel.parallelize import build_model
@@ -198,8 +199,8 @@ def build_measured_model(cfg: LctrainConfig, batch: int, seed: int = 0):
     x = torch.randint(1, cfg.model.vocab_size, (batch, cfg.train.seq_len + 1), generator=gen)
     p = cfg.parallel
     mb = micro_batch_from_tokens(x, cfg.train.seq_len, rt.axis_rank("cp"), p.cp,
-                                 p.load_balance, document_masking=cfg.data.document_masking
-                                 ).to(rt.device)  # as the loop moves it (doc ids stay on host)
+                                 load_balance_of(cfg), document_masking=cfg.data.document_masking,
+                                 ulysses=ulysses_degree(p)).to(rt.device)  # as the loop moves it (doc ids stay on host)
 
     def run_forward():  # as training runs it: the loss, bf16 autocast, offload
         with vocab_parallel(rt.topology.tp), rt.autocast(), rt.saved_activations():

@@ -18,6 +18,7 @@ from lctrain.attention import ContextParallelAttention
 from lctrain.attention.cuda_kernels import forward_ops
 from lctrain.attention.kernels import KernelOptions
 from lctrain.config import LctrainConfig
+from lctrain.config.derived import load_balance_of
 from lctrain.models.hf import load_hf_weights
 from lctrain.models.init import init_weights
 from lctrain.models.llama import AttentionCore, Llama, sdpa_attention
@@ -46,7 +47,7 @@ def build_attention_core(cfg: LctrainConfig, rt: Runtime) -> AttentionCore:
             or cfg.train.attention_kernel != "auto"):
         return sdpa_attention
     return ContextParallelAttention(cfg.parallel.attention, rt.cp_groups, cfg.train.seq_len,
-                                    cfg.parallel.load_balance,
+                                    load_balance_of(cfg),
                                     kv_replication=rt.derived.kv_replication,
                                     options=attention_options(cfg))
 

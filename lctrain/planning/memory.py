@@ -15,7 +15,7 @@ from functools import cache
 
 from lctrain.config import LctrainConfig, ModelConfig, derive
 from lctrain.config.cp_algorithms import LayerShape, MemoryTerms, cp_algorithm
-from lctrain.config.derived import data_parallel_engine_of
+from lctrain.config.derived import data_parallel_engine_of, load_balance_of
 from lctrain.config.model_families import model_family
 from lctrain.layout.stages import (
     block_params,
@@ -301,16 +301,22 @@ def rope_table_bytes(cfg: LctrainConfig, world_size: int, batch: int) -> float:
 def planning_bytes(cfg: LctrainConfig, batch: int) -> float:
     """Host bytes the attention's call plans keep during a forward, planned in the first block
     for all of them (CPU tensors: device memory only in a CPU run): the int64 document ids of
-    the attention blocks (packed documents: `MemoryTerms.doc_ids`; every token once, Ulysses
-    and USP twice, in rank and in position order, all-gather KV its own tokens' and every
-    token's), and for an algorithm that `sorts_positions` (Ulysses and USP) over zigzag shards
-    the position order of the tokens it attends over (sort index, inverse and sorted
-    positions)."""
+    the attention blocks (packed documents: `MemoryTerms.block_tokens`, every token once,
+    all-gather KV its own tokens' and every token's); for an algorithm that `sorts_positions`
+    (Ulysses and USP) over zigzag shards the position order of the tokens it attends over (sort
+    index, inverse and sorted positions) and the document ids again in that order; with a split
+    per row (load_balance=documents) the blocks' positions, one int64 per row and token (each
+    group's tokens are then in position order already: nothing is sorted)."""
     p, S = cfg.parallel, cfg.train.seq_len
     terms = cp_algorithm(p.attention).memory if p.cp > 1 else MemoryTerms()
-    total = 8 * terms.doc_ids(batch * S, p.cp) if cfg.data.document_masking else 0
-    if terms.sorts_positions and p.load_balance != "none":
+    balance = load_balance_of(cfg) if p.cp > 1 else "none"
+    sorts = terms.sorts_positions and balance == "zigzag"
+    tokens = terms.block_tokens(batch * S, p.cp)
+    total = 8 * tokens * (2 if sorts else 1) if cfg.data.document_masking else 0
+    if sorts:
         total += 24 * S  # three int64 tensors of S: sort index, inverse, sorted positions
+    if balance == "documents":
+        total += 8 * tokens
     return total
 
 

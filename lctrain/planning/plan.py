@@ -18,7 +18,11 @@ from __future__ import annotations
 
 from lctrain.config import LctrainConfig, derive
 from lctrain.config.cp_algorithms import cp_algorithm
-from lctrain.config.derived import reduces_each_micro_step, slurm_ranks_per_node
+from lctrain.config.derived import (
+    load_balance_of,
+    reduces_each_micro_step,
+    slurm_ranks_per_node,
+)
 from lctrain.config.validation import warnings_for
 from lctrain.layout.stages import bubble_fraction, split_layers, stages_of
 from lctrain.layout.topology import AXES, GROUPS, Topology
@@ -214,7 +218,7 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
         "world_size": world_size,
         "layout": {a: getattr(topo, a) for a in AXES} | {"cp": p.cp, "sp": p.sp},
         "attention": p.attention if p.cp > 1 else "local",
-        "load_balance": p.load_balance if p.cp > 1 else "none",
+        "load_balance": load_balance_of(cfg) if p.cp > 1 else "none",
         "grad_accum": d.grad_accum,
         "activation_checkpointing": t.activation_checkpointing,
         "tokens_per_step": d.tokens_per_step,

@@ -23,11 +23,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lctrain.config import LctrainConfig
+from lctrain.config.derived import load_balance_of, ulysses_degree
 from lctrain.config.eval_rules import has_validation
 from lctrain.data.batch import build_micro_batch
 from lctrain.data.needle import NeedleTask
 from lctrain.data.tasks import TASKS, EvalExample, eval_examples
-from lctrain.layout import sequence
 from lctrain.parallel.runtime import Runtime
 from lctrain.training.validation import ValidationLoss
 
@@ -69,23 +69,25 @@ class Evaluator:
                                            t.seed)
         self.dp, self.dp_rank = rt.topology.dp, rt.axis_rank("dp")
         self.cp_rank = rt.axis_rank("cp")
-        local_pos = sequence.positions(t.seq_len, self.cp_rank, rt.topology.cp,
-                                       cfg.parallel.load_balance)
-        self.local_index = torch.full((t.seq_len,), -1, dtype=torch.long)
-        self.local_index[local_pos] = torch.arange(len(local_pos))
+        self.load_balance, self.ulysses = load_balance_of(cfg), ulysses_degree(cfg.parallel)
 
     def should_run(self, step: int) -> bool:
         every = self.cfg.eval.every
         return every > 0 and (step % every == 0 or step == self.cfg.train.steps)
 
-    def _misses(self, logits: torch.Tensor, batch: list[int]) -> torch.Tensor:
-        """[examples, 2]: (answer tokens missed, answer tokens scored) on this rank."""
+    def _misses(self, logits: torch.Tensor, batch: list[int],
+                global_positions: torch.Tensor) -> torch.Tensor:
+        """[examples, 2]: (answer tokens missed, answer tokens scored) on this rank, whose tokens
+        sit at `global_positions` ([1 or B, S/cp], the micro-batch's split)."""
         rt = self.rt
         pred = vocab_argmax(logits, rt.group("tp"), rt.axis_rank("tp")).cpu()
         out = torch.zeros(len(self.examples), 2, dtype=torch.float64)
         for b, i in enumerate(batch):
+            held = global_positions[min(b, len(global_positions) - 1)]
+            local_index = torch.full((self.cfg.train.seq_len,), -1, dtype=torch.long)
+            local_index[held] = torch.arange(len(held))
             targets = torch.from_numpy(self.examples[i].targets)
-            where = self.local_index[targets[:, 0]]
+            where = local_index[targets[:, 0]]
             mine = where >= 0
             out[i, 0] = (pred[b, where[mine]] != targets[mine, 1]).sum()
             out[i, 1] = mine.sum()
@@ -104,12 +106,12 @@ class Evaluator:
             batch = mine[k * mb_size:(k + 1) * mb_size]
             scored = batch or mine[:1] or [0]  # a rank out of examples runs a discarded forward
             mb = build_micro_batch([self.examples[i].window for i in scored], cfg.train.seq_len,
-                                   self.cp_rank, rt.topology.cp, cfg.parallel.load_balance,
-                                   cfg.data.document_masking).to(rt.device)
+                                   self.cp_rank, rt.topology.cp, self.load_balance,
+                                   cfg.data.document_masking, self.ulysses).to(rt.device)
             with rt.autocast():
                 logits = model(mb.inputs, mb.positions, mb.doc_ids)
             if batch and logits is not None:  # None: not the last pipeline stage
-                misses += self._misses(logits, batch).to(rt.device)
+                misses += self._misses(logits, batch, mb.global_positions).to(rt.device)
         rt.sum_scores(misses)
         results = summarize(self.examples, misses.cpu())
         if self.validation is not None:

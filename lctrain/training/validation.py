@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from lctrain.config import LctrainConfig
+from lctrain.config.derived import load_balance_of, ulysses_degree
 from lctrain.config.eval_rules import position_bands
 from lctrain.data.batch import IGNORE_INDEX, MicroBatch
 from lctrain.data.loader import DataLoader
@@ -29,9 +30,10 @@ class ValidationLoss:
         t, topo = cfg.train, rt.topology
         loader = DataLoader(build_val_source(cfg), t.seq_len, dp_rank=rt.axis_rank("dp"),
                             dp=topo.dp, cp_rank=rt.axis_rank("cp"), cp=topo.cp,
-                            load_balance=cfg.parallel.load_balance, micro_batch=t.micro_batch,
+                            load_balance=load_balance_of(cfg), micro_batch=t.micro_batch,
                             grad_accum=self.sequences // (t.micro_batch * topo.dp),
-                            document_masking=cfg.data.document_masking, seed=t.seed)
+                            document_masking=cfg.data.document_masking, seed=t.seed,
+                            ulysses=ulysses_degree(cfg.parallel))
         self.micro_batches: list[MicroBatch] = loader.next_step()
         self.bands = position_bands(cfg)
 
