@@ -47,10 +47,11 @@ def run_steps(group, steps):
             assert all(group[(d, c)].indices() == indices for c in range(cp))
             parts = [group[(d, c)].next_step() for c in range(cp)]
             for m, idx in enumerate(indices):
-                merged = {f: sequence.merge([getattr(p[m], f) for p in parts], 1, lb)
-                          for f in ("inputs", "labels", "positions")}
                 docs = parts[0][m].doc_ids
                 assert all(torch.equal(p[m].doc_ids, docs) for p in parts)
+                merged = {f: sequence.merge([getattr(p[m], f) for p in parts], 1, lb,
+                                            doc_ids=docs) for f in ("inputs", "labels",
+                                                                    "positions")}
                 for b, g in enumerate(idx):
                     assert g not in out, f"sample {g} served twice"
                     out[g] = (merged["inputs"][b], merged["labels"][b], merged["positions"][b],
@@ -58,7 +59,7 @@ def run_steps(group, steps):
     return out
 
 
-@pytest.mark.parametrize("lb", ["zigzag", "none"])
+@pytest.mark.parametrize("lb", ["zigzag", "none", "documents"])
 def test_token_audit_one_epoch_dp2_cp2(tmp_path, lb):
     seq_len = 16
     lengths = np.random.default_rng(0).integers(1, 3 * seq_len, size=40)
@@ -111,11 +112,13 @@ def test_loader_matches_the_split_and_reads_only_its_chunks():
     ref_docs = torch.tensor([0] * 5 + [1] * 11 + [2] * 8)
     ref_pos = torch.tensor(list(range(5)) + list(range(11)) + list(range(8)))
     ref_in, ref_lab = torch.from_numpy(tokens[:-1]), torch.from_numpy(tokens[1:])
-    for lb in ("zigzag", "none"):
+    for lb in ("zigzag", "none", "documents"):
         for r in range(cp):
             reads.clear()
             mb = build_micro_batch([window], seq_len, r, cp, lb, document_masking=True)
-            split = (lambda x, r=r, lb=lb: sequence.split(x[None], 1, r, cp, lb)[0])  # noqa: E731
+            split = (lambda x, r=r, lb=lb: sequence.split(  # noqa: E731
+                x[None], 1, r, cp, lb, doc_ids=ref_docs[None])[0])
+            assert torch.equal(mb.global_positions[0], split(torch.arange(seq_len)))
             assert torch.equal(mb.inputs[0], split(ref_in))
             assert torch.equal(mb.labels[0], split(ref_lab))
             assert torch.equal(mb.positions[0], split(ref_pos))
@@ -127,16 +130,18 @@ def test_loader_matches_the_split_and_reads_only_its_chunks():
     assert torch.equal(plain.positions[0], sequence.positions(seq_len, 1, cp, "zigzag"))
 
 
-def test_resume_equals_uninterrupted_and_reshards_across_dp(tmp_path):
-    store = unique_corpus(tmp_path / "c", np.random.default_rng(1).integers(1, 40, size=60))
-    packed = PackedTokens(store, 8, seed=0)
-    straight = run_steps(rank_loaders(packed, 8, dp=2, cp=2, micro=1, accum=2), 7)
-    before = rank_loaders(packed, 8, dp=2, cp=2, micro=1, accum=2)
+@pytest.mark.parametrize("lb,seq", [("zigzag", 8), ("documents", 32)])
+def test_resume_equals_uninterrupted_and_reshards_across_dp(tmp_path, lb, seq):
+    store = unique_corpus(tmp_path / "c", np.random.default_rng(1).integers(1, 5 * seq,
+                                                                             size=60))
+    packed = PackedTokens(store, seq, seed=0)
+    straight = run_steps(rank_loaders(packed, seq, dp=2, cp=2, micro=1, accum=2, lb=lb), 7)
+    before = rank_loaders(packed, seq, dp=2, cp=2, micro=1, accum=2, lb=lb)
     first = run_steps(before, 3)
     state = before[(1, 1)].state_dict()
     assert all(x.state_dict() == state for x in before.values())
     for dp, cp, micro, accum in [(2, 2, 1, 2), (4, 1, 1, 1), (1, 4, 2, 2)]:  # same global batch
-        after = rank_loaders(packed, 8, dp=dp, cp=cp, micro=micro, accum=accum)
+        after = rank_loaders(packed, seq, dp=dp, cp=cp, micro=micro, accum=accum, lb=lb)
         for loader in after.values():
             loader.load_state_dict(state)
         rest = run_steps(after, 4)
@@ -146,8 +151,9 @@ def test_resume_equals_uninterrupted_and_reshards_across_dp(tmp_path):
         for g, fields in both.items():
             for got, want in zip(fields, straight[g]):
                 assert torch.equal(got, want), (dp, cp, g)
-    other = rank_loaders(PackedTokens(store, 16, seed=0), 16, dp=1, cp=1, micro=1, accum=1)
-    with pytest.raises(ValueError, match="seq_len: saved 8, now 16"):
+    other = rank_loaders(PackedTokens(store, 2 * seq, seed=0), 2 * seq, dp=1, cp=1, micro=1,
+                         accum=1)
+    with pytest.raises(ValueError, match=f"seq_len: saved {seq}, now {2 * seq}"):
         other[(0, 0)].load_state_dict(state)
 
 

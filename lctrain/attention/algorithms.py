@@ -63,9 +63,14 @@ def ring_group_blocks(pos: list[Tensor], groups: CPGroups) -> tuple[Tensor, list
 
 
 def all_keys_blocks(pos: list[Tensor], groups: CPGroups) -> tuple[Tensor, list[Tensor]]:
-    """This rank's tokens query; every rank's tokens, in cp-rank order, are one key block
-    (all-gather KV)."""
+    """This rank's tokens query; every rank's tokens, in cp-rank order, are one key block."""
     return pos[groups.cp_rank], [torch.cat(pos, dim=-1)]
+
+
+def rank_blocks(pos: list[Tensor], groups: CPGroups) -> tuple[Tensor, list[Tensor]]:
+    """This rank's tokens query; each rank's tokens are a key block, in cp-rank order
+    (all-gather KV: gathered whole, or only their travelling tokens with documents)."""
+    return pos[groups.cp_rank], pos
 
 
 @dataclass(frozen=True)

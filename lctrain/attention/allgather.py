@@ -5,6 +5,8 @@ true global positions of both, so causal offsets are exact. The backward reduce-
 back to their owners in float32 (summed over ranks at the precision Ring sums them). Elements
 sent per rank (docs/parallelism.md §8): forward (P-1) * 2 * (L/P) * d_kv (all-gather, compute
 dtype); backward 2 * (P-1)/P * L * d_kv (reduce-scatter of the gathered gradients, float32).
+With packed documents each rank gathers only the other ranks' travelling tokens (travel.py):
+L/P becomes the travelling n per row (§24).
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lctrain.attention.algorithms import CPAttention, CPGroups, all_keys_blocks
+from lctrain.attention.algorithms import CPAttention, CPGroups, rank_blocks
 from lctrain.attention.calls import Block
 from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions, acc_dtype
 from lctrain.attention.local import block_backward, forward_and_save
+from lctrain.attention.travel import Travel, travel_plan
 from lctrain.layout.comm import all_gather, current_tag, reduce_scatter, traffic_tag
 
 
@@ -43,20 +46,87 @@ class _AllGatherAttention(torch.autograd.Function):
                 None, None)
 
 
-def allgather_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block,
+class _SharedKVAttention(torch.autograd.Function):
+    """With packed documents: gather only every other rank's travelling K/V (travel.py) and
+    attend to the own K/V and those; the backward reduce-scatters the travelling tokens'
+    gradients (float32) to their owners, who add them to their own tokens'."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, qb, blocks, group, causal, scale, options):
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        travel = travel_plan(blocks, causal)
+        ctx.group, ctx.tag, ctx.travel, ctx.local = group, current_tag(), travel[rank], k.shape[1]
+        if travel[0].size == 0:  # no document crosses ranks: nothing to gather
+            return forward_and_save(ctx, q, k, v, qb, blocks[rank], causal, scale, options)
+        k_all, v_all = (torch.cat([x, *_others(all_gather(travel[rank].gather(x), group, dim=1),
+                                               rank, size)], dim=1) for x in (k, v))
+        return forward_and_save(ctx, q, k_all, v_all, qb, _joined(blocks, travel, rank), causal,
+                                scale, options)
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k_all, v_all, out, lse = ctx.saved_tensors
+        dq, dk_all, dv_all = block_backward(dout.contiguous(), q, k_all, v_all, out, lse,
+                                            *ctx.args, keep_acc=True)
+        grads = []
+        for g in (dk_all, dv_all):
+            mine = g[:, :ctx.local].to(acc_dtype(g)).clone()
+            if g.shape[1] > ctx.local:
+                rank, size = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+                parts = list(g[:, ctx.local:].to(acc_dtype(g)).chunk(size - 1, dim=1))
+                parts.insert(rank, torch.zeros_like(parts[0]))  # our own slot: nothing for us
+                with traffic_tag(ctx.tag):
+                    ctx.travel.add_into(mine, reduce_scatter(torch.cat(parts, dim=1), ctx.group,
+                                                             dim=1))
+            grads.append(mine)
+        dk, dv = grads
+        return (dq.to(q.dtype), dk.to(k_all.dtype), dv.to(v_all.dtype), None, None, None, None,
+                None, None)
+
+
+def _others(gathered: Tensor, rank: int, size: int) -> list[Tensor]:
+    """The other ranks' slots of an all-gathered [B, size * n, ...] tensor, in rank order."""
+    slots = gathered.chunk(size, dim=1)
+    return [x for j, x in enumerate(slots) if j != rank]
+
+
+def _joined(blocks: list[Block], travel: list[Travel], rank: int) -> Block:
+    """The key block of the own tokens followed by every other rank's travelling tokens (the
+    order `_SharedKVAttention` concatenates K/V in); made once per plan."""
+    key = ("joined", rank)
+    if key not in travel[rank].block._plans:
+        parts = [blocks[rank]] + [t.block for j, t in enumerate(travel) if j != rank]
+        pos = [b.pos.expand_as(b.doc) if b.pos.dim() == 1 else b.pos for b in parts]
+        travel[rank].block._plans[key] = Block(torch.cat(pos, dim=1),
+                                               torch.cat([b.doc for b in parts], dim=1))
+    return travel[rank].block._plans[key]
+
+
+def _all_tokens(blocks: list[Block]) -> Block:
+    """Every rank's tokens as one key block, in rank order (no documents); made once."""
+    key = ("all", len(blocks))
+    if key not in blocks[0]._plans:
+        blocks[0]._plans[key] = Block(torch.cat([b.pos for b in blocks], dim=-1))
+    return blocks[0]._plans[key]
+
+
+def allgather_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, blocks: list[Block],
                         group: dist.ProcessGroup, *, causal: bool, scale: float,
                         options: KernelOptions = DEFAULT_KERNEL) -> tuple[Tensor, Tensor]:
-    """q/k/v local [B, S/P, *, d]; qb: local positions; kb: positions of all ranks' tokens in
-    group-rank order. Returns (out [B, S/P, H, d], lse [B, H, S/P])."""
-    return _AllGatherAttention.apply(q, k, v, qb, kb, group, causal, scale, options)
+    """q/k/v local [B, S/P, *, d]; qb: local positions; blocks: every rank's tokens, in
+    group-rank order (this rank's is qb's). Returns (out [B, S/P, H, d], lse [B, H, S/P])."""
+    if qb.doc is not None:
+        return _SharedKVAttention.apply(q, k, v, qb, blocks, group, causal, scale, options)
+    return _AllGatherAttention.apply(q, k, v, qb, _all_tokens(blocks), group, causal, scale,
+                                     options)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, query: Block, keys: list[Block], groups: CPGroups,
            *, causal: bool, scale: float, kv_replication: int = 1,
            options: KernelOptions = DEFAULT_KERNEL) -> tuple[Tensor, Tensor]:
-    """The registry's contract (algorithms.py): one key block, every rank's tokens."""
-    return allgather_attention(q, k, v, query, keys[0], groups.cp, causal=causal, scale=scale,
+    """The registry's contract (algorithms.py): the key blocks are every rank's tokens."""
+    return allgather_attention(q, k, v, query, keys, groups.cp, causal=causal, scale=scale,
                                options=options)
 
 
-ALLGATHER = CPAttention("allgather", attend, all_keys_blocks)
+ALLGATHER = CPAttention("allgather", attend, rank_blocks)

@@ -7,7 +7,8 @@ contribution, and reaches its owner after P-1 hops (reduce-scatter semantics). d
 Blocks hidden by the causal mask are skipped inside the kernels (see kernels.py).
 
 Elements sent per rank (docs/parallelism.md §6): forward (P-1) * 2 * (L/P) * d_kv; backward
-twice that (K/V again, plus dK/dV). The dK/dV accumulators travel in float32, so that summing P
+twice that (K/V again, plus dK/dV). With packed documents only the tokens other ranks attend
+travel (travel.py): L/P becomes the travelling n per row (§24). The dK/dV accumulators travel in float32, so that summing P
 contributions in bf16 does not lose precision: in bytes, that half costs 4 per element.
 """
 
@@ -27,25 +28,43 @@ from lctrain.attention.kernels import (
     attend_forward,
     new_accumulators,
 )
+from lctrain.attention.travel import Travel, travel_plan
 from lctrain.layout.comm import RingExchange, current_tag, traffic_tag
 
 KV_TAG, GRAD_TAG = 11, 12
 
 
+def _key_blocks(blocks: list[Block], travel: list[Travel] | None) -> list[Block]:
+    """The blocks of the keys that arrive: whole blocks, or their travelling tokens."""
+    return blocks if travel is None else [t.block for t in travel]
+
+
+def _steps(size: int, travel: list[Travel] | None) -> int:
+    """Ring steps: every block's, or only the own one's when no token of any block travels."""
+    return 1 if travel is not None and travel[0].size == 0 else size
+
+
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, blocks: list[Block],
                  group: dist.ProcessGroup, causal: bool, scale: float,
                  options: KernelOptions) -> tuple[Tensor, Tensor]:
-    """blocks[j]: positions of ring rank j's keys. Returns (out f32, lse f32) for local q."""
+    """blocks[j]: positions of ring rank j's keys. Returns (out f32, lse f32) for local q.
+    With documents only each block's travelling tokens go round (travel.py)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     out, lse = new_accumulators(q)
+    travel = travel_plan(blocks, causal)
+    arriving, steps = _key_blocks(blocks, travel), _steps(size, travel)
     exchange = RingExchange(group, tag=KV_TAG)
-    for step in range(size):
-        if step < size - 1:
-            exchange.start([k, v])
-        attend_forward(q, k, v, qb, blocks[(rank - step) % size], causal, scale, out, lse,
-                       options)
-        if step < size - 1:
-            k, v = exchange.wait()
+    kv = [k, v] if travel is None else [travel[rank].gather(x) for x in (k, v)]
+    for step in range(steps):
+        if step < steps - 1:
+            exchange.start(kv)
+        if step == 0:
+            attend_forward(q, k, v, qb, blocks[rank], causal, scale, out, lse, options)
+        else:
+            attend_forward(q, *kv, qb, arriving[(rank - step) % size], causal, scale, out, lse,
+                           options)
+        if step < steps - 1:
+            kv = exchange.wait()
     return out, lse
 
 
@@ -53,31 +72,38 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                   qb: Block, blocks: list[Block], group: dist.ProcessGroup, causal: bool,
                   scale: float, options: KernelOptions) -> tuple[Tensor, Tensor, Tensor]:
     size, rank = dist.get_world_size(group), dist.get_rank(group)
+    travel = travel_plan(blocks, causal)
+    arriving, steps = _key_blocks(blocks, travel), _steps(size, travel)
     dq = torch.zeros(q.shape, dtype=acc_dtype(q), device=q.device)
     kv_exchange = RingExchange(group, tag=KV_TAG)
     grad_exchange = RingExchange(group, tag=GRAD_TAG)
-    own_dk = own_dv = None
-    for step in range(size):
-        if step < size - 1:
-            kv_exchange.start([k, v])
-        dk = torch.zeros(k.shape, dtype=acc_dtype(k), device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc_dtype(v), device=v.device)
-        attend_backward(dout, q, k, v, out, lse, qb, blocks[(rank - step) % size], causal, scale,
-                        dq, dk, dv, options)
-        if step == 0:
-            own_dk, own_dv = dk, dv  # our block: its travelling accumulator comes back at the end
+    kv = [k, v] if travel is None else [travel[rank].gather(x) for x in (k, v)]
+    own_dk, own_dv = (torch.zeros(x.shape, dtype=acc_dtype(x), device=x.device) for x in (k, v))
+    for step in range(steps):
+        if step < steps - 1:
+            kv_exchange.start(kv)
+        if step == 0:  # our block: its travelling accumulator comes back at the end
+            attend_backward(dout, q, k, v, out, lse, qb, blocks[rank], causal, scale, dq,
+                            own_dk, own_dv, options)
         else:
+            dk, dv = (torch.zeros(x.shape, dtype=acc_dtype(x), device=x.device) for x in kv)
+            attend_backward(dout, q, *kv, out, lse, qb, arriving[(rank - step) % size], causal,
+                            scale, dq, dk, dv, options)
             if step > 1:  # the accumulator of this block, from the ranks that held it before
                 dk_in, dv_in = grad_exchange.wait()
                 dk += dk_in
                 dv += dv_in
             grad_exchange.start([dk, dv])
-        if step < size - 1:
-            k, v = kv_exchange.wait()
-    if size > 1:
+        if step < steps - 1:
+            kv = kv_exchange.wait()
+    if steps > 1:
         dk_in, dv_in = grad_exchange.wait()
-        own_dk += dk_in
-        own_dv += dv_in
+        if travel is None:
+            own_dk += dk_in
+            own_dv += dv_in
+        else:
+            travel[rank].add_into(own_dk, dk_in)
+            travel[rank].add_into(own_dv, dv_in)
     return dq, own_dk, own_dv
 
 

@@ -48,6 +48,9 @@ class Transfer:
     """Collective calls per layer and micro-batch (each pays plan latency, §15)."""
     float32: bool = False
     """Travels in float32 whatever the compute dtype (summed gradients: §6, §8)."""
+    travelling: bool = False
+    """It carries key blocks (or their gradients), of which packed documents send only the
+    travelling share: the tokens some other rank attends (§24)."""
 
     @property
     def key(self) -> str:
@@ -188,9 +191,10 @@ def ulysses_ring_transfers(L: float, d: float, d_kv: float, P: int,
                 for way in ("fwd", "bwd")]
     if R > 1:
         ring = (R - 1) * KV_TENSORS * (L / R) * d_kv / u
-        out += [Transfer("ring_kv", "fwd", "cp_ring", ring, R - 1),
-                Transfer("ring_kv", "bwd", "cp_ring", ring, R - 1),
-                Transfer("ring_grad", "bwd", "cp_ring", ring, R - 1, float32=True)]
+        out += [Transfer("ring_kv", "fwd", "cp_ring", ring, R - 1, travelling=True),
+                Transfer("ring_kv", "bwd", "cp_ring", ring, R - 1, travelling=True),
+                Transfer("ring_grad", "bwd", "cp_ring", ring, R - 1, float32=True,
+                         travelling=True)]
     return tuple(out)
 
 
@@ -246,8 +250,9 @@ def allgather_transfers(L: float, d: float, d_kv: float, P: int,
     """K and V all-gathered forward, in the compute dtype; their gradients reduce-scattered
     backward in float32: the same volume (§8)."""
     gathered = (P - 1) * KV_TENSORS * (L / P) * d_kv
-    return (Transfer("all_gather", "fwd", "cp", gathered, KV_TENSORS),
-            Transfer("reduce_scatter", "bwd", "cp", gathered, KV_TENSORS, float32=True))
+    return (Transfer("all_gather", "fwd", "cp", gathered, KV_TENSORS, travelling=True),
+            Transfer("reduce_scatter", "bwd", "cp", gathered, KV_TENSORS, float32=True,
+                     travelling=True))
 
 
 def gathered_kv(s: LayerShape) -> float:

@@ -142,6 +142,12 @@ def _context(cfg: LctrainConfig) -> list[str]:
         problems.append("parallel.load_balance=documents splits each sequence by its documents "
                         "and needs data.document_masking=true; set it, or use "
                         "parallel.load_balance=zigzag")
+    units = p.cp // ulysses_degree(p) if p.cp % ulysses_degree(p) == 0 else 1
+    if balance == "documents" and s < 2 * units * units:
+        problems.append(f"parallel.load_balance=documents over {units} balance units (the ring "
+                        f"degree) needs train.seq_len >= 2 x {units}^2 = {2 * units * units} "
+                        f"(docs/parallelism.md §24); got {s}: raise train.seq_len or use "
+                        f"parallel.load_balance=zigzag")
     needs, why = 1, []
     if p.cp > 1:
         chunks = 2 * p.cp if balance == "zigzag" else p.cp

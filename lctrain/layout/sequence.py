@@ -80,11 +80,12 @@ def document_ranges(lengths: np.ndarray, units: int) -> tuple[Ranges, ...]:
 
     Work is counted in causal pairs (a document's token i attends i + 1 keys). A document
     longer than S/units, but the longest, is cut zigzag into 2 units pieces (unit u: pieces u
-    and 2 units - 1 - u, equal work per unit). The other documents, shortest first, then the
+    and 2 units - 1 - u, equal work per unit; `_piece_sizes`). The other documents, shortest first, then the
     longest, form one "region"; unit u, in order, takes x tokens from the region's front and
-    the rest of its S/units from the region's back, x chosen so that its work comes closest to
-    the mean (front tokens are early in short documents, cheap; back tokens are the end of the
-    longest, expensive). The region is cut at most twice per unit, so at most 2 units - 1
+    the rest of its S/units from the region's back, x chosen so that the work of units 0..u
+    together comes closest to u + 1 times the mean (front tokens are early in short documents,
+    cheap; back tokens are the end of the longest, expensive; an error is made up by the next
+    unit instead of piling up on the last). The region is cut at most twice per unit, so at most 2 units - 1
     short documents cross units; the rest stay whole. Deterministic: every rank computes the
     same split from the same lengths.
     """
@@ -103,13 +104,14 @@ def _document_ranges(lengths_bytes: bytes, units: int) -> tuple[Ranges, ...]:
     by_length = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     long_docs = [i for i in by_length if lengths[i] > per]
     for i in long_docs[1:]:  # zigzag inside the document: 2 units near-equal pieces
-        cut = (np.arange(2 * units + 1) * int(lengths[i])) // (2 * units)
-        for u in range(units):
-            for piece in (u, 2 * units - 1 - u):
-                lo, hi = int(cut[piece]), int(cut[piece + 1])
-                taken[u].append((int(starts[i]) + lo, int(starts[i]) + hi))
-                tokens[u] += hi - lo
-                work[u] += _pairs(lo, hi)
+        size = _piece_sizes(int(lengths[i]), tokens)
+        cut = np.concatenate([[0], np.cumsum(size)])
+        for piece in range(2 * units):
+            u = piece if piece < units else 2 * units - 1 - piece
+            lo, hi = int(cut[piece]), int(cut[piece + 1])
+            taken[u].append((int(starts[i]) + lo, int(starts[i]) + hi))
+            tokens[u] += hi - lo
+            work[u] += _pairs(lo, hi)
     region = sorted([i for i in by_length if lengths[i] <= per] + long_docs[:1],
                     key=lambda i: (lengths[i], i))
     seg_len = lengths[region]
@@ -117,20 +119,36 @@ def _document_ranges(lengths_bytes: bytes, units: int) -> tuple[Ranges, ...]:
     # region offset -> causal pairs before it (prefix sums of 1..L per document)
     weight = np.arange(int(seg_len.sum()), dtype=np.int64) + 1 - np.repeat(seg_at, seg_len)
     prefix = np.concatenate([[0], np.cumsum(weight)])
-    lo, hi = 0, len(weight)
+    lo, hi, behind = 0, len(weight), 0.0  # behind: work the units so far lack of the mean
     for u in range(units):
         n = per - int(tokens[u])
+        assert n >= 0, f"{seq_len} tokens over {units} units: below 2 units^2 (validation)"
         if u == units - 1:
             x = hi - lo
-        else:
+        else:  # the x whose work brings the units so far closest to their mean, all together
             front = np.arange(n + 1)
             got = prefix[lo + front] - prefix[lo] + prefix[hi] - prefix[hi - (n - front)]
-            x = int(np.argmin(np.abs(got + work[u] - target)))
+            x = int(np.argmin(np.abs(got + work[u] - target - behind)))
+            behind += target - (float(got[x]) + work[u])
         for a, b in ((lo, lo + x), (hi - (n - x), hi)):
             taken[u] += _region_ranges(a, b, seg_at, seg_len, starts[region])
         lo, hi = lo + x, hi - (n - x)
     assert lo == hi, "the region's tokens are all taken"
     return tuple(_merged(t) for t in taken)
+
+
+def _piece_sizes(length: int, tokens: np.ndarray) -> np.ndarray:
+    """Sizes of a document's 2 units zigzag pieces (piece j belongs to unit j, or 2 units - 1 - j
+    past the middle): length // (2 units) each, and the remainder one token at a time to the
+    units that hold the fewest tokens so far, front piece first, so no unit's count drifts
+    more than 2 above another's over many documents."""
+    units = len(tokens)
+    size = np.full(2 * units, length // (2 * units), dtype=np.int64)
+    order = np.argsort(tokens, kind="stable")
+    for k in range(length % (2 * units)):
+        u = int(order[k % units])
+        size[u if k < units else 2 * units - 1 - u] += 1
+    return size
 
 
 def _region_ranges(a: int, b: int, seg_at: np.ndarray, seg_len: np.ndarray,

@@ -14,6 +14,8 @@ formulas are its registry entry's (`lctrain.config.cp_algorithms`); this module 
 
 from __future__ import annotations
 
+import dataclasses
+
 from lctrain.config import LctrainConfig, derive
 from lctrain.config.cp_algorithms import Transfer, cp_algorithm
 from lctrain.config.derived import data_parallel_engine_of, reduces_each_micro_step
@@ -30,22 +32,26 @@ DIRECTIONS = {"fwd": "forward", "bwd": "backward"}
 
 
 def attention_traffic(algorithm: str, seq_len: int, d: int, d_kv: int, cp: int, ulysses: int,
-                      batch: int = 1) -> dict[str, float]:
+                      batch: int = 1, share: float = 1.0) -> dict[str, float]:
     """{'forward': elements, 'backward': elements} sent per rank: the sum of the algorithm's
     transfers (`CPAlgorithm.transfers`); `ulysses` is parallel.ulysses_degree (an algorithm
-    whose degree is fixed ignores it)."""
+    whose degree is fixed ignores it); `share` is the travelling share of its key blocks
+    (packed documents: the tokens other ranks attend, padded to the largest block; §24)."""
     out = {"forward": 0.0, "backward": 0.0}
     if cp == 1:
         return out
-    for x in _transfers(algorithm, seq_len, d, d_kv, cp, ulysses):
+    for x in _transfers(algorithm, seq_len, d, d_kv, cp, ulysses, share):
         out[DIRECTIONS[x.direction]] += batch * x.elements
     return out
 
 
 def _transfers(algorithm: str, seq_len: int, d: float, d_kv: float, cp: int,
-               ulysses: int) -> tuple[Transfer, ...]:
+               ulysses: int, share: float = 1.0) -> tuple[Transfer, ...]:
+    """The algorithm's transfers, the travelling ones scaled by `share` (§24)."""
     a = cp_algorithm(algorithm)
-    return a.transfers(seq_len, d, d_kv, cp, a.degree(cp, ulysses))
+    return tuple(dataclasses.replace(x, elements=x.elements * share)
+                 if x.travelling and share != 1.0 else x
+                 for x in a.transfers(seq_len, d, d_kv, cp, a.degree(cp, ulysses)))
 
 
 def tp_block_traffic(tokens: int, dim: int, tp: int) -> float:

@@ -1,0 +1,105 @@
+"""What of a key block travels to other ranks: only the tokens some other rank's queries attend.
+
+With packed documents a query sees only its own document's keys (causal: at or before its
+position). A token of rank j's block is then needed elsewhere only if another rank holds a
+query of the same document at or after it; a document held wholly by one rank is never sent.
+Ring (and USP's ring) pass, and all-gather KV gathers, each block's *travelling* tokens only:
+per batch row the needed tokens in local order, padded to n, the largest count of any block and
+row (every rank computes the same n from the same blocks, so the buffers match). Pads carry a
+document id no query has: no kernel call touches them. Without documents every token travels
+and nothing here applies. Elements sent scale by n / (S/cp), the travelling share
+(docs/parallelism.md §24).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from lctrain.attention.calls import Block
+from lctrain.layout.sequence import take
+
+
+@dataclass(frozen=True, eq=False)
+class Travel:
+    """The travelling tokens of one key block: local indices [B, n] (pads repeat index 0) and
+    those tokens as a `Block`."""
+
+    index: Tensor
+    block: Block
+    _on: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def size(self) -> int:
+        """n: travelling tokens per row (padded)."""
+        return self.index.shape[1]
+
+    def _index(self, device: torch.device) -> Tensor:
+        if device not in self._on:
+            self._on[device] = self.index.to(device, non_blocking=True)
+        return self._on[device]
+
+    def gather(self, x: Tensor) -> Tensor:
+        """x [B, S, ...] -> its travelling tokens [B, n, ...] (contiguous, ready to send)."""
+        return take(x, self._index(x.device), 1).contiguous()
+
+    def add_into(self, acc: Tensor, grad: Tensor) -> None:
+        """acc [B, S, ...] += grad [B, n, ...] at the travelling tokens (pads add zeros)."""
+        index = self._index(acc.device)
+        view = [*index.shape] + [1] * (acc.dim() - 2)
+        acc.scatter_add_(1, index.view(view).expand_as(grad), grad.to(acc.dtype))
+
+
+def _row_pos(block: Block) -> Tensor:
+    """Positions [B, S] (a shared [S] repeated per row)."""
+    return block.pos.expand_as(block.doc) if block.pos.dim() == 1 else block.pos
+
+
+def travel_plan(blocks: list[Block], causal: bool) -> list[Travel] | None:
+    """For key blocks whose tokens are also the queries of their ranks (block i: rank i's
+    tokens), each block's travelling tokens; None without documents (everything travels).
+    Planned once per list of blocks (cached on the first)."""
+    if blocks[0].doc is None:
+        return None
+    key = ("travel", tuple(id(b) for b in blocks), causal)
+    cached = blocks[0]._plans.get(key)
+    if cached is None or any(a is not b for a, b in zip(cached[0], blocks)):
+        cached = (list(blocks), _plan(blocks, causal))
+        blocks[0]._plans[key] = cached
+    return cached[1]
+
+
+def _plan(blocks: list[Block], causal: bool) -> list[Travel]:
+    docs = [b.doc for b in blocks]
+    pos = [_row_pos(b) for b in blocks]
+    _, inverse = torch.unique(torch.cat(docs, dim=1), return_inverse=True)
+    ids = inverse.split([d.shape[1] for d in docs], dim=1)  # documents as 0..D-1
+    rows, n_docs = docs[0].shape[0], int(inverse.max()) + 1
+    # latest position of each document in each block (-1: absent)
+    latest = torch.stack([torch.full((rows, n_docs), -1, dtype=torch.long).scatter_reduce(
+        1, i, p, "amax") for i, p in zip(ids, pos)])
+    needed = []
+    for j in range(len(blocks)):
+        others = torch.cat([latest[:j], latest[j + 1:]]).amax(0)  # [B, D]
+        seen = others.gather(1, ids[j])  # the latest query of each token's document elsewhere
+        needed.append(seen >= pos[j] if causal else seen >= 0)
+    n = max(int(m.sum(1).max()) for m in needed)
+    no_doc = min(int(d.min()) for d in docs) - 1  # a document no query has
+    return [_travel(b, m, p, n, no_doc) for b, m, p in zip(blocks, needed, pos)]
+
+
+def _travel(block: Block, needed: Tensor, pos: Tensor, n: int, no_doc: int) -> Travel:
+    """The block's needed tokens [B, S] (bool) as a Travel of n per row; pads get the
+    document `no_doc`."""
+    rows = needed.shape[0]
+    index = torch.zeros(rows, n, dtype=torch.long)
+    real = torch.zeros(rows, n, dtype=torch.bool)
+    for b in range(rows):
+        got = needed[b].nonzero()[:, 0]
+        index[b, :len(got)], real[b, :len(got)] = got, True
+    # pads: positions that continue one run (fewest runs to plan)
+    doc = torch.where(real, take(block.doc, index, 1), no_doc)
+    after = int(pos.max()) + 1 + torch.arange(n).expand(rows, n)
+    return Travel(index, Block(torch.where(real, take(pos, index, 1), after), doc))
