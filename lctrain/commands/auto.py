@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 
+from lctrain.commands.checks import with_corpus
 from lctrain.commands.init_from import resolve_model
 from lctrain.commands.plan import layout_label, plan_hardware
 from lctrain.commands.train import uses_cuda
@@ -81,7 +82,7 @@ def choose_layout(composed: Composed, world: int, hw: Hardware, notes: list[str]
     and the runner-up (stderr, when `talk`) and returns the configuration composed with the
     winner's overrides added. No layout fits: a ConfigError naming the constraints."""
     fixed = fixed_keys(composed)
-    result = search(composed.cfg, world, hw, fixed=fixed)
+    result = search(with_corpus(composed.cfg), world, hw, fixed=fixed)
     constraints = " ".join(f"{k}={v}" for k, v in fixed.items()) or "none"
     if not result.ranked:
         raise ConfigError([

@@ -5,6 +5,7 @@ itself (`lctrain.parallel.deepspeed_engine`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from lctrain.config import LctrainConfig
@@ -12,7 +13,7 @@ from lctrain.config.derived import stage_problems, stages_of
 from lctrain.config.eval_rules import has_validation
 from lctrain.config.validation import field_problems, validate
 from lctrain.data.needle import needle_problems
-from lctrain.data.sources import data_problems
+from lctrain.data.sources import data_problems, length_histogram
 from lctrain.models.hf import check_hf_dir
 from lctrain.parallel import deepspeed_engine
 
@@ -49,3 +50,13 @@ def input_problems(cfg: LctrainConfig) -> list[str]:
     if init is not None and os.path.isdir(init):
         problems += check_hf_dir(init, cfg.model)
     return problems
+
+
+def with_corpus(cfg: LctrainConfig) -> LctrainConfig:
+    """`cfg` with plan.documents read from its data when it is null and packed documents are
+    masked (the plan's load-balance and traffic predictions, docs/parallelism.md §24); call
+    after the data passed `input_problems`."""
+    if cfg.plan.documents is not None or not cfg.data.document_masking:
+        return cfg
+    return dataclasses.replace(cfg, plan=dataclasses.replace(
+        cfg.plan, documents=length_histogram(cfg)))

@@ -8,7 +8,7 @@ import json
 import sys
 
 from lctrain.commands.args import CommandArgs
-from lctrain.commands.checks import preflight, search_preflight
+from lctrain.commands.checks import preflight, search_preflight, with_corpus
 from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.cp_algorithms import cp_algorithm
 from lctrain.config.derived import slurm_world, stages_of
@@ -17,6 +17,18 @@ from lctrain.planning.hardware import Hardware, calibration_path, hardware_for
 from lctrain.planning.plan import build_plan
 from lctrain.planning.search import SearchResult, search
 from lctrain.planning.timing import step_time_summary
+
+
+def packed_lines(table: dict, chosen: str) -> list[str]:
+    """The corpus's packed documents under each load balance (plan.documents, §24)."""
+    if not table:
+        return []
+    return ["", "packed documents (plan.documents; the slowest cp rank's attention over the "
+                "mean, K/V share sent):",
+            *(f"  {name:<10} work max/mean {row['balance']:.3f}, attention "
+              f"{row['attention_fraction']:.1%} of one causal sequence's, K/V sent "
+              f"{row['share']:.1%}" + ("  <- this run" if name == chosen else "")
+              for name, row in table.items())]
 
 
 def render_text(plan: dict, max_rows: int) -> str:
@@ -41,6 +53,7 @@ def render_text(plan: dict, max_rows: int) -> str:
                                    for k, v in plan["predicted"]["cp_collectives"].items()]
           if "cp_collectives" in plan["predicted"] else []),
         *step_time_lines(plan["step_time"]),
+        *packed_lines(plan.get("packed_documents", {}), plan["load_balance"]),
         *stage_lines(plan.get("stages", [])),
         "", "traffic per rank (elements sent):",
         *(f"  {k}: {v:,.0f}" for k, v in plan["traffic_elements_per_rank"].items()),
@@ -231,6 +244,7 @@ def run_search(cfg: LctrainConfig, as_json: bool) -> int:
     problems = search_preflight(cfg)
     if problems:
         raise ConfigError(problems)
+    cfg = with_corpus(cfg)
     hw, notes = plan_hardware(cfg)
     result = search(cfg, slurm_world(cfg), hw)
     if as_json:
@@ -253,6 +267,7 @@ def run(args: CommandArgs) -> int:
     problems = preflight(cfg, world)
     if problems:
         raise ConfigError(problems)
+    cfg = with_corpus(cfg)
     plan = build_plan(cfg, world)
     hw, hw_notes = plan_hardware(cfg)
     plan["step_time"] = step_time_summary(cfg, world, hw)

@@ -105,6 +105,9 @@ class MemoryTerms:
     """(B S tokens of a micro-batch, cp) -> the tokens its blocks cover, each block once: the
     document ids (one int64 per row and token) its call plans hold with packed documents, and
     the positions with a split of its own per row (`planning_bytes`)."""
+    travel_plans: Callable[[int, int, float], float] = lambda tokens, cp, share: 0.0
+    """(B S tokens, cp, travelling share) -> host bytes of its travel plans with packed
+    documents (what of each key block travels: `planning_bytes`, §24)."""
     sorts_positions: bool = False
     """It sorts a zigzag group's tokens into position order: a sort index, its inverse and the
     sorted positions on the host, and the document ids a second time, in that order
@@ -225,6 +228,12 @@ def usp_degrees(cp: int) -> tuple[int, ...]:
     return tuple(u for u in range(2, cp) if cp % u == 0)
 
 
+def ring_travel_plans(tokens: int, cp: int, share: float) -> float:
+    """Each ring block's travelling tokens, `share` of them all: index, positions and document
+    ids, three int64 each (§24)."""
+    return 24 * share * tokens
+
+
 ULYSSES_MEMORY = MemoryTerms(kept_per_token=ulysses_output_copy, sorts_positions=True,
                              unmodelled="Ulysses' all-to-all buffers")
 
@@ -233,13 +242,13 @@ register(CPAlgorithm(
     memory=ULYSSES_MEMORY, timing=TimingTerms(ring_and_ulysses_costs, calibrated=True)))
 register(CPAlgorithm(
     "ring", "docs/parallelism.md §6", heads_over="none", transfers=ulysses_ring_transfers,
-    memory=MemoryTerms(buffers=ring_buffers),
+    memory=MemoryTerms(buffers=ring_buffers, travel_plans=ring_travel_plans),
     timing=TimingTerms(ring_and_ulysses_costs, calibrated=True)))
 register(CPAlgorithm(
     "usp", "docs/parallelism.md §7", heads_over="ulysses_degree",
     transfers=ulysses_ring_transfers,
     memory=MemoryTerms(ulysses_output_copy, ring_buffers, sorts_positions=True,
-                       unmodelled=ULYSSES_MEMORY.unmodelled),
+                       travel_plans=ring_travel_plans, unmodelled=ULYSSES_MEMORY.unmodelled),
     timing=TimingTerms(ring_and_ulysses_costs), searched_degrees=usp_degrees))
 
 
@@ -267,6 +276,13 @@ def gathered_kv_grads(s: LayerShape) -> float:
     return KV_TENSORS * s.compute_bytes * s.batch * s.seq_len * s.kv_heads // s.tp * s.head_dim
 
 
+def gathered_travel_plans(tokens: int, cp: int, share: float) -> float:
+    """Every rank's travelling tokens (index, positions, document ids: three int64 each) and
+    the key block of the own tokens and the others' travelling ones (positions and document
+    ids) (§24)."""
+    return 24 * share * tokens + 16 * tokens * (1 + (cp - 1) * share) / cp
+
+
 def own_and_gathered(tokens: int, cp: int) -> int:
     """The rank's own tokens' (its query block) and every token's (the gathered key block)."""
     return tokens // cp + tokens
@@ -274,5 +290,6 @@ def own_and_gathered(tokens: int, cp: int) -> int:
 
 register(CPAlgorithm(
     "allgather", "docs/parallelism.md §8", heads_over="none", transfers=allgather_transfers,
-    memory=MemoryTerms(gathered_kv, gathered_kv_grads, block_tokens=own_and_gathered),
+    memory=MemoryTerms(gathered_kv, gathered_kv_grads, block_tokens=own_and_gathered,
+                       travel_plans=gathered_travel_plans),
     timing=TimingTerms(lambda R, u: {"allgather": 1.0}, calibrated=True)))

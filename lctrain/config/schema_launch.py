@@ -103,6 +103,14 @@ class PlanConfig:
     """`lctrain plan --calibrate` writes this machine's matmul rate, gloo bandwidth and latency
     and the training step's fixed costs here; the step-time model uses them for CPU runs
     (train.device=cpu, or slurm.gpus_per_node=0) when the file exists."""
+    documents: list[list[int]] | None = None
+    """The corpus's document lengths for packed documents (data.document_masking): rows
+    [max_len, documents, tokens] of a length histogram, as preprocess writes them in meta.json
+    (summary.by_length). The plan samples packed rows from it and predicts each load balance's
+    causal work per rank, the travelling share of the K/V and the attention time
+    (docs/parallelism.md §24). null: `lctrain plan`, `plan.search` and `parallel.auto` read
+    data.path's meta.json (data.source=tokens) or draw the built-in source's documents; without
+    one the plan assumes one document per sequence (every token travels)."""
     search: bool = False
     """Instead of one plan: enumerate every valid layout (tp, sp, cp, attention, Ulysses degree,
     pp, schedule, dp, engine, checkpointing, tiling) for slurm.nodes x slurm.gpus_per_node

@@ -12,12 +12,14 @@ import dataclasses
 import os
 from pathlib import Path
 
+import numpy as np
+
 from lctrain.config import LctrainConfig
 from lctrain.data.ingest import TokenizerMismatch, load_tokenizer
 from lctrain.data.packing import Mixture, PackedTokens
 from lctrain.data.shards import TokenStore, read_meta
 from lctrain.data.splits import held_out
-from lctrain.data.synthetic import SyntheticLM
+from lctrain.data.synthetic import SyntheticLM, document_length
 from lctrain.data.tasks import MIN_VOCAB, TASKS
 
 BUILTIN = ("synthetic", *TASKS)
@@ -31,6 +33,27 @@ def build_source(cfg: LctrainConfig):
         return Mixture([_one_source(cfg, e.source) for e in d.mixture],
                        [e.weight for e in d.mixture])
     return _one_source(cfg, d.path if d.source == "tokens" else d.source)
+
+
+HISTOGRAM_DRAWS = 4096
+"""Documents a generated source draws for its length histogram."""
+
+
+def length_histogram(cfg: LctrainConfig) -> list[list[int]]:
+    """The training documents' lengths as [max_len, documents, tokens] rows (plan.documents):
+    data.source=tokens reads meta.json's (preprocess counts them); a generated source draws
+    HISTOGRAM_DRAWS of its documents (EOS included) into power-of-two buckets; [] for a
+    mixture."""
+    d = cfg.data
+    if d.source == "tokens":
+        return [list(row) for row in read_meta(d.path).get("summary", {}).get("by_length", [])]
+    if d.source not in BUILTIN:
+        return []
+    rng = np.random.default_rng(cfg.train.seed)
+    lengths = np.array([document_length(rng, d) + 1 for _ in range(HISTOGRAM_DRAWS)])
+    uppers = 1 << np.ceil(np.log2(lengths)).astype(np.int64)
+    return [[int(u), int((uppers == u).sum()), int(lengths[uppers == u].sum())]
+            for u in np.unique(uppers)]
 
 
 def _one_source(cfg: LctrainConfig, name: str):

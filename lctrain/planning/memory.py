@@ -26,6 +26,7 @@ from lctrain.layout.stages import (
     stage_count,
     stages_of,
 )
+from lctrain.planning.documents import travelling_share
 
 
 def compute_bytes(cfg: LctrainConfig) -> int:
@@ -306,7 +307,8 @@ def planning_bytes(cfg: LctrainConfig, batch: int) -> float:
     (Ulysses and USP) over zigzag shards the position order of the tokens it attends over (sort
     index, inverse and sorted positions) and the document ids again in that order; with a split
     per row (load_balance=documents) the blocks' positions, one int64 per row and token (each
-    group's tokens are then in position order already: nothing is sorted)."""
+    group's tokens are then in position order already: nothing is sorted); and what of the key
+    blocks travels (`MemoryTerms.travel_plans`, at the corpus's travelling share, §24)."""
     p, S = cfg.parallel, cfg.train.seq_len
     terms = cp_algorithm(p.attention).memory if p.cp > 1 else MemoryTerms()
     balance = load_balance_of(cfg) if p.cp > 1 else "none"
@@ -317,6 +319,8 @@ def planning_bytes(cfg: LctrainConfig, batch: int) -> float:
         total += 24 * S  # three int64 tensors of S: sort index, inverse, sorted positions
     if balance == "documents":
         total += 8 * tokens
+    if cfg.data.document_masking:
+        total += terms.travel_plans(batch * S, p.cp, travelling_share(cfg))
     return total
 
 

@@ -26,6 +26,7 @@ from lctrain.config.derived import (
 from lctrain.config.validation import warnings_for
 from lctrain.layout.stages import bubble_fraction, split_layers, stages_of
 from lctrain.layout.topology import AXES, GROUPS, Topology
+from lctrain.planning.documents import load_balance_table
 from lctrain.planning.memory import (
     ALLOCATOR_FIXED_GIB,
     ALLOCATOR_FRACTION,
@@ -252,6 +253,9 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
     }
     if p.pp > 1:
         plan["pipeline"] = pipeline_table(cfg, world_size, ranks)
+    balances = load_balance_table(cfg)
+    if balances:
+        plan["packed_documents"] = balances
     return plan
 
 

@@ -30,6 +30,7 @@ from lctrain.layout.stages import (
     stages_of,
 )
 from lctrain.layout.topology import Topology
+from lctrain.planning.documents import packed_documents
 from lctrain.planning.flops import train_flops_per_step
 from lctrain.planning.hardware import Hardware
 from lctrain.planning.memory import compute_bytes, local_params
@@ -96,11 +97,16 @@ def compute_seconds(step: StepShape, hw: Hardware) -> ComputeSeconds:
     """The model FLOPs of one rank's share of the step, and the forward FLOPs run again: by
     checkpointing (`full`: the blocks' forward; `selective` at cp > 1: the attention's forward;
     at cp = 1 it recomputes only elementwise work), by the tiled loss (the output layer) and the
-    tiled MLP (its matmuls)."""
+    tiled MLP (its matmuls). The attention's share follows the corpus's documents
+    (`packed_documents`: their own triangles, on the slowest cp rank)."""
     cfg, t, m = step.cfg, step.cfg.train, step.cfg.model
     embedding, blocks, output = layer_costs(m, t.seq_len)
     attention = attention_flops(m, t.seq_len) * m.n_layers
     matmul = embedding + sum(blocks) + output - attention
+    # packed documents (plan.documents): the kernels run each document's own triangle, and the
+    # step waits for the cp rank with the most of it (§24)
+    docs = packed_documents(cfg)
+    attention *= docs.attention_fraction * docs.balance
     matmul_rate = hw.flops_per_s(hw.matmul_efficiency)
     attention_rate = hw.flops_per_s(hw.attention_efficiency)
     again = 0.0  # forward FLOPs per token recomputed, in seconds per token

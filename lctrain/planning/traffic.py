@@ -20,6 +20,7 @@ from lctrain.config import LctrainConfig, derive
 from lctrain.config.cp_algorithms import Transfer, cp_algorithm
 from lctrain.config.derived import data_parallel_engine_of, reduces_each_micro_step
 from lctrain.layout.stages import split_layers, stages_of
+from lctrain.planning.documents import travelling_share
 from lctrain.planning.memory import (
     compute_bytes,
     local_params,
@@ -178,12 +179,14 @@ def _tp_step_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int) -> float:
 
 def cp_transfers(cfg: LctrainConfig, world_size: int) -> tuple[Transfer, ...]:
     """The collectives of one attention layer and sequence of this layout's algorithm at its
-    widths per TP rank (KV replication included); () when cp = 1."""
+    widths per TP rank (KV replication included), the K/V blocks at the corpus's travelling
+    share (plan.documents, §24); () when cp = 1."""
     d, m, p, t = derive(cfg, world_size), cfg.model, cfg.parallel, cfg.train
     if p.cp == 1:
         return ()
     dq, dkv = m.q_dim // p.tp, m.kv_dim // p.tp * d.kv_replication
-    return _transfers(p.attention, t.seq_len, dq, dkv, p.cp, p.ulysses_degree)
+    return _transfers(p.attention, t.seq_len, dq, dkv, p.cp, p.ulysses_degree,
+                      travelling_share(cfg))
 
 
 RECOMPUTED = "_recompute"

@@ -1,0 +1,373 @@
+"""Context parallelism over packed documents of mixed lengths: the balanced split per row
+(parallel.load_balance=documents) against zigzag, counted for every algorithm and timed on the
+CPU (docs/parallelism.md §24). Prints a table, or the rows as JSON.
+
+    python bench/packed_cp.py                      # 128K rows counted, 16K rows timed
+    python bench/packed_cp.py --no-time --json     # counted rows only, as a JSON list
+    python bench/packed_cp.py --lengths lengths.txt --mixes --cp 8   # a corpus's own lengths
+
+Workloads: --rows rows of --seq-len tokens of each mix of lctrain.layout.packed.LENGTH_MIXES,
+stream-packed (`sample_rows`), and with --lengths a file of document lengths, one a line,
+packed by `pack_stream` (its mix is the file's stem). Every algorithm of the registry runs at
+each Ulysses degree the layout search tries at cp ranks (`searched_degrees`), in three variants:
+  zigzag     kv=all         how lctrain ran before: zigzag chunks, every K/V block sent whole;
+  zigzag     kv=travelling  zigzag chunks, only the tokens other ranks attend travel (travel.py);
+  documents  kv=travelling  each row split by its own documents (`sequence.document_ranges`).
+
+Counted, without processes, from the attention's own blocks: each cp rank's positions
+(`sequence.positions`, documents per row), its algorithm's blocks rule on a `CPGroups` filled
+in by hand, a `Block` per positions tensor with the row's document ids, sorted into position
+order for the algorithms that sort (`sorts_positions`: Ulysses, USP), as the attention does.
+  work   causal (query, key) pairs of a rank's kernel calls (`kernel_calls`: a full call of q
+         queries and k keys is q k pairs, a causal one q (q + 1) / 2): its unit's query block
+         (its ring group: Ulysses' is every token) against every key block it attends to,
+         divided over the unit's Ulysses members (each computes H/u heads of it), so Ulysses is
+         balanced by construction (1.00) and still counted. max/mean over the cp ranks, the
+         mean over rows and the worst row. The kernels' calls are counted on the first
+         --call-rows rows (Python, one call at a time) and checked there to equal
+         `split_cost(...).work`, the layout's count from the lengths alone, which counts the
+         other rows. The kv variants compute the same work.
+  share  n / (S / units): the travelling tokens per row of the key blocks' plan (`travel_plan`:
+         n, padded to the most of any unit), the units being the key blocks (ring groups, or
+         ranks for all-gather KV); the largest over rows, which a micro-batch of them pads to.
+         Ulysses sends no key block ("-"); kv=all sends every token (1).
+  sent   elements one rank sends in one attention layer for one sequence, forward + backward:
+         `attention_traffic` with d = d_kv = 1, so tokens x tensors (multiply by the width
+         H_kv x head_dim, and by the bytes of each transfer's dtype, for bytes); the largest
+         over rows (at the largest share) and the mean.
+
+Timed (--no-time skips it): one causal attention forward + backward of the first row of each
+mix at --time-seq-len tokens (its document lengths scaled by time_seq_len / seq_len, at least
+one token each), B = 1, H = 4, H_kv = 2, head_dim 64, float32, on forked gloo ranks with one
+thread each, cp 2 and 4 (those of --cp), every algorithm whose key blocks travel (Ulysses
+degree below cp: Ring, all-gather KV, USP at u = 2 on 4 ranks); each variant the median of
+--repeats after one warm-up, of the slowest rank. kv=all is the code before travel.py: inside
+the ranks, `travel_plan` as Ring (and USP's ring) import it returns None (whole blocks go
+round), and as all-gather KV imports it a plan in which every token travels (the whole
+gather); the library is unchanged. `vs zz-all` is each variant's time over zigzag kv=all's.
+On a 2-core machine cp=4 time-slices its ranks: those times are shown, not claimed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import lctrain.attention.allgather as allgather_module  # noqa: E402
+import lctrain.attention.ring as ring_module  # noqa: E402
+from lctrain.attention import CP_ATTENTION, ContextParallelAttention, CPGroups  # noqa: E402
+from lctrain.attention.calls import Block, kernel_calls  # noqa: E402
+from lctrain.attention.travel import Travel, travel_plan  # noqa: E402
+from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm  # noqa: E402
+from lctrain.layout import sequence  # noqa: E402
+from lctrain.layout.packed import LENGTH_MIXES, pack_stream, sample_rows, split_cost  # noqa: E402
+from lctrain.layout.topology import Topology  # noqa: E402
+from lctrain.parallel.launch import run_ranks  # noqa: E402
+from lctrain.parallel.runtime import build_mesh, cp_groups  # noqa: E402
+from lctrain.planning.traffic import attention_traffic  # noqa: E402
+
+VARIANTS = (("zigzag", "all"), ("zigzag", "travelling"), ("documents", "travelling"))
+"""(load_balance, kv): the split, and which K/V tokens travel."""
+TIMED_CP = (2, 4)
+"""cp degrees timed (of --cp): as many ranks as a 2-core machine can time-slice."""
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
+"""The timed attention's shape: GQA, heads divisible by USP's Ulysses degree 2."""
+
+
+# ---- workloads -------------------------------------------------------------------------------
+
+def load_workloads(args: argparse.Namespace) -> dict[str, list[np.ndarray]]:
+    """mix -> its packed rows (document lengths, each summing to seq_len)."""
+    out = {mix: sample_rows(LENGTH_MIXES[mix], args.seq_len, args.rows, args.seed)
+           for mix in args.mixes}
+    if args.lengths:
+        lengths = np.loadtxt(args.lengths, dtype=np.int64, ndmin=1)
+        rows = pack_stream(lengths[lengths > 0], args.seq_len)[:args.rows]
+        if not rows:
+            raise ValueError(f"--lengths {args.lengths} holds {int(lengths.sum()):,} tokens, "
+                             f"fewer than one row of --seq-len {args.seq_len}")
+        out[args.lengths.stem] = rows
+    return out
+
+
+def doc_ids(lengths: np.ndarray) -> torch.Tensor:
+    """The row's document ids [1, S]."""
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.from_numpy(lengths))[None]
+
+
+def scaled(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """The row's document lengths scaled to `seq_len` tokens in all, each at least 1 (what
+    rounding adds or removes comes off or onto the longest documents)."""
+    assert len(lengths) <= seq_len, f"{len(lengths)} documents do not fit {seq_len} tokens"
+    out = np.maximum(1, np.rint(lengths * seq_len / lengths.sum())).astype(np.int64)
+    excess = int(out.sum()) - seq_len
+    while excess:
+        i = int(np.argmax(out))
+        step = min(excess, int(out[i]) - 1) if excess > 0 else excess
+        out[i] -= step
+        excess -= step
+    return out
+
+
+def layouts(cp: int) -> list[tuple[str, int]]:
+    """(algorithm, Ulysses degree) of every registered algorithm at each degree the layout
+    search tries on cp ranks."""
+    out = []
+    for name in CP_ALGORITHMS:
+        a = cp_algorithm(name)
+        out += [(name, a.degree(cp, u)) for u in a.searched_degrees(cp)]
+    return list(dict.fromkeys(out))
+
+
+# ---- counted ---------------------------------------------------------------------------------
+
+def pairs(calls) -> int:
+    """Causal pairs the kernel calls compute."""
+    total = 0
+    for _, qs, ks, kind in calls:
+        q, k = qs.stop - qs.start, ks.stop - ks.start
+        total += q * (q + 1) // 2 if kind == "causal" else q * k
+    return total
+
+
+def unit_blocks(name: str, pos: list[torch.Tensor], doc: torch.Tensor, cp: int, u: int,
+                cp_rank: int) -> tuple[Block, list[Block]]:
+    """(query block, key blocks) of `cp_rank` under `name`'s blocks rule, one Block per
+    positions tensor (as ContextParallelAttention makes them), in position order when the
+    algorithm sorts them."""
+    groups = CPGroups(None, None, None, ring_size=cp // u, ring_rank=cp_rank // u,
+                      ulysses_size=u, ulysses_rank=cp_rank % u)
+    query, keys = CP_ATTENTION[name].blocks(pos, groups)
+    made: dict[int, Block] = {}
+    for p in (query, *keys):
+        made.setdefault(id(p), Block(p, sequence.take(doc, p, 1)))
+    if cp_algorithm(name).memory.sorts_positions:
+        made = {i: b.ordered.block for i, b in made.items()}
+    return made[id(query)], [made[id(p)] for p in keys]
+
+
+def count_row(lengths: np.ndarray, cp: int, name: str, u: int, lb: str, with_calls: bool,
+              positions: dict) -> tuple[np.ndarray, float | None]:
+    """(work of each cp rank, travelling share or None when no key block travels) of one row;
+    `positions` caches each rank's positions per (load_balance, u) for the row's layouts."""
+    seq_len, doc = int(lengths.sum()), doc_ids(lengths)
+    if (lb, u) not in positions:
+        positions[lb, u] = [sequence.positions(seq_len, r, cp, lb, doc_ids=doc, ulysses=u)
+                            for r in range(cp)]
+    pos = positions[lb, u]
+    want = split_cost(lengths, cp, lb, ulysses=u).work  # per unit of u ranks
+    work = want
+    if with_calls:
+        work = np.array([sum(pairs(kernel_calls(qb, kb, True)) for kb in keys)
+                         for qb, keys in (unit_blocks(name, pos, doc, cp, u, r)
+                                          for r in range(0, cp, u))], dtype=np.float64)
+        assert np.array_equal(work, want), (name, cp, u, lb, work, want)
+    _, keys = unit_blocks(name, pos, doc, cp, u, 0)
+    share = None
+    if len(keys) > 1:
+        share = travel_plan(keys, causal=True)[0].size / (seq_len / len(keys))
+    return np.repeat(work / u, u), share
+
+
+def count_rows(workloads: dict[str, list[np.ndarray]], cps: list[int],
+               call_rows: int) -> list[dict]:
+    """One row dict per (mix, cp, algorithm, Ulysses degree, variant)."""
+    out = []
+    for mix, rows in workloads.items():
+        seq_len = int(rows[0].sum())
+        for cp in cps:
+            found: dict[tuple[str, int, str], list] = {}
+            for i, lengths in enumerate(rows):
+                positions: dict = {}
+                for name, u in layouts(cp):
+                    for lb in ("zigzag", "documents"):
+                        work, share = count_row(lengths, cp, name, u, lb, i < call_rows,
+                                                positions)
+                        found.setdefault((name, u, lb), []).append(
+                            (work.max() / work.mean(), share))
+            for (name, u, lb), got in found.items():
+                for variant_lb, kv in VARIANTS:
+                    if variant_lb == lb:
+                        out.append(counted_row(mix, seq_len, cp, name, u, lb, kv, got))
+    return out
+
+
+def counted_row(mix: str, seq_len: int, cp: int, name: str, u: int, lb: str, kv: str,
+                got: list[tuple[float, float | None]]) -> dict:
+    balance = [b for b, _ in got]
+    shares = [1.0 if s is None or kv == "all" else s for _, s in got]
+    sent = [sum(attention_traffic(name, seq_len, 1, 1, cp, u, share=s).values())
+            for s in shares]
+    travels = got[0][1] is not None
+    return {"mix": mix, "seq_len": seq_len, "rows": len(got), "cp": cp, "algorithm": name,
+            "ulysses": u, "load_balance": lb, "kv": kv,
+            "work_max_over_mean": float(np.mean(balance)),
+            "work_max_over_mean_worst": float(np.max(balance)),
+            "share_max": max(shares) if travels else None,
+            "sent_elements_max": max(sent), "sent_elements_mean": float(np.mean(sent))}
+
+
+# ---- timed -----------------------------------------------------------------------------------
+
+def _every_token_travels(blocks: list[Block], causal: bool) -> list[Travel]:
+    """A travel plan that sends each block whole (its tokens in local order)."""
+    out = []
+    for b in blocks:
+        pos = b.pos.expand_as(b.doc) if b.pos.dim() == 1 else b.pos
+        index = torch.arange(pos.shape[1]).expand_as(pos).contiguous()
+        out.append(Travel(index, Block(pos, b.doc)))
+    return out
+
+
+@contextlib.contextmanager
+def every_kv_sent() -> Iterator[None]:
+    """Inside the block the attention sends every K/V token, as before travel.py: Ring's (and
+    USP's) plan is None, all-gather KV's gathers every token. Planned once per list of blocks,
+    like `travel_plan`."""
+    plans: dict[tuple[int, ...], tuple[list[Block], list[Travel]]] = {}
+
+    def whole(blocks: list[Block], causal: bool) -> list[Travel]:
+        key = tuple(id(b) for b in blocks)
+        if key not in plans or any(a is not b for a, b in zip(plans[key][0], blocks)):
+            plans[key] = (list(blocks), _every_token_travels(blocks, causal))
+        return plans[key][1]
+
+    saved = ring_module.travel_plan, allgather_module.travel_plan
+    ring_module.travel_plan, allgather_module.travel_plan = (lambda blocks, causal: None), whole
+    try:
+        yield
+    finally:
+        ring_module.travel_plan, allgather_module.travel_plan = saved
+
+
+def _median_seconds(fn: Callable[[], None], repeats: int) -> float:
+    """Median wall time of `fn` over `repeats` after one warm-up, of the slowest rank."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    slowest = torch.tensor([statistics.median(times)])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return float(slowest)
+
+
+def _step(attn: ContextParallelAttention, ins: list[torch.Tensor],
+          doc: torch.Tensor) -> Callable[[], None]:
+    """One forward + backward of the attention on this rank's q, k, v."""
+    return lambda: attn.attention(*ins, doc)[0].sum().backward()
+
+
+def _time_rank(lengths: np.ndarray, timed: list[tuple[str, int]],
+               repeats: int) -> dict[tuple[str, int, str, str], float]:
+    """On every rank: {(algorithm, u, load_balance, kv): seconds} of one forward + backward."""
+    cp, seq_len, doc = dist.get_world_size(), int(lengths.sum()), doc_ids(lengths)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, seq_len, HEADS, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(1, seq_len, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
+    meshes, out = {}, {}
+    for name, u in timed:
+        topo = Topology(cp_ring=cp // u, cp_ulysses=u)
+        if u not in meshes:
+            meshes[u] = build_mesh(topo, "cpu")
+        g = cp_groups(topo, meshes[u], dist.get_rank())
+        for lb, kv in VARIANTS:
+            ins = [sequence.split(x, 1, g.cp_rank, cp, lb, doc_ids=doc, ulysses=u)
+                   .requires_grad_() for x in (q, k, v)]
+            attn = ContextParallelAttention(name, g, seq_len, lb)
+            with every_kv_sent() if kv == "all" else contextlib.nullcontext():
+                out[name, u, lb, kv] = _median_seconds(_step(attn, ins, doc), repeats)
+    return out
+
+
+def time_rows(rows: list[dict], workloads: dict[str, list[np.ndarray]], cps: list[int],
+              seq_len: int, repeats: int) -> None:
+    """Adds `seconds` (and the ratio to zigzag kv=all) to the counted rows it times."""
+    by_key = {(r["mix"], r["cp"], r["algorithm"], r["ulysses"], r["load_balance"], r["kv"]): r
+              for r in rows}
+    for mix, mix_rows in workloads.items():
+        lengths = scaled(mix_rows[0], seq_len)
+        for cp in (c for c in TIMED_CP if c in cps):
+            timed = [(name, u) for name, u in layouts(cp) if u < cp]
+            got = run_ranks(_time_rank, cp, (lengths, timed, repeats), timeout_s=3600)[0]
+            for (name, u, lb, kv), seconds in got.items():
+                base = got[name, u, "zigzag", "all"]
+                by_key[mix, cp, name, u, lb, kv] |= {
+                    "time_seq_len": seq_len, "seconds": seconds,
+                    "seconds_over_zigzag_all": seconds / base}
+
+
+# ---- output ----------------------------------------------------------------------------------
+
+def print_table(rows: list[dict], args: argparse.Namespace) -> None:
+    print(f"# packed documents, {args.rows} rows of {args.seq_len:,} tokens per mix (work from "
+          f"kernel calls on {args.call_rows}); sent = elements per rank, layer and sequence, "
+          f"fwd + bwd, d = d_kv = 1")
+    if not args.no_time:
+        print(f"# timed: first row scaled to {args.time_seq_len:,} tokens, H={HEADS}, "
+              f"H_kv={KV_HEADS}, d={HEAD_DIM}, float32, 1 thread per rank, median of "
+              f"{args.repeats}")
+    print(f"{'mix':<11} {'cp':>3} {'algorithm':<12} {'balance':<10} {'kv':<10} "
+          f"{'work max/mean':>13} {'worst':>6} {'share':>6} {'sent max':>12} {'sent mean':>12} "
+          f"{'seconds':>8} {'vs zz-all':>9}")
+    for r in rows:
+        name = r["algorithm"] if r["algorithm"] != "usp" else f"usp(u={r['ulysses']})"
+        share = "-" if r["share_max"] is None else f"{r['share_max']:.3f}"
+        timed = (f"{r['seconds']:>8.3f} {r['seconds_over_zigzag_all']:>9.2f}"
+                 if "seconds" in r else f"{'':>8} {'':>9}")
+        print(f"{r['mix']:<11} {r['cp']:>3} {name:<12} {r['load_balance']:<10} {r['kv']:<10} "
+              f"{r['work_max_over_mean']:>13.3f} {r['work_max_over_mean_worst']:>6.3f} "
+              f"{share:>6} {r['sent_elements_max']:>12,.0f} {r['sent_elements_mean']:>12,.0f} "
+              f"{timed}")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq-len", type=int, default=131072, help="tokens per packed row")
+    p.add_argument("--rows", type=int, default=20, help="packed rows per mix")
+    p.add_argument("--cp", type=int, nargs="+", default=[2, 4, 8, 16])
+    p.add_argument("--mixes", nargs="*", choices=sorted(LENGTH_MIXES),
+                   default=list(LENGTH_MIXES), help="length mixes (none: only --lengths)")
+    p.add_argument("--lengths", type=Path, help="a file of document lengths, one a line")
+    p.add_argument("--seed", type=int, default=0, help="of the mixes' sampled rows")
+    p.add_argument("--call-rows", type=int, default=4,
+                   help="rows whose work is counted from the kernel calls (the rest: split_cost)")
+    p.add_argument("--no-time", action="store_true", help="counted rows only")
+    p.add_argument("--time-seq-len", type=int, default=16384)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up")
+    p.add_argument("--json", action="store_true", help="print the rows as a JSON list instead")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    workloads = load_workloads(args)
+    if not workloads:
+        raise ValueError("no workload: name --mixes or give --lengths")
+    rows = count_rows(workloads, args.cp, args.call_rows)
+    if not args.no_time:
+        time_rows(rows, workloads, args.cp, args.time_seq_len, args.repeats)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print_table(rows, args)
+
+
+if __name__ == "__main__":
+    main()
