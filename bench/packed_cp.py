@@ -72,6 +72,7 @@ from lctrain.attention.calls import Block, kernel_calls  # noqa: E402
 from lctrain.attention.travel import Travel, travel_plan  # noqa: E402
 from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm  # noqa: E402
 from lctrain.layout import sequence  # noqa: E402
+from lctrain.layout.comm import record_traffic  # noqa: E402
 from lctrain.layout.packed import LENGTH_MIXES, pack_stream, sample_rows, split_cost  # noqa: E402
 from lctrain.layout.topology import Topology  # noqa: E402
 from lctrain.parallel.launch import run_ranks  # noqa: E402
@@ -142,42 +143,66 @@ def pairs(calls) -> int:
     return total
 
 
-def unit_blocks(name: str, pos: list[torch.Tensor], doc: torch.Tensor, cp: int, u: int,
-                cp_rank: int) -> tuple[Block, list[Block]]:
-    """(query block, key blocks) of `cp_rank` under `name`'s blocks rule, one Block per
-    positions tensor (as ContextParallelAttention makes them), in position order when the
-    algorithm sorts them."""
-    groups = CPGroups(None, None, None, ring_size=cp // u, ring_rank=cp_rank // u,
-                      ulysses_size=u, ulysses_rank=cp_rank % u)
-    query, keys = CP_ATTENTION[name].blocks(pos, groups)
-    made: dict[int, Block] = {}
-    for p in (query, *keys):
-        made.setdefault(id(p), Block(p, sequence.take(doc, p, 1)))
-    if cp_algorithm(name).memory.sorts_positions:
-        made = {i: b.ordered.block for i, b in made.items()}
-    return made[id(query)], [made[id(p)] for p in keys]
+class RowSplits:
+    """One packed row at cp ranks: each split's positions, cost and Blocks, made once and
+    shared by the algorithms and ranks that ask (a Block per distinct positions, so its runs and
+    plans are computed once, as the attention makes one per positions tensor)."""
+
+    def __init__(self, lengths: np.ndarray, cp: int):
+        self.lengths, self.cp = lengths, cp
+        self.seq_len, self.doc = int(lengths.sum()), doc_ids(lengths)
+        self._positions: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self._costs: dict[tuple[str, int], np.ndarray] = {}
+        self._blocks: list[tuple[torch.Tensor, Block]] = []
+
+    def positions(self, lb: str, u: int) -> list[torch.Tensor]:
+        """Every cp rank's positions ([S/cp], or [1, S/cp] for documents)."""
+        if (lb, u) not in self._positions:
+            self._positions[lb, u] = [sequence.positions(self.seq_len, r, self.cp, lb,
+                                                         doc_ids=self.doc, ulysses=u)
+                                      for r in range(self.cp)]
+        return self._positions[lb, u]
+
+    def unit_work(self, lb: str, u: int) -> np.ndarray:
+        """The layout's count of each unit's work (`split_cost`, units of u ranks)."""
+        if (lb, u) not in self._costs:
+            self._costs[lb, u] = split_cost(self.lengths, self.cp, lb, ulysses=u).work
+        return self._costs[lb, u]
+
+    def block(self, pos: torch.Tensor) -> Block:
+        """The Block of these positions with the row's document ids."""
+        for p, b in self._blocks:
+            if p.shape == pos.shape and torch.equal(p, pos):
+                return b
+        self._blocks.append((pos, Block(pos, sequence.take(self.doc, pos, 1))))
+        return self._blocks[-1][1]
+
+    def blocks(self, name: str, lb: str, u: int, cp_rank: int) -> tuple[Block, list[Block]]:
+        """(query block, key blocks) of `cp_rank` under `name`'s blocks rule, in position order
+        when the algorithm sorts them (`sorts_positions`)."""
+        groups = CPGroups(None, None, None, ring_size=self.cp // u, ring_rank=cp_rank // u,
+                          ulysses_size=u, ulysses_rank=cp_rank % u)
+        query, keys = CP_ATTENTION[name].blocks(self.positions(lb, u), groups)
+        made = [self.block(p) for p in (query, *keys)]
+        if cp_algorithm(name).memory.sorts_positions:
+            made = [b.ordered.block for b in made]
+        return made[0], made[1:]
 
 
-def count_row(lengths: np.ndarray, cp: int, name: str, u: int, lb: str, with_calls: bool,
-              positions: dict) -> tuple[np.ndarray, float | None]:
-    """(work of each cp rank, travelling share or None when no key block travels) of one row;
-    `positions` caches each rank's positions per (load_balance, u) for the row's layouts."""
-    seq_len, doc = int(lengths.sum()), doc_ids(lengths)
-    if (lb, u) not in positions:
-        positions[lb, u] = [sequence.positions(seq_len, r, cp, lb, doc_ids=doc, ulysses=u)
-                            for r in range(cp)]
-    pos = positions[lb, u]
-    want = split_cost(lengths, cp, lb, ulysses=u).work  # per unit of u ranks
-    work = want
+def count_layout(row: RowSplits, name: str, u: int, lb: str,
+                 with_calls: bool) -> tuple[np.ndarray, float | None]:
+    """(work of each cp rank, travelling share or None when no key block travels) of one row
+    under one algorithm and split."""
+    work = row.unit_work(lb, u)
     if with_calls:
-        work = np.array([sum(pairs(kernel_calls(qb, kb, True)) for kb in keys)
-                         for qb, keys in (unit_blocks(name, pos, doc, cp, u, r)
-                                          for r in range(0, cp, u))], dtype=np.float64)
-        assert np.array_equal(work, want), (name, cp, u, lb, work, want)
-    _, keys = unit_blocks(name, pos, doc, cp, u, 0)
+        counted = np.array([sum(pairs(kernel_calls(qb, kb, True)) for kb in keys)
+                            for qb, keys in (row.blocks(name, lb, u, r)
+                                             for r in range(0, row.cp, u))], dtype=np.float64)
+        assert np.array_equal(counted, work), (name, row.cp, u, lb, counted, work)
+    _, keys = row.blocks(name, lb, u, 0)
     share = None
     if len(keys) > 1:
-        share = travel_plan(keys, causal=True)[0].size / (seq_len / len(keys))
+        share = travel_plan(keys, causal=True)[0].size / (row.seq_len / len(keys))
     return np.repeat(work / u, u), share
 
 
@@ -190,17 +215,15 @@ def count_rows(workloads: dict[str, list[np.ndarray]], cps: list[int],
         for cp in cps:
             found: dict[tuple[str, int, str], list] = {}
             for i, lengths in enumerate(rows):
-                positions: dict = {}
+                row = RowSplits(lengths, cp)
                 for name, u in layouts(cp):
                     for lb in ("zigzag", "documents"):
-                        work, share = count_row(lengths, cp, name, u, lb, i < call_rows,
-                                                positions)
+                        work, share = count_layout(row, name, u, lb, i < call_rows)
                         found.setdefault((name, u, lb), []).append(
                             (work.max() / work.mean(), share))
             for (name, u, lb), got in found.items():
-                for variant_lb, kv in VARIANTS:
-                    if variant_lb == lb:
-                        out.append(counted_row(mix, seq_len, cp, name, u, lb, kv, got))
+                out += [counted_row(mix, seq_len, cp, name, u, lb, kv, got)
+                        for variant_lb, kv in VARIANTS if variant_lb == lb]
     return out
 
 
@@ -253,8 +276,7 @@ def every_kv_sent() -> Iterator[None]:
 
 
 def _median_seconds(fn: Callable[[], None], repeats: int) -> float:
-    """Median wall time of `fn` over `repeats` after one warm-up, of the slowest rank."""
-    fn()
+    """Median wall time of `fn` over `repeats`, of the slowest rank."""
     times = []
     for _ in range(repeats):
         dist.barrier()
@@ -290,7 +312,15 @@ def _time_rank(lengths: np.ndarray, timed: list[tuple[str, int]],
                    .requires_grad_() for x in (q, k, v)]
             attn = ContextParallelAttention(name, g, seq_len, lb)
             with every_kv_sent() if kv == "all" else contextlib.nullcontext():
+                with record_traffic() as sent:  # the warm-up sends what the variant should
+                    _step(attn, ins, doc)()
                 out[name, u, lb, kv] = _median_seconds(_step(attn, ins, doc), repeats)
+            keys = attn.blocks(doc)[1]
+            share = 1.0 if kv == "all" else \
+                travel_plan(keys, causal=True)[0].size / (seq_len / len(keys))
+            want = sum(attention_traffic(name, seq_len, HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM,
+                                         cp, u, share=share).values())
+            assert abs(sent.total() - want) <= 1e-9 * want, (name, u, lb, kv, sent.total(), want)
     return out
 
 

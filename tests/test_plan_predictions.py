@@ -110,9 +110,15 @@ def test_memory_is_itemised_and_the_verdict_flips_at_gpu_memory_gib(capsys):
     assert "DOES NOT FIT in plan.gpu_memory_gib=1" in out, out
     assert "predicted per rank per step (bytes, as metrics.jsonl logs them):" in out
     assert "allocator_allowance" in out
-    code, out, _ = run_cli(["plan", "+recipe=tiny", "--json"], capsys)
+    code, out, _ = run_cli(["plan", "+recipe=tiny", "--json", "plan.documents=[]"], capsys)
     assert code == 0
     plan = json.loads(out)
     assert plan["memory_per_rank"]["verdict"] == "FITS"
-    # the tiny recipe's ring (docs/parallelism.md §6, worked example): 1,572,864 bytes per step
+    # the tiny recipe's ring (docs/parallelism.md §6, worked example), one document per
+    # sequence (every token travels): 1,572,864 bytes per step
     assert plan["predicted"]["cp_bytes_sent"] == plan["predicted"]["traffic/cp"] == 1_572_864
+    # with its passkey documents (plan.documents drawn from the source): the travelling share
+    code, out, _ = run_cli(["plan", "+recipe=tiny", "--json"], capsys)
+    share = json.loads(out)["packed_documents"]["documents"]["share"]
+    assert 0 < share < 1
+    assert json.loads(out)["predicted"]["cp_bytes_sent"] == pytest.approx(1_572_864 * share)
