@@ -2,7 +2,7 @@
 (parallel.load_balance=documents) against zigzag, counted for every algorithm and timed on the
 CPU (docs/parallelism.md §24). Prints a table, or the rows as JSON.
 
-    python bench/packed_cp.py                      # 128K rows counted, 16K rows timed
+    python bench/packed_cp.py                      # 128K counted (~45 s), 16K timed (~4 min)
     python bench/packed_cp.py --no-time --json     # counted rows only, as a JSON list
     python bench/packed_cp.py --lengths lengths.txt --mixes --cp 8   # a corpus's own lengths
 
@@ -44,7 +44,9 @@ degree below cp: Ring, all-gather KV, USP at u = 2 on 4 ranks); each variant the
 --repeats after one warm-up, of the slowest rank. kv=all is the code before travel.py: inside
 the ranks, `travel_plan` as Ring (and USP's ring) import it returns None (whole blocks go
 round), and as all-gather KV imports it a plan in which every token travels (the whole
-gather); the library is unchanged. `vs zz-all` is each variant's time over zigzag kv=all's.
+gather); the library is unchanged. The warm-up's traffic is checked to equal the formula at the
+variant's share. `vs zz-all` is each variant's time over zigzag kv=all's; `t-work` the timed
+row's own work max/mean (`split_cost` of the scaled lengths).
 On a 2-core machine cp=4 time-slices its ranks: those times are shown, not claimed.
 """
 
@@ -111,7 +113,9 @@ def doc_ids(lengths: np.ndarray) -> torch.Tensor:
 def scaled(lengths: np.ndarray, seq_len: int) -> np.ndarray:
     """The row's document lengths scaled to `seq_len` tokens in all, each at least 1 (what
     rounding adds or removes comes off or onto the longest documents)."""
-    assert len(lengths) <= seq_len, f"{len(lengths)} documents do not fit {seq_len} tokens"
+    if len(lengths) > seq_len:
+        raise ValueError(f"--time-seq-len {seq_len} is shorter than the {len(lengths)} documents "
+                         f"of the row it scales")
     out = np.maximum(1, np.rint(lengths * seq_len / lengths.sum())).astype(np.int64)
     excess = int(out.sum()) - seq_len
     while excess:
@@ -223,12 +227,14 @@ def count_rows(workloads: dict[str, list[np.ndarray]], cps: list[int],
                             (work.max() / work.mean(), share))
             for (name, u, lb), got in found.items():
                 out += [counted_row(mix, seq_len, cp, name, u, lb, kv, got)
+                        | {"call_rows": min(call_rows, len(rows))}
                         for variant_lb, kv in VARIANTS if variant_lb == lb]
     return out
 
 
 def counted_row(mix: str, seq_len: int, cp: int, name: str, u: int, lb: str, kv: str,
                 got: list[tuple[float, float | None]]) -> dict:
+    """The row dict of one layout and variant from each packed row's (work max/mean, share)."""
     balance = [b for b, _ in got]
     shares = [1.0 if s is None or kv == "all" else s for _, s in got]
     sent = [sum(attention_traffic(name, seq_len, 1, 1, cp, u, share=s).values())
@@ -244,7 +250,7 @@ def counted_row(mix: str, seq_len: int, cp: int, name: str, u: int, lb: str, kv:
 
 # ---- timed -----------------------------------------------------------------------------------
 
-def _every_token_travels(blocks: list[Block], causal: bool) -> list[Travel]:
+def _every_token_travels(blocks: list[Block]) -> list[Travel]:
     """A travel plan that sends each block whole (its tokens in local order)."""
     out = []
     for b in blocks:
@@ -264,7 +270,7 @@ def every_kv_sent() -> Iterator[None]:
     def whole(blocks: list[Block], causal: bool) -> list[Travel]:
         key = tuple(id(b) for b in blocks)
         if key not in plans or any(a is not b for a, b in zip(plans[key][0], blocks)):
-            plans[key] = (list(blocks), _every_token_travels(blocks, causal))
+            plans[key] = (list(blocks), _every_token_travels(blocks))
         return plans[key][1]
 
     saved = ring_module.travel_plan, allgather_module.travel_plan
@@ -338,7 +344,8 @@ def time_rows(rows: list[dict], workloads: dict[str, list[np.ndarray]], cps: lis
                 base = got[name, u, "zigzag", "all"]
                 by_key[mix, cp, name, u, lb, kv] |= {
                     "time_seq_len": seq_len, "seconds": seconds,
-                    "seconds_over_zigzag_all": seconds / base}
+                    "seconds_over_zigzag_all": seconds / base,
+                    "time_work_max_over_mean": split_cost(lengths, cp, lb, u).max_over_mean}
 
 
 # ---- output ----------------------------------------------------------------------------------
@@ -353,16 +360,31 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
               f"{args.repeats}")
     print(f"{'mix':<11} {'cp':>3} {'algorithm':<12} {'balance':<10} {'kv':<10} "
           f"{'work max/mean':>13} {'worst':>6} {'share':>6} {'sent max':>12} {'sent mean':>12} "
-          f"{'seconds':>8} {'vs zz-all':>9}")
+          f"{'seconds':>8} {'vs zz-all':>9} {'t-work':>6}")
     for r in rows:
         name = r["algorithm"] if r["algorithm"] != "usp" else f"usp(u={r['ulysses']})"
         share = "-" if r["share_max"] is None else f"{r['share_max']:.3f}"
-        timed = (f"{r['seconds']:>8.3f} {r['seconds_over_zigzag_all']:>9.2f}"
-                 if "seconds" in r else f"{'':>8} {'':>9}")
+        timed = (f"{r['seconds']:>8.3f} {r['seconds_over_zigzag_all']:>9.2f} "
+                 f"{r['time_work_max_over_mean']:>6.3f}" if "seconds" in r else "")
         print(f"{r['mix']:<11} {r['cp']:>3} {name:<12} {r['load_balance']:<10} {r['kv']:<10} "
               f"{r['work_max_over_mean']:>13.3f} {r['work_max_over_mean_worst']:>6.3f} "
               f"{share:>6} {r['sent_elements_max']:>12,.0f} {r['sent_elements_mean']:>12,.0f} "
-              f"{timed}")
+              f"{timed}".rstrip())
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Every length the splits cannot cut (zigzag: 2 cp equal chunks; documents: at least
+    2 cp^2 tokens, docs/parallelism.md §24), raised at once."""
+    timed = [] if args.no_time else [cp for cp in TIMED_CP if cp in args.cp]
+    problems = []
+    for flag, seq_len, cps in (("--seq-len", args.seq_len, args.cp),
+                               ("--time-seq-len", args.time_seq_len, timed)):
+        problems += [f"{flag} {seq_len} at cp={cp}: needs a multiple of {2 * cp} of at least "
+                     f"{2 * cp * cp}" for cp in cps if seq_len % (2 * cp) or seq_len < 2 * cp * cp]
+    if not args.mixes and not args.lengths:
+        problems.append("no workload: name --mixes or give --lengths")
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def parse_args() -> argparse.Namespace:
@@ -386,10 +408,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    check_args(args)
     torch.set_num_threads(1)
     workloads = load_workloads(args)
-    if not workloads:
-        raise ValueError("no workload: name --mixes or give --lengths")
     rows = count_rows(workloads, args.cp, args.call_rows)
     if not args.no_time:
         time_rows(rows, workloads, args.cp, args.time_seq_len, args.repeats)
