@@ -36,18 +36,21 @@ order for the algorithms that sort (`sorts_positions`: Ulysses, USP), as the att
          H_kv x head_dim, and by the bytes of each transfer's dtype, for bytes); the largest
          over rows (at the largest share) and the mean.
 
-Timed (--no-time skips it): one causal attention forward + backward of the first row of each
-mix at --time-seq-len tokens (its document lengths scaled by time_seq_len / seq_len, at least
+Timed (--no-time skips it): one causal attention forward + backward of the row of each mix
+that zigzag balances worst at 4 ranks, at --time-seq-len tokens (its document lengths scaled by time_seq_len / seq_len, at least
 one token each), B = 1, H = 4, H_kv = 2, head_dim 64, float32, on forked gloo ranks with one
 thread each, cp 2 and 4 (those of --cp), every algorithm whose key blocks travel (Ulysses
 degree below cp: Ring, all-gather KV, USP at u = 2 on 4 ranks); each variant the median of
---repeats after one warm-up, of the slowest rank. kv=all is the code before travel.py: inside
+--repeats after one warm-up: the wall time of the slowest rank, and `cpu`, the busiest rank's
+CPU time of its (only) thread, what it computes without its waits. kv=all is the code before travel.py: inside
 the ranks, `travel_plan` as Ring (and USP's ring) import it returns None (whole blocks go
 round), and as all-gather KV imports it a plan in which every token travels (the whole
 gather); the library is unchanged. The warm-up's traffic is checked to equal the formula at the
 variant's share. `vs zz-all` is each variant's time over zigzag kv=all's; `t-work` the timed
 row's own work max/mean (`split_cost` of the scaled lengths).
-On a 2-core machine cp=4 time-slices its ranks: those times are shown, not claimed.
+On a 2-core machine cp=4 time-slices its ranks: the wall time then follows the total work,
+not the busiest rank's, and `cpu` is the number that shows the balance (what a rank with a
+core, or a GPU, of its own would take).
 """
 
 from __future__ import annotations
@@ -281,17 +284,21 @@ def every_kv_sent() -> Iterator[None]:
         ring_module.travel_plan, allgather_module.travel_plan = saved
 
 
-def _median_seconds(fn: Callable[[], None], repeats: int) -> float:
-    """Median wall time of `fn` over `repeats`, of the slowest rank."""
-    times = []
+def _median_seconds(fn: Callable[[], None], repeats: int) -> tuple[float, float]:
+    """(median wall time of `fn` over `repeats`, of the slowest rank; median CPU time of this
+    rank's thread, of the busiest rank). The CPU time is what a rank computes, waits left out:
+    on a CPU shared by more ranks than cores the wall time follows the total work, and the
+    busiest rank's CPU time is what a rank with a core (a GPU) of its own would take."""
+    walls, cpus = [], []
     for _ in range(repeats):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         fn()
-        times.append(time.perf_counter() - t0)
-    slowest = torch.tensor([statistics.median(times)])
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.thread_time() - c0)
+    slowest = torch.tensor([statistics.median(walls), statistics.median(cpus)])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return float(slowest)
+    return float(slowest[0]), float(slowest[1])
 
 
 def _step(attn: ContextParallelAttention, ins: list[torch.Tensor],
@@ -301,8 +308,9 @@ def _step(attn: ContextParallelAttention, ins: list[torch.Tensor],
 
 
 def _time_rank(lengths: np.ndarray, timed: list[tuple[str, int]],
-               repeats: int) -> dict[tuple[str, int, str, str], float]:
-    """On every rank: {(algorithm, u, load_balance, kv): seconds} of one forward + backward."""
+               repeats: int) -> dict[tuple[str, int, str, str], tuple[float, float]]:
+    """On every rank: {(algorithm, u, load_balance, kv): (wall seconds, busiest rank's CPU
+    seconds)} of one forward + backward."""
     cp, seq_len, doc = dist.get_world_size(), int(lengths.sum()), doc_ids(lengths)
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(1, seq_len, HEADS, HEAD_DIM, generator=gen)
@@ -336,15 +344,19 @@ def time_rows(rows: list[dict], workloads: dict[str, list[np.ndarray]], cps: lis
     by_key = {(r["mix"], r["cp"], r["algorithm"], r["ulysses"], r["load_balance"], r["kv"]): r
               for r in rows}
     for mix, mix_rows in workloads.items():
-        lengths = scaled(mix_rows[0], seq_len)
+        # the row zigzag balances worst at 4 ranks, scaled to the timed length
+        candidates = [scaled(r, seq_len) for r in mix_rows]
+        lengths = max(candidates, key=lambda r: split_cost(r, min(4, max(cps)), "zigzag")
+                      .max_over_mean)
         for cp in (c for c in TIMED_CP if c in cps):
             timed = [(name, u) for name, u in layouts(cp) if u < cp]
             got = run_ranks(_time_rank, cp, (lengths, timed, repeats), timeout_s=3600)[0]
-            for (name, u, lb, kv), seconds in got.items():
-                base = got[name, u, "zigzag", "all"]
+            for (name, u, lb, kv), (seconds, cpu) in got.items():
+                base, base_cpu = got[name, u, "zigzag", "all"]
                 by_key[mix, cp, name, u, lb, kv] |= {
                     "time_seq_len": seq_len, "seconds": seconds,
                     "seconds_over_zigzag_all": seconds / base,
+                    "rank_cpu_seconds_max": cpu, "cpu_over_zigzag_all": cpu / base_cpu,
                     "time_work_max_over_mean": split_cost(lengths, cp, lb, u).max_over_mean}
 
 
@@ -355,16 +367,17 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
           f"kernel calls on {args.call_rows}); sent = elements per rank, layer and sequence, "
           f"fwd + bwd, d = d_kv = 1")
     if not args.no_time:
-        print(f"# timed: first row scaled to {args.time_seq_len:,} tokens, H={HEADS}, "
-              f"H_kv={KV_HEADS}, d={HEAD_DIM}, float32, 1 thread per rank, median of "
-              f"{args.repeats}")
+        print(f"# timed: the row zigzag balances worst, scaled to {args.time_seq_len:,} tokens, "
+              f"H={HEADS}, H_kv={KV_HEADS}, d={HEAD_DIM}, float32, 1 thread per rank, median of "
+              f"{args.repeats}; cpu = the busiest rank's compute (its thread's CPU time)")
     print(f"{'mix':<11} {'cp':>3} {'algorithm':<12} {'balance':<10} {'kv':<10} "
           f"{'work max/mean':>13} {'worst':>6} {'share':>6} {'sent max':>12} {'sent mean':>12} "
-          f"{'seconds':>8} {'vs zz-all':>9} {'t-work':>6}")
+          f"{'seconds':>8} {'vs zz-all':>9} {'cpu':>7} {'vs zz-all':>9} {'t-work':>6}")
     for r in rows:
         name = r["algorithm"] if r["algorithm"] != "usp" else f"usp(u={r['ulysses']})"
         share = "-" if r["share_max"] is None else f"{r['share_max']:.3f}"
         timed = (f"{r['seconds']:>8.3f} {r['seconds_over_zigzag_all']:>9.2f} "
+                 f"{r['rank_cpu_seconds_max']:>7.3f} {r['cpu_over_zigzag_all']:>9.2f} "
                  f"{r['time_work_max_over_mean']:>6.3f}" if "seconds" in r else "")
         print(f"{r['mix']:<11} {r['cp']:>3} {name:<12} {r['load_balance']:<10} {r['kv']:<10} "
               f"{r['work_max_over_mean']:>13.3f} {r['work_max_over_mean_worst']:>6.3f} "
