@@ -76,7 +76,7 @@ def causal_work(lengths: np.ndarray, ranges: list[tuple[int, int]]) -> int:
                                                                               side="right")
         for d in range(int(first), int(last) + 1):
             lo, hi = max(a, int(starts[d])) - int(starts[d]), min(b, int(ends[d])) - int(starts[d])
-            total += (hi * (hi + 1) - lo * (lo + 1)) // 2
+            total += sequence.causal_pairs(lo, hi)
     return total
 
 

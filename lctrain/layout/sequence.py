@@ -59,7 +59,7 @@ def document_lengths(doc_ids: Tensor | np.ndarray) -> np.ndarray:
     return np.diff(np.concatenate([[0], cuts, [len(ids)]])).astype(np.int64)
 
 
-def _pairs(lo: np.ndarray | int, hi: np.ndarray | int):
+def causal_pairs(lo: np.ndarray | int, hi: np.ndarray | int):
     """Causal (query, key) pairs of a document's tokens [lo, hi): token i sees i + 1 keys."""
     return (hi * (hi + 1) - lo * (lo + 1)) // 2
 
@@ -80,14 +80,14 @@ def document_ranges(lengths: np.ndarray, units: int) -> tuple[Ranges, ...]:
 
     Work is counted in causal pairs (a document's token i attends i + 1 keys). A document
     longer than S/units, but the longest, is cut zigzag into 2 units pieces (unit u: pieces u
-    and 2 units - 1 - u, equal work per unit; `_piece_sizes`). The other documents, shortest first, then the
-    longest, form one "region"; unit u, in order, takes x tokens from the region's front and
-    the rest of its S/units from the region's back, x chosen so that the work of units 0..u
-    together comes closest to u + 1 times the mean (front tokens are early in short documents,
-    cheap; back tokens are the end of the longest, expensive; an error is made up by the next
-    unit instead of piling up on the last). The region is cut at most twice per unit, so at most 2 units - 1
-    short documents cross units; the rest stay whole. Deterministic: every rank computes the
-    same split from the same lengths.
+    and 2 units - 1 - u, equal work per unit; `_piece_sizes`). The other documents, shortest
+    first, then the longest, form one "region"; unit u, in order, takes x tokens from the
+    region's front and the rest of its S/units from the region's back, x chosen so that the
+    work of units 0..u together comes closest to u + 1 times the mean (front tokens are early
+    in short documents, cheap; back tokens are the end of the longest, expensive; an error is
+    made up by the next unit instead of piling up on the last). The region is cut at most
+    twice per unit, so at most 2 units - 1 of its documents cross units; the rest stay whole.
+    Deterministic: every rank computes the same split from the same lengths.
     """
     return _document_ranges(np.asarray(lengths, dtype=np.int64).tobytes(), units)
 
@@ -98,7 +98,7 @@ def _document_ranges(lengths_bytes: bytes, units: int) -> tuple[Ranges, ...]:
     seq_len = int(lengths.sum())
     assert seq_len % units == 0, f"{seq_len} tokens do not split into {units} equal parts"
     per, starts = seq_len // units, np.cumsum(lengths) - lengths
-    target = float(_pairs(0, lengths).sum()) / units
+    target = float(causal_pairs(0, lengths).sum()) / units
     taken: list[list[tuple[int, int]]] = [[] for _ in range(units)]
     tokens, work = np.zeros(units, dtype=np.int64), np.zeros(units)
     by_length = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
@@ -111,7 +111,7 @@ def _document_ranges(lengths_bytes: bytes, units: int) -> tuple[Ranges, ...]:
             lo, hi = int(cut[piece]), int(cut[piece + 1])
             taken[u].append((int(starts[i]) + lo, int(starts[i]) + hi))
             tokens[u] += hi - lo
-            work[u] += _pairs(lo, hi)
+            work[u] += causal_pairs(lo, hi)
     region = sorted([i for i in by_length if lengths[i] <= per] + long_docs[:1],
                     key=lambda i: (lengths[i], i))
     seg_len = lengths[region]
