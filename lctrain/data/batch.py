@@ -7,8 +7,8 @@ that falls inside the window). Inputs are window[0:S], labels window[1:S+1]: lab
 the global sequence, before any split. A cp rank reads only its chunks (lctrain.layout.sequence,
 the one split; with load_balance=documents each window's own, from its document lengths) plus one
 token each for the shifted labels, so at 256K tokens and cp=16 a rank touches 1/16 of every
-sequence. Document ids and positions come from the piece lengths, never from
-looking for EOS tokens, so a document that crosses a window border or contains EOS is still right.
+sequence. Document ids and positions come from the piece lengths, never from looking for EOS
+tokens, so a document that crosses a window border or contains EOS is still right.
 Windows may end in padding (only the last sample of an epoch does): padded labels are ignored and
 padded tokens form one more document of their own.
 """
