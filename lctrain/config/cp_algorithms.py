@@ -87,6 +87,10 @@ def _nothing(_shape: LayerShape) -> float:
     return 0.0
 
 
+def _no_plans(batch: int, seq_len: int, cp: int, share: float | None) -> float:
+    return 0.0
+
+
 def each_token_once(tokens: int, cp: int) -> int:
     """Blocks that together cover every token once (Ring's groups)."""
     return tokens
@@ -105,9 +109,11 @@ class MemoryTerms:
     """(B S tokens of a micro-batch, cp) -> the tokens its blocks cover, each block once: the
     document ids (one int64 per row and token) its call plans hold with packed documents, and
     the positions with a split of its own per row (`planning_bytes`)."""
-    travel_plans: Callable[[int, int, float], float] = lambda tokens, cp, share: 0.0
-    """(B S tokens, cp, travelling share) -> host bytes of its travel plans with packed
-    documents (what of each key block travels: `planning_bytes`, §24)."""
+    travel_plans: Callable[[int, int, int, float | None], float] = _no_plans
+    """(B, S, cp, travelling share, None without packed documents) -> host bytes of what it
+    plans to send key blocks: with packed documents which of their tokens travel (§24);
+    all-gather KV without them the positions of every token, one key block
+    (`planning_bytes`)."""
     sorts_positions: bool = False
     """It sorts a zigzag group's tokens into position order: a sort index, its inverse and the
     sorted positions on the host, and the document ids a second time, in that order
@@ -228,10 +234,10 @@ def usp_degrees(cp: int) -> tuple[int, ...]:
     return tuple(u for u in range(2, cp) if cp % u == 0)
 
 
-def ring_travel_plans(tokens: int, cp: int, share: float) -> float:
+def ring_travel_plans(batch: int, seq_len: int, cp: int, share: float | None) -> float:
     """Each ring block's travelling tokens, `share` of them all: index, positions and document
-    ids, three int64 each (§24)."""
-    return 24 * share * tokens
+    ids, three int64 each (§24); nothing without documents."""
+    return 0.0 if share is None else 24 * share * batch * seq_len
 
 
 ULYSSES_MEMORY = MemoryTerms(kept_per_token=ulysses_output_copy, sorts_positions=True,
@@ -276,10 +282,13 @@ def gathered_kv_grads(s: LayerShape) -> float:
     return KV_TENSORS * s.compute_bytes * s.batch * s.seq_len * s.kv_heads // s.tp * s.head_dim
 
 
-def gathered_travel_plans(tokens: int, cp: int, share: float) -> float:
-    """Every rank's travelling tokens (index, positions, document ids: three int64 each) and
-    the key block of the own tokens and the others' travelling ones (positions and document
-    ids) (§24)."""
+def gathered_travel_plans(batch: int, seq_len: int, cp: int, share: float | None) -> float:
+    """With documents every rank's travelling tokens (index, positions, document ids: three
+    int64 each) and the key block of the own tokens and the others' travelling ones (positions
+    and document ids) (§24); without, the key block of every token's positions (int64)."""
+    if share is None:
+        return 8 * seq_len
+    tokens = batch * seq_len
     return 24 * share * tokens + 16 * tokens * (1 + (cp - 1) * share) / cp
 
 
@@ -290,6 +299,5 @@ def own_and_gathered(tokens: int, cp: int) -> int:
 
 register(CPAlgorithm(
     "allgather", "docs/parallelism.md §8", heads_over="none", transfers=allgather_transfers,
-    memory=MemoryTerms(gathered_kv, gathered_kv_grads, block_tokens=own_and_gathered,
-                       travel_plans=gathered_travel_plans),
+    memory=MemoryTerms(gathered_kv, gathered_kv_grads, travel_plans=gathered_travel_plans),
     timing=TimingTerms(lambda R, u: {"allgather": 1.0}, calibrated=True)))

@@ -302,13 +302,14 @@ def rope_table_bytes(cfg: LctrainConfig, world_size: int, batch: int) -> float:
 def planning_bytes(cfg: LctrainConfig, batch: int) -> float:
     """Host bytes the attention's call plans keep during a forward, planned in the first block
     for all of them (CPU tensors: device memory only in a CPU run): the int64 document ids of
-    the attention blocks (packed documents: `MemoryTerms.block_tokens`, every token once,
-    all-gather KV its own tokens' and every token's); for an algorithm that `sorts_positions`
+    the attention blocks (packed documents: `MemoryTerms.block_tokens`, every token once for
+    the registered algorithms); for an algorithm that `sorts_positions`
     (Ulysses and USP) over zigzag shards the position order of the tokens it attends over (sort
     index, inverse and sorted positions) and the document ids again in that order; with a split
     per row (load_balance=documents) the blocks' positions, one int64 per row and token (each
     group's tokens are then in position order already: nothing is sorted); and what of the key
-    blocks travels (`MemoryTerms.travel_plans`, at the corpus's travelling share, §24)."""
+    blocks travels (`MemoryTerms.travel_plans`, at the corpus's travelling share, §24; without
+    documents all-gather KV's key block of every token)."""
     p, S = cfg.parallel, cfg.train.seq_len
     terms = cp_algorithm(p.attention).memory if p.cp > 1 else MemoryTerms()
     balance = load_balance_of(cfg) if p.cp > 1 else "none"
@@ -319,9 +320,8 @@ def planning_bytes(cfg: LctrainConfig, batch: int) -> float:
         total += 24 * S  # three int64 tensors of S: sort index, inverse, sorted positions
     if balance == "documents":
         total += 8 * tokens
-    if cfg.data.document_masking:
-        total += terms.travel_plans(batch * S, p.cp, travelling_share(cfg))
-    return total
+    share = travelling_share(cfg) if cfg.data.document_masking else None
+    return total + terms.travel_plans(batch, S, p.cp, share)
 
 
 def working_bytes(cfg: LctrainConfig, world_size: int, batch: int,
