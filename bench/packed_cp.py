@@ -73,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lctrain.attention.allgather as allgather_module  # noqa: E402
 import lctrain.attention.ring as ring_module  # noqa: E402
 from lctrain.attention import CP_ATTENTION, ContextParallelAttention, CPGroups  # noqa: E402
-from lctrain.attention.calls import Block, kernel_calls  # noqa: E402
+from lctrain.attention.calls import Block, kernel_calls, pairs_computed  # noqa: E402
 from lctrain.attention.travel import Travel, travel_plan  # noqa: E402
 from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm  # noqa: E402
 from lctrain.layout import sequence  # noqa: E402
@@ -141,15 +141,6 @@ def layouts(cp: int) -> list[tuple[str, int]]:
 
 # ---- counted ---------------------------------------------------------------------------------
 
-def pairs(calls) -> int:
-    """Causal pairs the kernel calls compute."""
-    total = 0
-    for _, qs, ks, kind in calls:
-        q, k = qs.stop - qs.start, ks.stop - ks.start
-        total += q * (q + 1) // 2 if kind == "causal" else q * k
-    return total
-
-
 class RowSplits:
     """One packed row at cp ranks: each split's positions, cost and Blocks, made once and
     shared by the algorithms and ranks that ask (a Block per distinct positions, so its runs and
@@ -202,7 +193,7 @@ def count_layout(row: RowSplits, name: str, u: int, lb: str,
     under one algorithm and split."""
     work = row.unit_work(lb, u)
     if with_calls:
-        counted = np.array([sum(pairs(kernel_calls(qb, kb, True)) for kb in keys)
+        counted = np.array([sum(pairs_computed(kernel_calls(qb, kb, True)) for kb in keys)
                             for qb, keys in (row.blocks(name, lb, u, r)
                                              for r in range(0, row.cp, u))], dtype=np.float64)
         assert np.array_equal(counted, work), (name, row.cp, u, lb, counted, work)

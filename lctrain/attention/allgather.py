@@ -96,8 +96,7 @@ def _joined(blocks: list[Block], travel: list[Travel], rank: int) -> Block:
     key = ("joined", rank)
     if key not in travel[rank].block._plans:
         parts = [blocks[rank]] + [t.block for j, t in enumerate(travel) if j != rank]
-        pos = [b.pos.expand_as(b.doc) if b.pos.dim() == 1 else b.pos for b in parts]
-        travel[rank].block._plans[key] = Block(torch.cat(pos, dim=1),
+        travel[rank].block._plans[key] = Block(torch.cat([b.row_pos for b in parts], dim=1),
                                                torch.cat([b.doc for b in parts], dim=1))
     return travel[rank].block._plans[key]
 

@@ -112,6 +112,11 @@ class Block:
     def _row_runs(self) -> list[list[Run]]:
         return [runs(p) for p in self.pos]
 
+    @property
+    def row_pos(self) -> Tensor:
+        """Positions [B, S] (a shared [S] repeated per row; needs document ids for B)."""
+        return self.pos.expand_as(self.doc) if self.pos.dim() == 1 else self.pos
+
     def row_runs(self, b: int) -> list[Run]:
         """Runs of the positions of batch row `b`."""
         return self.runs if self.pos.dim() == 1 else self._row_runs[b]
@@ -201,6 +206,16 @@ def _document_calls(qb: Block, kb: Block, b: int, q_run: Run, k_run: Run, causal
             for ko, kl in k_docs.get(d, ()):
                 for qr, kr, kind in _rectangles(q_run.part(qo, ql), k_run.part(ko, kl), causal):
                     yield KernelCall(row, qr.rows, kr.rows, kind)
+
+
+def pairs_computed(calls) -> int:
+    """Causal (query, key) pairs the calls compute: a causal call of q queries the triangle
+    q (q + 1) / 2, a full one q x k (what benchmarks and tests count work by)."""
+    total = 0
+    for _, qs, ks, kind in calls:
+        q, k = qs.stop - qs.start, ks.stop - ks.start
+        total += q * (q + 1) // 2 if kind == "causal" else q * k
+    return total
 
 
 def _waves(calls: list[KernelCall]) -> list[list[KernelCall]]:

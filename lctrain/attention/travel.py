@@ -52,11 +52,6 @@ class Travel:
         acc.scatter_add_(1, index.view(view).expand_as(grad), grad.to(acc.dtype))
 
 
-def _row_pos(block: Block) -> Tensor:
-    """Positions [B, S] (a shared [S] repeated per row)."""
-    return block.pos.expand_as(block.doc) if block.pos.dim() == 1 else block.pos
-
-
 def travel_plan(blocks: list[Block], causal: bool) -> list[Travel] | None:
     """For key blocks whose tokens are also the queries of their ranks (block i: rank i's
     tokens), each block's travelling tokens; None without documents (everything travels).
@@ -73,7 +68,7 @@ def travel_plan(blocks: list[Block], causal: bool) -> list[Travel] | None:
 
 def _plan(blocks: list[Block], causal: bool) -> list[Travel]:
     docs = [b.doc for b in blocks]
-    pos = [_row_pos(b) for b in blocks]
+    pos = [b.row_pos for b in blocks]
     _, inverse = torch.unique(torch.cat(docs, dim=1), return_inverse=True)
     ids = inverse.split([d.shape[1] for d in docs], dim=1)  # documents as 0..D-1
     rows, n_docs = docs[0].shape[0], int(inverse.max()) + 1

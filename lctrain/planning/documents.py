@@ -24,7 +24,7 @@ import numpy as np
 
 from lctrain.config import LctrainConfig
 from lctrain.config.derived import load_balance_of, ulysses_degree
-from lctrain.layout.packed import pack_stream, split_cost
+from lctrain.layout.packed import LengthSampler, sample_rows, split_cost
 
 ROWS = 8
 """Packed rows drawn per prediction (each split costs milliseconds: the layout search asks for
@@ -43,25 +43,29 @@ class PackedDocuments:
 ONE_DOCUMENT = PackedDocuments()
 
 
+def histogram_sampler(histogram: tuple[tuple[int | None, int, int], ...],
+                      seq_len: int) -> LengthSampler:
+    """Document lengths drawn from a [max_len, documents, tokens] histogram: a bucket as often
+    as the corpus has its documents, log-uniform inside it (the open last bucket up to twice
+    its lower bound, or S)."""
+    uppers = [row[0] for row in histogram]
+    lows = [0] + [u for u in uppers[:-1]]
+    bounds = np.array([(max(lo, 0) + 1, hi if hi is not None else max(2 * (lo or 1), seq_len))
+                       for lo, hi in zip(lows, uppers)], dtype=np.float64)
+    counts = np.array([row[1] for row in histogram], dtype=np.float64)
+
+    def draw(rng: np.random.Generator, n: int) -> np.ndarray:
+        lo, hi = bounds[rng.choice(len(bounds), size=n, p=counts / counts.sum())].T
+        lengths = np.exp(rng.uniform(np.log(lo), np.log(hi + 1))).astype(np.int64)
+        return np.clip(lengths, lo.astype(np.int64), hi.astype(np.int64))
+
+    return draw
+
+
 def histogram_rows(histogram: tuple[tuple[int | None, int, int], ...], seq_len: int,
                    rows: int, seed: int = 0) -> list[np.ndarray]:
     """`rows` packed rows of documents drawn from a [max_len, documents, tokens] histogram."""
-    rng = np.random.default_rng(seed)
-    uppers = [row[0] for row in histogram]
-    lows = [0] + [u for u in uppers[:-1]]
-    bounds = [(max(lo, 0) + 1, hi if hi is not None else max(2 * (lo or 1), seq_len))
-              for lo, hi in zip(lows, uppers)]
-    counts = np.array([row[1] for row in histogram], dtype=np.float64)
-    drawn, total = [], 0
-    while total < rows * seq_len:
-        which = rng.choice(len(bounds), size=256, p=counts / counts.sum())
-        lo = np.array([bounds[w][0] for w in which], dtype=np.float64)
-        hi = np.array([bounds[w][1] for w in which], dtype=np.float64)
-        lengths = np.exp(rng.uniform(np.log(lo), np.log(hi + 1))).astype(np.int64)
-        lengths = np.clip(lengths, lo.astype(np.int64), hi.astype(np.int64))
-        drawn.append(lengths)
-        total += int(lengths.sum())
-    return pack_stream(np.concatenate(drawn), seq_len)[:rows]
+    return sample_rows(histogram_sampler(histogram, seq_len), seq_len, rows, seed)
 
 
 @cache
