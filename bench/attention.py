@@ -30,7 +30,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lctrain.attention import ContextParallelAttention, CPGroups  # noqa: E402
-from lctrain.attention.calls import Block, kernel_calls  # noqa: E402
+from lctrain.attention.calls import Block, kernel_calls, pairs_computed  # noqa: E402
 from lctrain.attention.local import local_attention  # noqa: E402
 from lctrain.layout import sequence  # noqa: E402
 from lctrain.layout.comm import record_traffic  # noqa: E402
@@ -97,12 +97,8 @@ def section_balance() -> None:
             blocks = [Block(sequence.positions(S, r, p, lb)) for r in range(p)]
             work = []
             for qb in blocks:
-                pairs = 0
-                for _, qs, ks, kind in kernel_calls(qb, Block(torch.cat([b.pos for b in blocks])),
-                                                    True):
-                    n, m = qs.stop - qs.start, ks.stop - ks.start
-                    pairs += n * m if kind == "full" else n * (n + 1) // 2
-                work.append(pairs)
+                work.append(pairs_computed(kernel_calls(
+                    qb, Block(torch.cat([b.pos for b in blocks])), True)))
             row.append(max(work) / statistics.mean(work))
         print(f"{p:>3} {row[0]:>11.3f} {row[1]:>8.3f}")
 

@@ -13,8 +13,10 @@ _NEG_INF = float("-inf")
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal: bool,
-                        scale: float) -> tuple[Tensor, Tensor]:
-    """Plain-torch attention with an explicit mask (differentiable; any dtype).
+                        scale: float, window: int | None = None) -> tuple[Tensor, Tensor]:
+    """Plain-torch attention with an explicit mask (differentiable; any dtype). `window`: each
+    query sees only keys at most window - 1 positions before it (transformers' sliding window:
+    key > query - window).
 
     Rows with no visible key give out 0 and lse -inf.
     """
@@ -24,6 +26,8 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, c
     mask = (kb.pos[None, :] <= qb.pos[:, None])[None, None]
     if not causal:
         mask = torch.ones_like(mask)
+    if window is not None:
+        mask = mask & (kb.pos[None, :] > qb.pos[:, None] - window)[None, None]
     if qb.doc is not None:
         mask = mask & (qb.doc[:, None, :, None] == kb.doc[:, None, None, :])
     mask = mask.to(q.device)

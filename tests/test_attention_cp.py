@@ -24,7 +24,8 @@ from lctrain.layout.comm import record_traffic
 from lctrain.layout.topology import Topology
 from lctrain.parallel.runtime import build_mesh
 from lctrain.parallel.runtime import cp_groups as runtime_cp_groups
-from lctrain.planning.traffic import attention_traffic
+from lctrain.layout.halo import halo_tokens
+from lctrain.planning.traffic import attention_traffic, layer_transfers
 from tests.helpers import on_ranks
 from tests.reference import reference_attention
 
@@ -78,7 +79,8 @@ def check_case(case: dict, cache: dict) -> None:
     ref_in = [x.to(dtype).double().requires_grad_() for x in (q, k, v)]
     full = Block(torch.arange(S), docs)
     scale = hd ** -0.5
-    ref_out, ref_lse = reference_attention(*ref_in, full, full, causal, scale)
+    window = case.get("window")
+    ref_out, ref_lse = reference_attention(*ref_in, full, full, causal, scale, window=window)
     ref_out.backward(dout.to(dtype).double())
 
     u = cp_algorithm(algo).degree(g.cp_size, uly)
@@ -90,7 +92,7 @@ def check_case(case: dict, cache: dict) -> None:
     attn = ContextParallelAttention(algo, g, S, lb, causal=causal, kv_replication=rep,
                                     options=KernelOptions(backend=case.get("backend", "auto")))
     with record_traffic() as fwd:
-        out, lse = attn.attention(*ins, docs)
+        out, lse = attn.attention(*ins, docs, window)
     with record_traffic() as bwd:
         out.backward(local(dout.to(dtype)))
     tol = TOL[dtype]
@@ -107,6 +109,9 @@ def check_case(case: dict, cache: dict) -> None:
     finite = torch.isfinite(ref_core)
     assert torch.equal(torch.isfinite(lse), finite), f"lse -inf rows differ {case}"
     torch.testing.assert_close(lse.double()[finite], ref_core[finite], **tol, msg=f"lse {case}")
+    if window is not None and window < S:
+        assert_halo(case, g, u, attn, docs, fwd, bwd)
+        return
     share = 1.0
     if docs is not None and u < g.cp_size:  # the ring's (all-gather's) key blocks: its units
         unit_pos = [torch.cat([sequence.positions(S, r, g.cp_size, lb, doc_ids=docs, ulysses=u)
@@ -127,6 +132,47 @@ def check_case(case: dict, cache: dict) -> None:
         assert theirs == [p.tolist() for p in mine], case
 
 
+def unit_tokens(S: int, cp: int, lb: str, u: int, docs, B: int) -> list[list[list[tuple]]]:
+    """[unit][row] -> the (document, position) of each of the unit's tokens (a ring group's
+    members' tokens, or a rank's when u = 1)."""
+    out = []
+    for i in range(cp // u):
+        pos = torch.cat([sequence.positions(S, r, cp, lb, doc_ids=docs, ulysses=u).expand(B, -1)
+                         for r in range(i * u, (i + 1) * u)], dim=1)
+        out.append([[(0 if docs is None else int(docs[b, p]), int(p)) for p in pos[b]]
+                    for b in range(B)])
+    return out
+
+
+def assert_halo(case: dict, g, u: int, attn, docs, fwd, bwd) -> None:
+    """A window layer sends, to each other unit, the tokens that unit's queries see (counted
+    token by token: same document, 0 <= query - key < W; the most of any row), K and V forward,
+    and the dK and dV of what it received back in float32, and nothing to a unit out of reach; the count equals
+    `lctrain.layout.halo.halo_tokens` and the traffic `attention_traffic(..., halo=)`."""
+    algo, S, B, W = case["algorithm"], case["S"], case["B"], case["window"]
+    held = unit_tokens(S, g.cp_size, case["lb"], u, docs, B)
+    me = g.cp_rank // u
+
+    def count(j: int, i: int) -> int:  # tokens of unit j that unit i's queries see
+        return max(sum(any(d == dq and 0 <= pq - p < W for dq, pq in held[i][b])
+                       for d, p in held[j][b]) for b in range(B))
+
+    sends = {i: count(me, i) for i in range(len(held)) if i != me}
+    halo = (sum(sends.values()), sum(count(i, me) for i in range(len(held)) if i != me))
+    assert halo == halo_tokens(S, g.cp_size, W, case["lb"], u, docs)[me], case
+    d_kv = case["Hkv"] * case.get("rep", 1) * case["hd"]
+    assert_traffic(algo, fwd, bwd, S, case["H"] * case["hd"], d_kv, g.cp_size, u, B,
+                   case["dtype"], case, halo=halo)
+    a = cp_algorithm(algo)
+    if not any(x.travelling for x in a.transfers(S, 1, 1, g.cp_size, u)):
+        return  # it moves no key block (Ulysses; an algorithm that gathers them whole)
+    # point to point only to the units within reach (their member with this rank's heads),
+    # exactly their tokens (K and V, the heads this rank holds)
+    reached = {dist.get_global_rank(g.cp, i * u + g.ulysses_rank % u): 2 * n * B * d_kv // u
+               for i, n in sends.items() if n}
+    assert dict(fwd.to_peer) == reached, (dict(fwd.to_peer), reached, case)
+
+
 def travelling_tokens(docs: torch.Tensor, unit_pos: list[torch.Tensor], causal: bool) -> int:
     """n, counted token by token: the most tokens of one unit's row that another unit's queries
     attend (same document; causal: at or after the key), over units and rows."""
@@ -143,19 +189,20 @@ def travelling_tokens(docs: torch.Tensor, unit_pos: list[torch.Tensor], causal: 
     return most
 
 
-def assert_traffic(algo, fwd, bwd, S, d, d_kv, cp, uly, B, dtype, case, share=1.0) -> None:
+def assert_traffic(algo, fwd, bwd, S, d, d_kv, cp, uly, B, dtype, case, share=1.0,
+                   halo=None) -> None:
     """What `record_traffic` counted equals the algorithm's formula: elements per direction
-    (`attention_traffic`; with documents the key blocks' travelling `share`), bytes per
-    transfer dtype (Ring's travelling dK/dV accumulators and all-gather's reduce-scattered
-    dK/dV are float32, everything else the input dtype)."""
+    (`attention_traffic`; with documents the key blocks' travelling `share`; a window layer's
+    `halo` tokens), bytes per transfer dtype (Ring's travelling dK/dV accumulators,
+    all-gather's reduce-scattered dK/dV and the halo's dK/dV are float32, everything else the
+    input dtype)."""
     itemsize = torch.finfo(dtype).bits // 8
-    want = attention_traffic(algo, S, d, d_kv, cp, uly, batch=B, share=share)
+    want = attention_traffic(algo, S, d, d_kv, cp, uly, batch=B, share=share, halo=halo)
     for direction, rec in (("forward", fwd), ("backward", bwd)):
         assert rec.total(tag=algo) == pytest.approx(want[direction], rel=1e-12), (
             direction, dict(rec.elements), want, case)
-    a = cp_algorithm(algo)
-    float32 = {way: B * sum(x.elements * (share if x.travelling else 1.0)
-                            for x in a.transfers(S, d, d_kv, cp, a.degree(cp, uly))
+    float32 = {way: B * sum(x.elements for x in layer_transfers(algo, S, d, d_kv, cp, uly,
+                                                                 share, halo)
                             if x.float32 and x.direction == way) for way in ("fwd", "bwd")}
     for (way, direction), rec in zip((("fwd", "forward"), ("bwd", "backward")), (fwd, bwd)):
         nbytes = (want[direction] - float32[way]) * itemsize + float32[way] * 4
@@ -232,6 +279,27 @@ def cases_for(world: int) -> list[dict]:
         out.append(dict(algorithm=algo, ring=ring, ulysses=uly, B=2, S=S, H=2 * world,
                         Hkv=world, hd=8, rep=1, dtype=torch.float32, lb="documents",
                         causal=True, docs=[[S // 8] * 8, [S // 8] * 8], silent=True))
+        out += window_cases(algo, ring, uly, world)
+    return out
+
+
+def window_cases(algo: str, ring: int, uly: int, world: int) -> list[dict]:
+    """Sliding-window layers: windows inside a zigzag chunk (6 tokens), spanning several
+    chunks, and as long as the sequence (full attention); without and with packed documents;
+    contiguous, zigzag and per-row documents splits; CPU kernels, the varlen path and torch's
+    flash ops (bf16)."""
+    S = 12 * world
+    base = dict(algorithm=algo, ring=ring, ulysses=uly, B=2, S=S, H=2 * world, Hkv=world,
+                hd=8, rep=1, dtype=torch.float32, causal=True)
+    docs = [5, 4 * world + 3, 8 * world - 8]
+    out = [dict(base, lb=lb, window=w, docs=None)
+           for lb, w in (("zigzag", 4), ("zigzag", 15), ("none", 15), ("zigzag", S))]
+    out += [dict(base, lb="zigzag", window=w, docs=docs, backend="reference") for w in (3, 15)]
+    out.append(dict(base, lb="zigzag", window=7, docs=docs, backend="torch",
+                    dtype=torch.bfloat16))
+    out.append(dict(base, lb="none", window=1, docs=None))
+    S = 28 * world
+    out.append(dict(base, S=S, lb="documents", window=9, docs=packed_rows(S, world)))
     return out
 
 
@@ -252,9 +320,9 @@ def test_packed_documents_attend_block_diagonally_without_masks():
     docs = torch.stack([torch.repeat_interleave(torch.arange(3), torch.tensor(n)) for n in lengths])
     block = Block(torch.arange(96), docs)
     calls = list(kernel_calls(block, block, causal=True))
-    assert all(kind == "causal" for _, _, _, kind in calls)
+    assert all(c.kind == "causal" for c in calls)
     for b, row in enumerate(lengths):
-        spans = sorted((qs.start, qs.stop) for bs, qs, _, _ in calls if bs.start == b)
+        spans = sorted((qs.start, qs.stop) for bs, qs, *_ in calls if bs.start == b)
         assert [y - x for x, y in spans] == row
     gen = torch.Generator().manual_seed(0)
     for doc_ids in (docs, torch.stack([docs[0], docs[1].roll(5)])):  # second: not contiguous

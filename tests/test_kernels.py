@@ -24,9 +24,9 @@ from tests.reference import reference_attention
 def test_calls_are_planned_once_per_micro_batch(monkeypatch):
     planned = []
 
-    def counting(qb, kb, causal):
+    def counting(qb, kb, causal, window):
         planned.append((id(qb), id(kb)))
-        return kernel_calls(qb, kb, causal)
+        return kernel_calls(qb, kb, causal, window)
 
     monkeypatch.setattr(calls_module, "kernel_calls", counting)
     attn = ContextParallelAttention("ring", CPGroups(None, None, None), 32, "zigzag")

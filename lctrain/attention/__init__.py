@@ -103,10 +103,11 @@ class ContextParallelAttention:
             self._planned_for, self._doc_blocks = doc_ids, self._make_blocks(doc_ids)
         return self._doc_blocks
 
-    def attention(self, q: Tensor, k: Tensor, v: Tensor,
-                  doc_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None,
+                  window: int | None = None) -> tuple[Tensor, Tensor]:
         """(out, lse); lse is in the layout of the algorithm's core (see each algorithm). Shapes
-        and heads are checked here, once, before any collective."""
+        and heads are checked here, once, before any collective. `window`: a sliding window of
+        that many keys (a window layer; one at least the sequence is full attention)."""
         g, local = self.groups, self.seq_len // self.groups.cp_size
         if q.shape[1] != local or k.shape[1] != local:
             raise ValueError(f"{self.algorithm} attention expects local sequence {local} "
@@ -117,14 +118,20 @@ class ContextParallelAttention:
         if doc_ids is not None and doc_ids.shape[-1] != self.seq_len:
             raise ValueError(f"doc_ids must cover the global sequence ({self.seq_len} tokens); "
                              f"got {tuple(doc_ids.shape)}")
+        if window is not None and window < 1:
+            raise ValueError(f"a sliding window holds at least 1 key; got {window}")
+        if window is not None and not self.causal:
+            raise ValueError("a sliding window is causal: it needs causal attention")
         qb, kbs = self.blocks(doc_ids)
         kw = {"causal": self.causal, "scale": 1.0 / math.sqrt(q.shape[-1]),
-              "options": self.options}
+              "options": self.options,
+              "window": window if window is not None and window < self.seq_len else None}
         with traffic_tag(self.algorithm):
             if g.cp_size == 1:
                 return local_attention(q, k, v, qb, qb, **kw)
             return self._run.attend(q, k, v, qb, kbs, g, kv_replication=self.kv_replication,
                                     **kw)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None) -> Tensor:
-        return self.attention(q, k, v, doc_ids)[0]
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None,
+                 window: int | None = None) -> Tensor:
+        return self.attention(q, k, v, doc_ids, window)[0]

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from lctrain.attention.algorithms import CPAttention, CPGroups, rank_blocks
 from lctrain.attention.calls import Block
+from lctrain.attention.halo import halo_attention
 from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions, acc_dtype
 from lctrain.attention.local import block_backward, forward_and_save
 from lctrain.attention.travel import Travel, travel_plan
@@ -122,8 +123,13 @@ def allgather_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, blocks: list
 
 def attend(q: Tensor, k: Tensor, v: Tensor, query: Block, keys: list[Block], groups: CPGroups,
            *, causal: bool, scale: float, kv_replication: int = 1,
-           options: KernelOptions = DEFAULT_KERNEL) -> tuple[Tensor, Tensor]:
-    """The registry's contract (algorithms.py): the key blocks are every rank's tokens."""
+           options: KernelOptions = DEFAULT_KERNEL,
+           window: int | None = None) -> tuple[Tensor, Tensor]:
+    """The registry's contract (algorithms.py): the key blocks are every rank's tokens. A window
+    layer exchanges halos instead of gathering (halo.py)."""
+    if window is not None:
+        return halo_attention(q, k, v, keys, groups.cp, scale=scale, window=window,
+                              options=options)
     return allgather_attention(q, k, v, query, keys, groups.cp, causal=causal, scale=scale,
                                options=options)
 

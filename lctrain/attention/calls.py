@@ -13,7 +13,11 @@ positions alone, into at most three rectangles (docs/parallelism.md §4):
     queries after the whole key range                   -> full
 
 so no call ever needs an explicit mask, and rows that see no key get no call (their lse stays
--inf). A block caches its plan per partner: the ring's steps, the backward and activation
+-inf). A sliding window of W keys (each query sees itself and the W - 1 positions before it,
+transformers' rule; causal only) clips each rectangle to what the window leaves visible: the
+diagonal becomes a band, a rectangle of earlier keys loses the keys and queries too far apart,
+and what is left partly visible is a `band` call, the window flash attention's kernels take
+(docs/parallelism.md §25). A block caches its plan per partner: the ring's steps, the backward and activation
 recompute reuse it, and a new plan is made once per micro-batch of documents.
 `varlen_groups` packs the calls of a documents plan into a few variable-length batches (per
 kind, in waves where no query row repeats) for flash-attn's varlen kernels: (b, position)
@@ -44,7 +48,11 @@ class KernelCall(NamedTuple):
     k: slice
     """Local key indices."""
     kind: str
-    """full (every key visible) | causal (the diagonal: same positions, is_causal)."""
+    """full (every key visible) | causal (the diagonal: same positions, is_causal) | band (the
+    keys inside `band`)."""
+    band: tuple[int, int] | None = None
+    """For kind band: flash attention's window (left, right), bottom-right aligned: query i of
+    n sees key j of m iff i + m - n - left <= j <= i + m - n + right (-1: unbounded)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,6 +61,7 @@ class VarlenGroup:
     indices b * S + s into [B * S] views, and cumulative sequence lengths."""
 
     causal: bool
+    band: tuple[int, int] | None
     q_index: Tensor
     k_index: Tensor
     cu_q: Tensor
@@ -133,25 +142,53 @@ class Block:
         doc = None if self.doc is None else take(self.doc, index, 1)
         return Ordered(index, torch.argsort(index, dim=-1), Block(pos, doc))
 
-    def calls(self, kb: Block, causal: bool) -> list[KernelCall]:
+    def calls(self, kb: Block, causal: bool, window: int | None = None) -> list[KernelCall]:
         """The kernel calls of this block's queries against `kb`'s keys (planned once)."""
-        return self._plan(kb, causal)[0]
+        return self._plan(kb, causal, window)[0]
 
-    def varlen_groups(self, kb: Block, causal: bool) -> list[VarlenGroup]:
-        """`calls(kb, causal)` packed by kind for a variable-length kernel (planned once)."""
-        plan = self._plan(kb, causal)
+    def varlen_groups(self, kb: Block, causal: bool,
+                      window: int | None = None) -> list[VarlenGroup]:
+        """`calls(kb, causal, window)` packed by kind (and band) for a variable-length kernel
+        (planned once)."""
+        plan = self._plan(kb, causal, window)
         if plan[1] is None:
             plan[1] = _pack(plan[0], self.pos.shape[-1], kb.pos.shape[-1])
         return plan[1]
 
-    def _plan(self, kb: Block, causal: bool) -> list:
-        key = (id(kb), causal)
+    def _plan(self, kb: Block, causal: bool, window: int | None) -> list:
+        key = (id(kb), causal, window)
         if key not in self._plans or self._plans[key][0] is not kb:
-            self._plans[key] = (kb, [list(kernel_calls(self, kb, causal)), None])
+            self._plans[key] = (kb, [list(kernel_calls(self, kb, causal, window)), None])
         return self._plans[key][1]
 
 
-def _rectangles(qr: Run, kr: Run, causal: bool):
+def _rectangles(qr: Run, kr: Run, causal: bool, window: int | None):
+    """(query run, key run, kind, band) rectangles of a query run against a key run."""
+    for q, k, kind in _causal_rectangles(qr, kr, causal):
+        if window is None:
+            yield q, k, kind, None
+        else:
+            yield from _in_window(q, k, kind, window)
+
+
+def _in_window(q: Run, k: Run, kind: str, window: int):
+    """What a causal window of `window` keys leaves of a mask-free rectangle: the diagonal
+    (kind causal) as it is or as a band, or a rectangle of keys that all precede its queries
+    clipped to the queries and keys within reach, full or as a band."""
+    if kind == "causal":  # q and k are the same positions
+        yield (q, k, "causal", None) if q.length <= window else (q, k, "band", (window - 1, 0))
+        return
+    q_end, k_start = min(q.end, k.end + window - 1), max(k.start, q.start - window + 1)
+    if q_end <= q.start or k_start >= k.end:  # every query too far from every key
+        return
+    qw, kw = q.part(0, q_end - q.start), k.part(k_start - k.start, k.end - k_start)
+    if k_start >= q_end - window:  # the last query still sees the first key: all visible
+        yield qw, kw, "full", None
+    else:  # query at p sees keys from p - window + 1 on: (left, unbounded)
+        yield qw, kw, "band", (k.end - q_end + window - 1, -1)
+
+
+def _causal_rectangles(qr: Run, kr: Run, causal: bool):
     """(query run, key run, kind) rectangles of a query run against a key run, mask-free."""
     if not causal or kr.end <= qr.start:
         yield qr, kr, "full"
@@ -177,44 +214,64 @@ def _stretches(doc: Tensor) -> dict[int, list[tuple[int, int]]]:
     return out
 
 
-def kernel_calls(qb: Block, kb: Block, causal: bool):
+def kernel_calls(qb: Block, kb: Block, causal: bool, window: int | None = None):
     """Every kernel call of q block x kv block, in order: the decomposition the kernels run
-    (public for tests and benchmarks that count work)."""
+    (public for tests and benchmarks that count work). `window`: a sliding window of that many
+    keys (causal only; None: none)."""
+    if window is not None and not causal:
+        raise ValueError("a sliding window is causal: it needs causal=True")
     if qb.pos.dim() == 2 or kb.pos.dim() == 2:  # each row its own split
         assert qb.doc is not None and kb.doc is not None, "per-row positions need documents"
         for b in range(qb.doc.shape[0]):
             for q_run in qb.row_runs(b):
                 for k_run in kb.row_runs(b):
-                    yield from _document_calls(qb, kb, b, q_run, k_run, causal)
+                    yield from _document_calls(qb, kb, b, q_run, k_run, causal, window)
         return
     for q_run in qb.runs:
         for k_run in kb.runs:
             if qb.doc is None:
-                for qr, kr, kind in _rectangles(q_run, k_run, causal):
-                    yield KernelCall(ALL_ROWS, qr.rows, kr.rows, kind)
+                for qr, kr, kind, band in _rectangles(q_run, k_run, causal, window):
+                    yield KernelCall(ALL_ROWS, qr.rows, kr.rows, kind, band)
                 continue
             for b in range(qb.doc.shape[0]):  # each row's documents attend only to themselves
-                yield from _document_calls(qb, kb, b, q_run, k_run, causal)
+                yield from _document_calls(qb, kb, b, q_run, k_run, causal, window)
 
 
-def _document_calls(qb: Block, kb: Block, b: int, q_run: Run, k_run: Run, causal: bool):
+def _document_calls(qb: Block, kb: Block, b: int, q_run: Run, k_run: Run, causal: bool,
+                    window: int | None):
     """The calls of row `b`'s query run against its key run: each document only to itself."""
     row = slice(b, b + 1)
     q_docs, k_docs = _stretches(qb.doc[b, q_run.rows]), _stretches(kb.doc[b, k_run.rows])
     for d, q_pieces in q_docs.items():
         for qo, ql in q_pieces:
             for ko, kl in k_docs.get(d, ()):
-                for qr, kr, kind in _rectangles(q_run.part(qo, ql), k_run.part(ko, kl), causal):
-                    yield KernelCall(row, qr.rows, kr.rows, kind)
+                for qr, kr, kind, band in _rectangles(q_run.part(qo, ql), k_run.part(ko, kl),
+                                                      causal, window):
+                    yield KernelCall(row, qr.rows, kr.rows, kind, band)
+
+
+def band_rows(n: int, m: int, band: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """(first, last) visible key of each of the n query rows of a band call over m keys
+    ([n] each; first > last: none)."""
+    left, right = band
+    i = torch.arange(n)
+    first = (i + m - n - left).clamp(min=0) if left >= 0 else torch.zeros(n, dtype=torch.long)
+    last = (i + m - n + right).clamp(max=m - 1) if right >= 0 else torch.full((n,), m - 1)
+    return first, last
 
 
 def pairs_computed(calls) -> int:
     """Causal (query, key) pairs the calls compute: a causal call of q queries the triangle
-    q (q + 1) / 2, a full one q x k (what benchmarks and tests count work by)."""
+    q (q + 1) / 2, a full one q x k, a band the keys inside it (what benchmarks and tests count
+    work by)."""
     total = 0
-    for _, qs, ks, kind in calls:
-        q, k = qs.stop - qs.start, ks.stop - ks.start
-        total += q * (q + 1) // 2 if kind == "causal" else q * k
+    for call in calls:
+        q, k = call.q.stop - call.q.start, call.k.stop - call.k.start
+        if call.kind == "band":
+            first, last = band_rows(q, k, call.band)
+            total += int((last - first + 1).clamp(min=0).sum())
+        else:
+            total += q * (q + 1) // 2 if call.kind == "causal" else q * k
     return total
 
 
@@ -239,17 +296,19 @@ def _waves(calls: list[KernelCall]) -> list[list[KernelCall]]:
 
 
 def _pack(calls: list[KernelCall], sq: int, sk: int) -> list[VarlenGroup]:
-    """The calls of a documents plan (one row each) as varlen groups: per kind, as many as it
-    takes for no query row to repeat inside one."""
+    """The calls of a documents plan (one row each) as varlen groups: per kind (and band), as
+    many as it takes for no query row to repeat inside one."""
     groups = []
-    for kind in ("full", "causal"):
-        for wave in _waves([c for c in calls if c.kind == kind]):
+    kinds = sorted({(c.kind, c.band) for c in calls}, key=lambda x: (x[0], x[1] or (0, 0)))
+    for kind, band in kinds:
+        for wave in _waves([c for c in calls if (c.kind, c.band) == (kind, band)]):
             q_idx = [torch.arange(c.q.start, c.q.stop) + c.rows.start * sq for c in wave]
             k_idx = [torch.arange(c.k.start, c.k.stop) + c.rows.start * sk for c in wave]
             q_len = torch.tensor([len(i) for i in q_idx])
             k_len = torch.tensor([len(i) for i in k_idx])
             groups.append(VarlenGroup(
-                causal=kind == "causal", q_index=torch.cat(q_idx), k_index=torch.cat(k_idx),
+                causal=kind == "causal", band=band, q_index=torch.cat(q_idx),
+                k_index=torch.cat(k_idx),
                 cu_q=torch.cat([torch.zeros(1, dtype=torch.int32), q_len.cumsum(0).int()]),
                 cu_k=torch.cat([torch.zeros(1, dtype=torch.int32), k_len.cumsum(0).int()]),
                 max_q=int(q_len.max()), max_k=int(k_len.max())))

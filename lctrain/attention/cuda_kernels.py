@@ -72,60 +72,75 @@ def _no_dropout_state(device: torch.device) -> tuple[Tensor, Tensor]:
 
 # ---- torch: aten._flash_attention_forward / _backward ---------------------------------------
 
-def torch_forward(q, k, v, causal, scale, options):
+def _window(band: tuple[int, int] | None) -> tuple[int, int]:
+    """A band call's (window_size_left, window_size_right); (-1, -1) without one."""
+    return (-1, -1) if band is None else band
+
+
+def torch_forward(q, k, v, causal, scale, options, band=None):
     """Dense: q [B, Sq, H, d], k/v [B, Sk, H_kv, d] -> out like q, lse [B, H, Sq] float32."""
+    left, right = _window(band)
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal, False, scale=scale)
+        q, k, v, None, None, q.shape[1], k.shape[1], 0.0, causal, False, scale=scale,
+        window_size_left=left, window_size_right=right)
     return out, no_key_lse(lse)
 
 
-def torch_backward(dout, q, k, v, out, lse, causal, scale, options):
+def torch_backward(dout, q, k, v, out, lse, causal, scale, options, band=None):
     dout, out = dout.contiguous(), out.contiguous()
+    left, right = _window(band)
     with _deterministic(options.deterministic):
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             dout, q, k, v, out, lse.contiguous(), None, None, q.shape[1], k.shape[1], 0.0,
-            causal, *_no_dropout_state(q.device), scale=scale)
+            causal, *_no_dropout_state(q.device), scale=scale, window_size_left=left,
+            window_size_right=right)
     return dq, dk, dv
 
 
 def torch_varlen_forward(q, k, v, group, cu_q, cu_k, scale, options):
     """Packed: q [total_q, H, d], k/v [total_k, H_kv, d], cu_* int32 [n + 1] -> out like q,
     lse [H, total_q] float32."""
+    left, right = _window(group.band)
     out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, group.max_q, group.max_k, 0.0, group.causal, False, scale=scale)
+        q, k, v, cu_q, cu_k, group.max_q, group.max_k, 0.0, group.causal, False, scale=scale,
+        window_size_left=left, window_size_right=right)
     return out, no_key_lse(lse)
 
 
 def torch_varlen_backward(dout, q, k, v, out, lse, group, cu_q, cu_k, scale, options):
+    left, right = _window(group.band)
     with _deterministic(options.deterministic):
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             dout, q, k, v, out, lse.contiguous(), cu_q, cu_k, group.max_q, group.max_k, 0.0,
-            group.causal, *_no_dropout_state(q.device), scale=scale)
+            group.causal, *_no_dropout_state(q.device), scale=scale, window_size_left=left,
+            window_size_right=right)
     return dq, dk, dv
 
 
 # ---- flash_attn: the flash-attn package ------------------------------------------------------
 
-def flash_forward(q, k, v, causal, scale, options):
+def flash_forward(q, k, v, causal, scale, options, band=None):
+    left, right = _window(band)
     out, lse, *_ = flash_attn_interface()._flash_attn_forward(
-        q, k, v, 0.0, scale, causal=causal, window_size_left=-1, window_size_right=-1,
+        q, k, v, 0.0, scale, causal=causal, window_size_left=left, window_size_right=right,
         softcap=0.0, alibi_slopes=None, return_softmax=False)
     return out, no_key_lse(lse)
 
 
-def flash_backward(dout, q, k, v, out, lse, causal, scale, options):
+def flash_backward(dout, q, k, v, out, lse, causal, scale, options, band=None):
     dout, q, k, v, out = (x.contiguous() for x in (dout, q, k, v, out))
     dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
     flash_attn_interface()._flash_attn_backward(
-        dout, q, k, v, out, lse.contiguous(), dq, dk, dv, 0.0, scale, causal, -1, -1, 0.0, None,
-        options.deterministic)
+        dout, q, k, v, out, lse.contiguous(), dq, dk, dv, 0.0, scale, causal, *_window(band),
+        0.0, None, options.deterministic)
     return dq, dk, dv
 
 
 def flash_varlen_forward(q, k, v, group, cu_q, cu_k, scale, options):
+    left, right = _window(group.band)
     out, lse, *_ = flash_attn_interface()._flash_attn_varlen_forward(
         q, k, v, cu_q, cu_k, group.max_q, group.max_k, 0.0, scale, causal=group.causal,
-        window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+        window_size_left=left, window_size_right=right, softcap=0.0, alibi_slopes=None,
         return_softmax=False)
     return out, no_key_lse(lse)
 
@@ -134,7 +149,7 @@ def flash_varlen_backward(dout, q, k, v, out, lse, group, cu_q, cu_k, scale, opt
     dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
     flash_attn_interface()._flash_attn_varlen_backward(
         dout, q, k, v, out, lse.contiguous(), dq, dk, dv, cu_q, cu_k, group.max_q, group.max_k,
-        0.0, scale, group.causal, -1, -1, 0.0, None, options.deterministic)
+        0.0, scale, group.causal, *_window(group.band), 0.0, None, options.deterministic)
     return dq, dk, dv
 
 

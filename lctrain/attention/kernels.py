@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from lctrain.attention import cuda_kernels as cuda
-from lctrain.attention.calls import ALL_ROWS, Block, VarlenGroup
-from lctrain.attention.varlen_reference import varlen_backward, varlen_forward
+from lctrain.attention.calls import ALL_ROWS, Block, KernelCall, VarlenGroup
+from lctrain.attention.varlen_reference import varlen_backward, varlen_forward, visible
 
 _NEG_INF = float("-inf")
 
@@ -81,28 +81,38 @@ def merge_into(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> No
 
 # ---- dense kernels: one call covers all rows of a (query slice, key slice) --------------------
 
-def _cpu_fwd(q, k, v, causal, scale, options):
+def _band_mask(q: Tensor, k: Tensor, band: tuple[int, int] | None) -> Tensor | None:
+    """The CPU op's additive mask [Sq, Sk] for a band call (it takes no window); None else."""
+    if band is None:
+        return None
+    seen = visible(q.shape[1], k.shape[1], False, band, q.device)
+    return torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill(~seen, _NEG_INF)
+
+
+def _cpu_fwd(q, k, v, causal, scale, options, band=None):
     # [B, S, H, d] -> the CPU op's [B, H, S, d]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale)
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal,
+        attn_mask=_band_mask(q, k, band), scale=scale)
     return out.transpose(1, 2), lse
 
 
-def _cpu_bwd(dout, q, k, v, out, lse, causal, scale, options):
+def _cpu_bwd(dout, q, k, v, out, lse, causal, scale, options, band=None):
     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        *(x.transpose(1, 2) for x in (dout, q, k, v, out)), lse, 0.0, causal, scale=scale)
+        *(x.transpose(1, 2) for x in (dout, q, k, v, out)), lse, 0.0, causal,
+        attn_mask=_band_mask(q, k, band), scale=scale)
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 # ---- varlen kernels: one call per kind covers every document of a block pair -----------------
 
 def _reference_varlen_fwd(q, k, v, group: VarlenGroup, cu_q, cu_k, scale, options):
-    out, lse = varlen_forward(q, k, v, cu_q, cu_k, scale, group.causal)
+    out, lse = varlen_forward(q, k, v, cu_q, cu_k, scale, group.causal, group.band)
     return out, cuda.no_key_lse(lse)
 
 
 def _reference_varlen_bwd(dout, q, k, v, out, lse, group, cu_q, cu_k, scale, options):
-    return varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, scale, group.causal)
+    return varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, scale, group.causal, group.band)
 
 
 _DENSE = {"cpu": (_cpu_fwd, _cpu_bwd), "reference": (_cpu_fwd, _cpu_bwd),
@@ -118,12 +128,13 @@ BACKENDS = tuple(_DENSE)
 `lctrain.config.device_rules.CUDA_KERNELS`)."""
 
 
-def _packed(qb: Block, kb: Block, causal: bool, backend: str) -> list[VarlenGroup] | None:
+def _packed(qb: Block, kb: Block, causal: bool, window: int | None,
+            backend: str) -> list[VarlenGroup] | None:
     """The varlen groups to run instead of per-document calls (None: run the calls)."""
-    calls = qb.calls(kb, causal)
+    calls = qb.calls(kb, causal, window)
     if backend not in _VARLEN or not calls or calls[0].rows == ALL_ROWS:
         return None
-    return qb.varlen_groups(kb, causal)
+    return qb.varlen_groups(kb, causal, window)
 
 
 def _rows(x: Tensor, index: Tensor) -> Tensor:
@@ -136,49 +147,54 @@ def _lse_rows(lse: Tensor, index: Tensor) -> Tensor:
     return lse.transpose(1, 2).reshape(-1, lse.shape[1]).index_select(0, index)
 
 
-def _whole_call(q: Tensor, k: Tensor, qb: Block, kb: Block, causal: bool) -> str | None:
-    """The kind of the one dense call that covers every query and key, else None."""
-    calls = qb.calls(kb, causal)
+def _whole_call(q: Tensor, k: Tensor, qb: Block, kb: Block, causal: bool,
+                window: int | None) -> KernelCall | None:
+    """The one dense call that covers every query and key, else None."""
+    calls = qb.calls(kb, causal, window)
     if len(calls) != 1 or calls[0].rows != ALL_ROWS:
         return None
-    _, qs, ks, kind = calls[0]
+    qs, ks = calls[0].q, calls[0].k
     whole = (qs.start, qs.stop, ks.start, ks.stop) == (0, q.shape[1], 0, k.shape[1])
-    return kind if whole else None
+    return calls[0] if whole else None
 
 
 def attend_whole(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal: bool,
-                 scale: float, options: KernelOptions = DEFAULT_KERNEL) -> tuple | None:
+                 scale: float, options: KernelOptions = DEFAULT_KERNEL,
+                 window: int | None = None) -> tuple | None:
     """(out, lse) straight from the kernel when one dense call covers every query and key (no
     accumulator, no merge: local attention costs what the kernel costs); else None."""
-    kind = _whole_call(q, k, qb, kb, causal)
-    if kind is None:
+    call = _whole_call(q, k, qb, kb, causal, window)
+    if call is None:
         return None
-    out, lse = _DENSE[options.backend_for(q.device)][0](q, k, v, kind == "causal", scale,
-                                                         options)
+    out, lse = _DENSE[options.backend_for(q.device)][0](q, k, v, call.kind == "causal", scale,
+                                                         options, call.band)
     return out, lse.to(acc_dtype(q))
 
 
 def attend_whole_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
                           lse: Tensor, qb: Block, kb: Block, causal: bool, scale: float,
-                          options: KernelOptions = DEFAULT_KERNEL) -> tuple | None:
+                          options: KernelOptions = DEFAULT_KERNEL,
+                          window: int | None = None) -> tuple | None:
     """(dq, dk, dv) straight from the kernel for a pair `attend_whole` ran whole; else None."""
-    kind = _whole_call(q, k, qb, kb, causal)
-    if kind is None:
+    call = _whole_call(q, k, qb, kb, causal, window)
+    if call is None:
         return None
-    return _DENSE[options.backend_for(q.device)][1](dout, q, k, v, out, lse, kind == "causal",
-                                                    scale, options)
+    return _DENSE[options.backend_for(q.device)][1](dout, q, k, v, out, lse,
+                                                    call.kind == "causal", scale, options,
+                                                    call.band)
 
 
 def attend_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal: bool,
                    scale: float, out_acc: Tensor, lse_acc: Tensor,
-                   options: KernelOptions = DEFAULT_KERNEL) -> int:
-    """Attend q (positions qb) to k, v (positions kb); merge into the accumulators.
+                   options: KernelOptions = DEFAULT_KERNEL, window: int | None = None) -> int:
+    """Attend q (positions qb) to k, v (positions kb); merge into the accumulators. `window`:
+    a sliding window of that many keys (None: none).
 
     q [B, Sq, H, d], k/v [B, Sk, Hkv, d], out_acc [B, Sq, H, d] f32, lse_acc [B, H, Sq] f32.
     Returns the number of kernel launches (0 when every pair was masked out).
     """
     backend = options.backend_for(q.device)
-    groups = _packed(qb, kb, causal, backend)
+    groups = _packed(qb, kb, causal, window, backend)
     if groups is not None:
         fwd = _VARLEN[backend][0]
         flat_out = out_acc.view(-1, *out_acc.shape[2:])
@@ -194,9 +210,9 @@ def attend_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal
             _lse_scatter(lse_acc, q_index, rows_lse[0].t())
         return len(groups)
     fwd = _DENSE[backend][0]
-    calls = qb.calls(kb, causal)
-    for bs, qs, ks, kind in calls:
-        out, lse = fwd(q[bs, qs], k[bs, ks], v[bs, ks], kind == "causal", scale, options)
+    calls = qb.calls(kb, causal, window)
+    for bs, qs, ks, kind, band in calls:
+        out, lse = fwd(q[bs, qs], k[bs, ks], v[bs, ks], kind == "causal", scale, options, band)
         merge_into(out_acc[bs, qs], lse_acc[bs, :, qs], out, lse)
     return len(calls)
 
@@ -211,15 +227,15 @@ def _lse_scatter(lse: Tensor, index: Tensor, rows: Tensor) -> None:
 
 def attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                     qb: Block, kb: Block, causal: bool, scale: float, dq_acc: Tensor,
-                    dk_acc: Tensor, dv_acc: Tensor,
-                    options: KernelOptions = DEFAULT_KERNEL) -> None:
+                    dk_acc: Tensor, dv_acc: Tensor, options: KernelOptions = DEFAULT_KERNEL,
+                    window: int | None = None) -> None:
     """Gradient contributions of this (q, kv) block, given the FINAL out and lse of q's rows.
 
     With the merged lse, each block's softmax probabilities are exact, so per-block backward
     results simply add up (flash-attention backward decomposition). Accumulators are float32.
     """
     backend = options.backend_for(q.device)
-    groups = _packed(qb, kb, causal, backend)
+    groups = _packed(qb, kb, causal, window, backend)
     if groups is not None:
         bwd = _VARLEN[backend][1]
         for g in groups:
@@ -233,9 +249,9 @@ def attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
                 acc.view(-1, *acc.shape[2:]).index_add_(0, index, grad.to(acc.dtype))
         return
     bwd = _DENSE[backend][1]
-    for bs, qs, ks, kind in qb.calls(kb, causal):
+    for bs, qs, ks, kind, band in qb.calls(kb, causal, window):
         dq, dk, dv = bwd(dout[bs, qs], q[bs, qs], k[bs, ks], v[bs, ks], out[bs, qs],
-                         lse[bs, :, qs], kind == "causal", scale, options)
+                         lse[bs, :, qs], kind == "causal", scale, options, band)
         dq_acc[bs, qs] += dq
         dk_acc[bs, ks] += dk
         dv_acc[bs, ks] += dv

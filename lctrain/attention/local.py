@@ -23,56 +23,59 @@ from lctrain.attention.kernels import (
 
 
 def block_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal: bool,
-                  scale: float, options: KernelOptions) -> tuple[Tensor, Tensor]:
+                  scale: float, options: KernelOptions,
+                  window: int | None = None) -> tuple[Tensor, Tensor]:
     """(out [B, Sq, H, d], lse f32 [B, H, Sq]) of q attending to one kv block; out in float32,
     or in q's dtype when one kernel call produced it whole."""
-    whole = attend_whole(q, k, v, qb, kb, causal, scale, options)
+    whole = attend_whole(q, k, v, qb, kb, causal, scale, options, window)
     if whole is not None:
         return whole
     out, lse = new_accumulators(q)
-    attend_forward(q, k, v, qb, kb, causal, scale, out, lse, options)
+    attend_forward(q, k, v, qb, kb, causal, scale, out, lse, options, window)
     return out, lse
 
 
 def block_backward(dout, q, k, v, out, lse, qb: Block, kb: Block, causal: bool, scale: float,
-                   options: KernelOptions, keep_acc: bool = False):
+                   options: KernelOptions, window: int | None = None, keep_acc: bool = False):
     """(dq, dk, dv) in the inputs' dtypes; with keep_acc, in the float32 accumulators (when more
     than one kernel call contributes) for a caller that sums them further across ranks."""
-    whole = attend_whole_backward(dout, q, k, v, out, lse, qb, kb, causal, scale, options)
+    whole = attend_whole_backward(dout, q, k, v, out, lse, qb, kb, causal, scale, options, window)
     if whole is not None:
         return whole
     dq, dk, dv = (torch.zeros(x.shape, dtype=acc_dtype(x), device=x.device) for x in (q, k, v))
-    attend_backward(dout, q, k, v, out, lse, qb, kb, causal, scale, dq, dk, dv, options)
+    attend_backward(dout, q, k, v, out, lse, qb, kb, causal, scale, dq, dk, dv, options, window)
     if keep_acc:
         return dq, dk, dv
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def forward_and_save(ctx, q, k, v, qb: Block, kb: Block, causal: bool, scale: float,
-                     options: KernelOptions) -> tuple[Tensor, Tensor]:
+                     options: KernelOptions, window: int | None = None) -> tuple[Tensor, Tensor]:
     """An autograd Function's forward of q attending to k, v: (out in q's dtype, lse), with
     what `block_backward` needs saved on ctx (tensors) and ctx.args (the rest)."""
-    out, lse = block_forward(q, k, v, qb, kb, causal, scale, options)
+    out, lse = block_forward(q, k, v, qb, kb, causal, scale, options, window)
     out = out.to(q.dtype)
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (qb, kb, causal, scale, options)
+    ctx.args = (qb, kb, causal, scale, options, window)
     ctx.mark_non_differentiable(lse)
     return out, lse
 
 
 class _LocalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, qb, kb, causal, scale, options):
-        return forward_and_save(ctx, q, k, v, qb, kb, causal, scale, options)
+    def forward(ctx, q, k, v, qb, kb, causal, scale, options, window):
+        return forward_and_save(ctx, q, k, v, qb, kb, causal, scale, options, window)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, *, causal: bool,
-                    scale: float, options: KernelOptions = DEFAULT_KERNEL) -> tuple[Tensor, Tensor]:
-    """q [B, Sq, H, d] at positions qb, k/v [B, Sk, H_kv, d] at kb -> (out [B, Sq, H, d], lse)."""
-    return _LocalAttention.apply(q, k, v, qb, kb, causal, scale, options)
+                    scale: float, options: KernelOptions = DEFAULT_KERNEL,
+                    window: int | None = None) -> tuple[Tensor, Tensor]:
+    """q [B, Sq, H, d] at positions qb, k/v [B, Sk, H_kv, d] at kb -> (out [B, Sq, H, d], lse).
+    `window`: a sliding window of that many keys (None: the whole causal context)."""
+    return _LocalAttention.apply(q, k, v, qb, kb, causal, scale, options, window)

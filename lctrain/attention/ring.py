@@ -20,6 +20,7 @@ from torch import Tensor
 
 from lctrain.attention.algorithms import CPAttention, CPGroups, ring_group_blocks
 from lctrain.attention.calls import Block
+from lctrain.attention.halo import halo_attention
 from lctrain.attention.kernels import (
     DEFAULT_KERNEL,
     KernelOptions,
@@ -127,18 +128,24 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, blocks: list[Block],
                    group: dist.ProcessGroup, *, causal: bool, scale: float,
-                   options: KernelOptions = DEFAULT_KERNEL) -> tuple[Tensor, Tensor]:
-    """q [B, Sq, H, d], k/v [B, Sk, H_kv, d] local -> (out [B, Sq, H, d], lse [B, H, Sq])."""
+                   options: KernelOptions = DEFAULT_KERNEL,
+                   window: int | None = None) -> tuple[Tensor, Tensor]:
+    """q [B, Sq, H, d], k/v [B, Sk, H_kv, d] local -> (out [B, Sq, H, d], lse [B, H, Sq]).
+    A window layer exchanges halos instead (halo.py): no block goes round the ring."""
+    if window is not None:
+        return halo_attention(q, k, v, blocks, group, scale=scale, window=window,
+                              options=options)
     return _RingAttention.apply(q, k, v, qb, blocks, group, causal, scale, options)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, query: Block, keys: list[Block], groups: CPGroups,
            *, causal: bool, scale: float, kv_replication: int = 1,
-           options: KernelOptions = DEFAULT_KERNEL) -> tuple[Tensor, Tensor]:
+           options: KernelOptions = DEFAULT_KERNEL,
+           window: int | None = None) -> tuple[Tensor, Tensor]:
     """The registry's contract (algorithms.py): Ring over the cp ring (whole KV heads: no
     replication)."""
     return ring_attention(q, k, v, query, keys, groups.ring, causal=causal, scale=scale,
-                          options=options)
+                          options=options, window=window)
 
 
 RING = CPAttention("ring", attend, ring_group_blocks)

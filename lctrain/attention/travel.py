@@ -24,8 +24,8 @@ from lctrain.layout.sequence import take
 
 @dataclass(frozen=True, eq=False)
 class Travel:
-    """The travelling tokens of one key block: local indices [B, n] (pads repeat index 0) and
-    those tokens as a `Block`."""
+    """The travelling tokens of one key block: local indices [B, n] (pads repeat index 0), or
+    [n] when every row's are the same (no documents), and those tokens as a `Block`."""
 
     index: Tensor
     block: Block
@@ -34,7 +34,7 @@ class Travel:
     @property
     def size(self) -> int:
         """n: travelling tokens per row (padded)."""
-        return self.index.shape[1]
+        return self.index.shape[-1]
 
     def _index(self, device: torch.device) -> Tensor:
         if device not in self._on:
@@ -48,6 +48,9 @@ class Travel:
     def add_into(self, acc: Tensor, grad: Tensor) -> None:
         """acc [B, S, ...] += grad [B, n, ...] at the travelling tokens (pads add zeros)."""
         index = self._index(acc.device)
+        if index.dim() == 1:  # the same tokens in every row
+            acc.index_add_(1, index, grad.to(acc.dtype))
+            return
         view = [*index.shape] + [1] * (acc.dim() - 2)
         acc.scatter_add_(1, index.view(view).expand_as(grad), grad.to(acc.dtype))
 
@@ -82,13 +85,14 @@ def _plan(blocks: list[Block], causal: bool) -> list[Travel]:
         needed.append(seen >= pos[j] if causal else seen >= 0)
     n = max(int(m.sum(1).max()) for m in needed)
     no_doc = min(int(d.min()) for d in docs) - 1  # a document no query has
-    return [_travel(b, m, p, n, no_doc) for b, m, p in zip(blocks, needed, pos)]
+    return [padded_travel(b, m, no_doc, n) for b, m in zip(blocks, needed)]
 
 
-def _travel(block: Block, needed: Tensor, pos: Tensor, n: int, no_doc: int) -> Travel:
-    """The block's needed tokens [B, S] (bool) as a Travel of n per row; pads get the
-    document `no_doc`."""
-    rows = needed.shape[0]
+def padded_travel(block: Block, needed: Tensor, no_doc: int, n: int | None = None) -> Travel:
+    """The block's needed tokens [B, S] (bool) as a Travel of n per row (default: the most any
+    row needs); pads get the document `no_doc`, which no query has."""
+    rows, pos = needed.shape[0], block.row_pos
+    n = int(needed.sum(1).max()) if n is None else n
     index = torch.zeros(rows, n, dtype=torch.long)
     real = torch.zeros(rows, n, dtype=torch.bool)
     for b in range(rows):

@@ -82,9 +82,10 @@ def check_heads(q: Tensor, k: Tensor, degree: int, kv_replication: int = 1) -> N
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, group: dist.ProcessGroup, *,
                       causal: bool, scale: float, kv_replication: int = 1,
-                      options: KernelOptions = DEFAULT_KERNEL) -> tuple[Tensor, Tensor]:
+                      options: KernelOptions = DEFAULT_KERNEL,
+                      window: int | None = None) -> tuple[Tensor, Tensor]:
     """q [B, S/P, H, d], k/v [B, S/P, H_kv, d] local; qb: positions of the whole Ulysses group's
-    tokens in group-rank order. Returns (out [B, S/P, H, d], lse [B, H/P, S] of the core).
+    tokens in group-rank order. A window layer applies its window in the local kernel. Returns (out [B, S/P, H, d], lse [B, H/P, S] of the core).
     The caller checks the heads first (`check_heads`, before any collective)."""
     k, v = replicate_kv(k, v, kv_replication)
     # the group's tokens arrive in rank order; in position order a zigzag split is one run, so
@@ -92,18 +93,19 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, group: dist.Pr
     ordered = qb.ordered
     q, k, v = in_position_order(ordered, *(scatter_heads(x, group) for x in (q, k, v)))
     out, lse = local_attention(q, k, v, ordered.block, ordered.block, causal=causal,
-                               scale=scale, options=options)
+                               scale=scale, options=options, window=window)
     out, lse = in_block_order(ordered, out, lse)
     return gather_heads(out, group), lse
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, query: Block, keys: list[Block], groups: CPGroups,
            *, causal: bool, scale: float, kv_replication: int = 1,
-           options: KernelOptions = DEFAULT_KERNEL) -> tuple[Tensor, Tensor]:
+           options: KernelOptions = DEFAULT_KERNEL,
+           window: int | None = None) -> tuple[Tensor, Tensor]:
     """The registry's contract (algorithms.py): Ulysses over the cp group's Ulysses axis, which
     is all of it (the query block is the whole group's tokens)."""
     return ulysses_attention(q, k, v, query, groups.ulysses, causal=causal, scale=scale,
-                             kv_replication=kv_replication, options=options)
+                             kv_replication=kv_replication, options=options, window=window)
 
 
 ULYSSES = CPAttention("ulysses", attend, ring_group_blocks)

@@ -3,7 +3,8 @@ the varlen path (packing, index maps, lse handling) runs and is tested on the CP
 
 Sequences are packed along dim 0: q [total_q, H, d], k/v [total_k, H_kv, d], sequence i covering
 rows cu_q[i]:cu_q[i+1] and cu_k[i]:cu_k[i+1]. Causal masks align to the bottom-right corner
-(query j of n sees keys up to j + (m - n) of m), as in flash-attn >= 2.1. lse is [H, total_q]
+(query j of n sees keys up to j + (m - n) of m), as in flash-attn >= 2.1, and so do windows
+(left, right): query j sees keys j + m - n - left to j + m - n + right, -1 unbounded. lse is [H, total_q]
 float32 and +inf for a row that sees no key, with output 0. The backward takes the final
 (merged) out and lse, as flash-attn's does.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from lctrain.attention.calls import band_rows
 
 
 def _acc(x: Tensor) -> torch.dtype:
@@ -23,25 +26,34 @@ def _segments(cu_q: Tensor, cu_k: Tensor):
         yield (slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1])))
 
 
-def _scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+def visible(n: int, m: int, causal: bool, band: tuple[int, int] | None = None,
+            device: torch.device | None = None) -> Tensor:
+    """Which of m keys each of n queries sees [n, m]: all, causal (bottom-right aligned), or
+    the window `band` = (left, right) (flash's convention, -1 unbounded)."""
+    if band is None:
+        band = (-1, 0 if causal else -1)
+    first, last = band_rows(n, m, band)
+    j = torch.arange(m)
+    return ((j >= first[:, None]) & (j <= last[:, None])).to(device)
+
+
+def _scores(q: Tensor, k: Tensor, scale: float, causal: bool,
+            band: tuple[int, int] | None) -> tuple[Tensor, Tensor]:
     """Scores [H, n, m] of one sequence (KV heads repeated for GQA) and its visibility mask."""
     rep = q.shape[1] // k.shape[1]
     acc = _acc(q)
     s = torch.einsum("qhd,khd->hqk", q.to(acc), k.repeat_interleave(rep, 1).to(acc)) * scale
-    n, m = q.shape[0], k.shape[0]
-    mask = torch.ones(n, m, dtype=torch.bool, device=q.device)
-    if causal:
-        mask = mask.tril(m - n)
+    mask = visible(q.shape[0], k.shape[0], causal, band, q.device)
     return s.masked_fill(~mask, float("-inf")), mask
 
 
 def varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, scale: float,
-                   causal: bool) -> tuple[Tensor, Tensor]:
+                   causal: bool, band: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=_acc(q), device=q.device)
     rep = q.shape[1] // k.shape[1]
     for qs, ks in _segments(cu_q.cpu(), cu_k.cpu()):
-        s, mask = _scores(q[qs], k[ks], scale, causal)
+        s, mask = _scores(q[qs], k[ks], scale, causal, band)
         seen = mask.any(-1)  # [n]
         row_lse = torch.logsumexp(s, -1)  # [H, n]; -inf where nothing is seen
         p = torch.exp(s - row_lse[..., None]).nan_to_num(0.0)
@@ -52,13 +64,13 @@ def varlen_forward(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, 
 
 
 def varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                    cu_q: Tensor, cu_k: Tensor, scale: float,
-                    causal: bool) -> tuple[Tensor, Tensor, Tensor]:
+                    cu_q: Tensor, cu_k: Tensor, scale: float, causal: bool,
+                    band: tuple[int, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     acc = _acc(q)
     dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=q.device) for x in (q, k, v))
     rep = q.shape[1] // k.shape[1]
     for qs, ks in _segments(cu_q.cpu(), cu_k.cpu()):
-        s, _ = _scores(q[qs], k[ks], scale, causal)
+        s, _ = _scores(q[qs], k[ks], scale, causal, band)
         row_lse = lse[:, qs].to(acc)
         p = torch.exp(s - torch.where(torch.isfinite(row_lse), row_lse, 0.0)[..., None])
         p = p.masked_fill(~torch.isfinite(row_lse)[..., None], 0.0)  # [H, n, m]
@@ -115,6 +127,16 @@ def _check_operands(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None,
     _check(len(cu_q) == len(cu_k), "cum_seq_q and cum_seq_k count the same sequences")
 
 
+def _band(is_causal: bool, left: int | None, right: int | None) -> tuple[int, int] | None:
+    """The window the CUDA op's arguments ask for (None: none); causal forces right = 0, as the
+    CUDA op does."""
+    left, right = -1 if left is None else left, -1 if right is None else right
+    _check(left >= -1 and right >= -1, f"window sizes are -1 or >= 0; got ({left}, {right})")
+    if is_causal:
+        right = 0
+    return None if (left, right) == (-1, -1) else (left, right)
+
+
 def _as_varlen(x: Tensor) -> tuple[Tensor, Tensor]:
     """[B, S, ...] -> ([B * S, ...], cum_seq [B + 1]): dense calls as equal-length sequences."""
     b, s = x.shape[:2]
@@ -132,15 +154,16 @@ def cpu_flash_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dro
     _check(dropout_p == 0.0 and not return_debug_mask and alibi_slopes is None
            and seqused_k is None and block_table is None, "lctrain uses no dropout, debug "
            "mask, alibi, seqused_k or paged kv")
-    _check(window_size_left in (None, -1) and window_size_right in (None, -1), "no window")
+    band = _band(is_causal, window_size_left, window_size_right)
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     if cum_seq_q is None:
         b, sq, h = query.shape[:3]
         (q, cu_q), (k, cu_k), (v, _) = _as_varlen(query), _as_varlen(key), _as_varlen(value)
-        out, lse = varlen_forward(q, k, v, cu_q, cu_k, scale, is_causal)
+        out, lse = varlen_forward(q, k, v, cu_q, cu_k, scale, is_causal, band)
         out, lse = out.view(query.shape), lse.view(h, b, sq).transpose(0, 1).contiguous()
     else:
-        out, lse = varlen_forward(query, key, value, cum_seq_q, cum_seq_k, scale, is_causal)
+        out, lse = varlen_forward(query, key, value, cum_seq_q, cum_seq_k, scale, is_causal,
+                                  band)
     rng_state = torch.zeros(2, dtype=torch.uint64)
     return out, lse, rng_state, torch.empty(0, dtype=torch.uint64), torch.empty(0, dtype=query.dtype)
 
@@ -162,14 +185,15 @@ def cpu_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, c
            f"{logsumexp.dtype} {tuple(logsumexp.shape)}")
     _check(dropout_p == 0.0 and isinstance(rng_state, Tensor), "no dropout; an rng_state tensor")
     scale = query.shape[-1] ** -0.5 if scale is None else scale
+    band = _band(is_causal, window_size_left, window_size_right)
     if not dense:
         return varlen_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
-                               scale, is_causal)
+                               scale, is_causal, band)
     b, sq = rows
     (q, cu_q), (k, cu_k), (v, _) = _as_varlen(query), _as_varlen(key), _as_varlen(value)
     lse = logsumexp.transpose(0, 1).reshape(h, b * sq)
     dq, dk, dv = varlen_backward(_as_varlen(grad_out)[0], q, k, v, _as_varlen(out)[0], lse, cu_q,
-                                 cu_k, scale, is_causal)
+                                 cu_k, scale, is_causal, band)
     return dq.view(query.shape), dk.view(key.shape), dv.view(value.shape)
 
 

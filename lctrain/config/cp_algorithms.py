@@ -207,6 +207,24 @@ def ulysses_ring_transfers(L: float, d: float, d_kv: float, P: int,
     return tuple(out)
 
 
+def halo_transfers(transfers: tuple[Transfer, ...], halo: tuple[float, float], d_kv: float,
+                   u: int) -> tuple[Transfer, ...]:
+    """An algorithm's transfers in a window layer (§25): those that carry key blocks become the
+    halo exchange. halo = (sent, received): K and V of the tokens of its balance unit that
+    other units' windows reach, then the dK/dV of the tokens it received back in float32,
+    with the 1/u of the heads this rank holds; the others (the Ulysses all-to-alls) stay. An
+    algorithm that moves no key block (Ulysses) is unchanged."""
+    moved = [x for x in transfers if x.travelling]
+    if not moved:
+        return transfers
+    sent, received = halo
+    group = moved[0].group
+    return (*(x for x in transfers if not x.travelling),
+            Transfer("halo_kv", "fwd", group, KV_TENSORS * sent * d_kv / u, KV_TENSORS),
+            Transfer("halo_grad", "bwd", group, KV_TENSORS * received * d_kv / u, KV_TENSORS,
+                     float32=True))
+
+
 def ring_buffers(s: LayerShape) -> float:
     """The ring's K/V block arriving while the held one is computed, [B, L/R, r H_kv/(t u), d]
     x 2 in the compute dtype, and the float32 accumulators dQ [B, L/R, H/(t u), d] and

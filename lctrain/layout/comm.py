@@ -47,11 +47,15 @@ rows all versions agree on decide. docs/parallelism.md §20."""
 class TrafficRecorder:
     elements: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    to_peer: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    """Elements sent point to point, by destination (global rank)."""
 
-    def add(self, op: str, elements: int, itemsize: int) -> None:
+    def add(self, op: str, elements: int, itemsize: int, peer: int | None = None) -> None:
         key = (_tag.get(), op)
         self.elements[key] += elements
         self.bytes[key] += elements * itemsize
+        if peer is not None:
+            self.to_peer[peer] += elements
 
     def total(self, tag: str | None = None, op: str | None = None) -> int:
         return sum(v for (t, o), v in self.elements.items()
@@ -83,10 +87,10 @@ def current_tag() -> str:
     return _tag.get()
 
 
-def _count(op: str, elements: int, t: Tensor) -> None:
+def _count(op: str, elements: int, t: Tensor, peer: int | None = None) -> None:
     rec = _recorder.get()
     if rec is not None:
-        rec.add(op, elements, t.element_size())
+        rec.add(op, elements, t.element_size(), peer)
 
 
 def needs_host_staging(device: torch.device, group: dist.ProcessGroup, op: str) -> bool:
@@ -230,7 +234,7 @@ class RingExchange:
             self._recv.append((recv, back))
             ops.append(dist.P2POp(dist.isend, send, self.next, self.group, self.tag))
             ops.append(dist.P2POp(dist.irecv, recv, self.prev, self.group, self.tag))
-            _count("p2p", t.numel(), t)
+            _count("p2p", t.numel(), t, self.next)
         self._reqs = dist.batch_isend_irecv(ops)
 
     def wait(self) -> list[Tensor]:
@@ -238,6 +242,49 @@ class RingExchange:
             req.wait()
         self._reqs, self._send = [], []
         return [back(recv) for recv, back in self._recv]
+
+
+class PeerExchange:
+    """Send tensors to some ranks of the group and receive tensors from some, all at once and
+    asynchronously (batch_isend_irecv): the halo exchange of window layers, where each rank
+    talks only to the ranks whose tokens lie within the window. Every rank knows the shapes it
+    sends and receives (both sides plan them from the same positions). Staged through host
+    memory like `RingExchange`."""
+
+    def __init__(self, group: dist.ProcessGroup, tag: int = 0):
+        self.group, self.tag = group, tag
+        self._reqs: list = []
+        self._send: list[Tensor] = []
+        self._recv: dict[int, list[tuple[Tensor, Callable[[Tensor], Tensor]]]] = {}
+
+    def start(self, send: dict[int, list[Tensor]], recv: dict[int, list[torch.Size]],
+              like: Tensor) -> None:
+        """send[peer]: tensors for that group rank; recv[peer]: the shapes that arrive from it
+        (dtype and device of `like`)."""
+        assert not self._reqs, "previous exchange not waited for"
+        ops, self._send, self._recv = [], [], {}
+        for peer, tensors in send.items():
+            for t in tensors:
+                staged, _ = _staged(t.contiguous(), self.group, "send")
+                self._send.append(staged)  # kept alive until wait()
+                to = dist.get_global_rank(self.group, peer)
+                ops.append(dist.P2POp(dist.isend, staged, to, self.group, self.tag))
+                _count("p2p", t.numel(), t, to)
+        for peer, shapes in recv.items():
+            for shape in shapes:
+                buf, back = _staged(like.new_empty(0), self.group, "recv")
+                buf = buf.new_empty(shape)
+                self._recv.setdefault(peer, []).append((buf, back))
+                ops.append(dist.P2POp(dist.irecv, buf, dist.get_global_rank(self.group, peer),
+                                      self.group, self.tag))
+        self._reqs = dist.batch_isend_irecv(ops) if ops else []
+
+    def wait(self) -> dict[int, list[Tensor]]:
+        """What arrived, by sending group rank, on `like`'s device."""
+        for req in self._reqs:
+            req.wait()
+        self._reqs, self._send = [], []
+        return {peer: [back(buf) for buf, back in got] for peer, got in self._recv.items()}
 
 
 class _FunctionalCollectives(TorchDispatchMode):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from lctrain.config import LctrainConfig, derive
-from lctrain.config.cp_algorithms import Transfer, cp_algorithm
+from lctrain.config.cp_algorithms import Transfer, cp_algorithm, halo_transfers
 from lctrain.config.derived import data_parallel_engine_of, reduces_each_micro_step
 from lctrain.layout.stages import split_layers, stages_of
 from lctrain.planning.documents import travelling_share
@@ -33,26 +33,34 @@ DIRECTIONS = {"fwd": "forward", "bwd": "backward"}
 
 
 def attention_traffic(algorithm: str, seq_len: int, d: int, d_kv: int, cp: int, ulysses: int,
-                      batch: int = 1, share: float = 1.0) -> dict[str, float]:
+                      batch: int = 1, share: float = 1.0,
+                      halo: tuple[float, float] | None = None) -> dict[str, float]:
     """{'forward': elements, 'backward': elements} sent per rank: the sum of the algorithm's
     transfers (`CPAlgorithm.transfers`); `ulysses` is parallel.ulysses_degree (an algorithm
     whose degree is fixed ignores it); `share` is the travelling share of its key blocks
-    (packed documents: the tokens other ranks attend, padded to the largest block; §24)."""
+    (packed documents: the tokens other ranks attend, padded to the largest block; §24);
+    `halo`, for a window layer, the tokens its balance unit sends and receives (§25)."""
     out = {"forward": 0.0, "backward": 0.0}
     if cp == 1:
         return out
-    for x in _transfers(algorithm, seq_len, d, d_kv, cp, ulysses, share):
+    for x in layer_transfers(algorithm, seq_len, d, d_kv, cp, ulysses, share, halo):
         out[DIRECTIONS[x.direction]] += batch * x.elements
     return out
 
 
-def _transfers(algorithm: str, seq_len: int, d: float, d_kv: float, cp: int,
-               ulysses: int, share: float = 1.0) -> tuple[Transfer, ...]:
-    """The algorithm's transfers, the travelling ones scaled by `share` (§24)."""
+def layer_transfers(algorithm: str, seq_len: int, d: float, d_kv: float, cp: int,
+                    ulysses: int, share: float = 1.0,
+                    halo: tuple[float, float] | None = None) -> tuple[Transfer, ...]:
+    """The algorithm's transfers in one layer, the travelling ones scaled by `share` (§24), or,
+    in a window layer whose balance unit sends and receives `halo` tokens, the halo exchange
+    (§25)."""
     a = cp_algorithm(algorithm)
+    u = a.degree(cp, ulysses)
+    transfers = a.transfers(seq_len, d, d_kv, cp, u)
+    if halo is not None:
+        return halo_transfers(transfers, halo, d_kv, u)
     return tuple(dataclasses.replace(x, elements=x.elements * share)
-                 if x.travelling and share != 1.0 else x
-                 for x in a.transfers(seq_len, d, d_kv, cp, a.degree(cp, ulysses)))
+                 if x.travelling and share != 1.0 else x for x in transfers)
 
 
 def tp_block_traffic(tokens: int, dim: int, tp: int) -> float:
@@ -185,8 +193,8 @@ def cp_transfers(cfg: LctrainConfig, world_size: int) -> tuple[Transfer, ...]:
     if p.cp == 1:
         return ()
     dq, dkv = m.q_dim // p.tp, m.kv_dim // p.tp * d.kv_replication
-    return _transfers(p.attention, t.seq_len, dq, dkv, p.cp, p.ulysses_degree,
-                      travelling_share(cfg))
+    return layer_transfers(p.attention, t.seq_len, dq, dkv, p.cp, p.ulysses_degree,
+                           travelling_share(cfg))
 
 
 RECOMPUTED = "_recompute"
