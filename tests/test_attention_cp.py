@@ -21,10 +21,10 @@ from lctrain.attention.varlen_reference import register_cpu_flash_ops
 from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm
 from lctrain.layout import sequence
 from lctrain.layout.comm import record_traffic
+from lctrain.layout.halo import halo_tokens
 from lctrain.layout.topology import Topology
 from lctrain.parallel.runtime import build_mesh
 from lctrain.parallel.runtime import cp_groups as runtime_cp_groups
-from lctrain.layout.halo import halo_tokens
 from lctrain.planning.traffic import attention_traffic, layer_transfers
 from tests.helpers import on_ranks
 from tests.reference import reference_attention

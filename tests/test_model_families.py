@@ -14,7 +14,6 @@ model.init_from=DIR` runs as the README says. What lctrain cannot compute is ref
 and the planner counts every preset's parameters as the built model holds them.
 """
 
-import dataclasses
 import json
 from functools import partial
 from pathlib import Path
@@ -35,7 +34,13 @@ from lctrain.config.validation import validate
 from lctrain.data.batch import IGNORE_INDEX
 from lctrain.data.loader import build_loader
 from lctrain.layout.topology import Topology
-from lctrain.models.hf import export_hf, from_hf_state_dict, full_parameters, load_hf_weights
+from lctrain.models.hf import (
+    export_hf,
+    from_hf_state_dict,
+    full_parameters,
+    hf_config,
+    load_hf_weights,
+)
 from lctrain.models.registry import FAMILY_CODE, new_model
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
@@ -47,6 +52,9 @@ REPO = Path(__file__).resolve().parents[1]
 SHAPE = {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2,
          "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 96,
          "rope_theta": 50000.0}
+WINDOW = 7
+"""The sliding window of the random models that have one: shorter than the documents and the
+sequence, so that it cuts every long document and the halo exchange crosses ranks."""
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0,
                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
@@ -54,11 +62,23 @@ FAMILIES = {  # model_type -> transformers config of a random model with the fam
     "llama": transformers.LlamaConfig(**{k: v for k, v in SHAPE.items() if k != "rope_theta"},
                                       rope_parameters=LLAMA3_ROPE),
     "qwen2": transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True, rms_norm_eps=1e-6,
-                                      sliding_window=4096, use_sliding_window=False),
+                                      sliding_window=WINDOW, use_sliding_window=True,
+                                      max_window_layers=1),
     "qwen3": transformers.Qwen3Config(**SHAPE, head_dim=32, tie_word_embeddings=False,
                                       rms_norm_eps=1e-6),
-    "mistral": transformers.MistralConfig(**SHAPE, head_dim=16, sliding_window=4096),
+    "mistral": transformers.MistralConfig(**SHAPE, head_dim=16, sliding_window=WINDOW),
+    "gemma3_text": transformers.Gemma3TextConfig(
+        **{k: v for k, v in SHAPE.items() if k != "rope_theta"}, head_dim=16,
+        sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        pad_token_id=None,  # transformers' padding_idx row gets no gradient; lctrain's learns
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                            "rope_theta": 50000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}}),
 }
+WINDOW_OF = {"qwen2": WINDOW, "mistral": WINDOW, "gemma3_text": WINDOW}
+"""The families whose random model has window layers (shorter than a packed row's documents'
+longest, and than train.seq_len)."""
 RUN = ["+recipe=tiny", "data.source=synthetic", "train.seq_len=32", "train.global_batch=4",
        "train.steps=1", "eval.every=0", "logging.progress=false", "optim.warmup_steps=1",
        "data.doc_len_min=8", "data.doc_len_max=24", "train.micro_batch=1"]
@@ -69,6 +89,8 @@ LAYOUTS = {  # the 4-rank layouts every family trains on
                            "parallel.attention=ulysses", "data.document_masking=false"],
     "pp2_dp2": ["parallel.cp=1", "parallel.dp=2", "parallel.pp=2",
                 "data.document_masking=false"],
+    "usp2x2_documents": ["parallel.cp=4", "parallel.dp=1", "parallel.attention=usp",
+                         "parallel.ulysses_degree=2", "data.document_masking=true"],
 }
 
 
@@ -81,8 +103,8 @@ def save_family(path, family: str) -> transformers.PreTrainedModel:
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0.0, 0.5)
-            elif "q_norm" in name or "k_norm" in name:
-                param.normal_(1.0, 0.3)
+            elif "norm" in name:  # Gemma's scale by 1 + w, w starting at zero
+                param.normal_(0.0 if family.startswith("gemma") else 1.0, 0.3)
     model.save_pretrained(path)
     return model
 
@@ -120,7 +142,10 @@ def test_config_json_decides_the_family_and_one_rank_gives_transformers_logits(h
         assert composed.origins["family"] == "config.json"
         assert m.d_head == (32 if family == "qwen3" else 16)
         assert m.head_dim == (32 if family == "qwen3" else None)  # 16 = dim / heads: derived
-        assert m.sliding_window == (4096 if family == "mistral" else None)  # qwen2 turns it off
+        assert m.sliding_window == WINDOW_OF.get(family)
+        assert [m.layer_window(i) for i in range(2)] == {
+            "qwen2": [None, WINDOW], "mistral": [WINDOW, WINDOW],
+            "gemma3_text": [WINDOW, None]}.get(family, [None, None]), family
         assert preflight(composed.cfg, 4) == []
         model = new_model(m)
         load_hf_weights(model, str(path))
@@ -159,7 +184,7 @@ def _hf_step(hf: transformers.PreTrainedModel, cfg) -> tuple[float, dict[str, to
         loss.backward()
         total += loss.item()
     grads = from_hf_state_dict({name: p.grad.clone() for name, p in hf.named_parameters()},
-                               tie_embeddings=False)
+                               tie_embeddings=False, family=hf.config.model_type)
     return total, grads  # tied: one tensor, listed once under its embedding's name
 
 
@@ -273,13 +298,13 @@ def test_every_family_checkpoints_and_resumes_under_another_layout(hf_dirs, tmp_
 
 @pytest.mark.parametrize("family,change,message", [
     ("qwen3", {"attention_bias": True}, "attention_bias=true; lctrain's qwen3 has no attention"),
-    ("mistral", {"sliding_window": 16}, "model.sliding_window=16 is shorter than "
-                                        "train.seq_len=32"),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 16}, "model.sliding_window=16"),
     ("qwen2", {"mlp_bias": True}, "mlp_bias=true"),
     ("qwen3", {"layer_types": ["full_attention", "chunked_attention"]}, "chunked_attention"),
+    ("gemma3_text", {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+    ("gemma3_text", {"hidden_activation": "gelu"}, "the MLP activation 'gelu'"),
+    ("llama", {"sliding_window": 16}, "lctrain's llama attends over the whole causal context"),
     ("mistral", {"model_type": "gemma2"}, "model_type='gemma2'; lctrain loads the model types "
-                                          "llama, qwen2, qwen3, mistral"),
+                                          "llama, qwen2, qwen3, mistral, gemma3_text"),
 ])
 def test_what_a_family_cannot_compute_is_refused_by_name(hf_dirs, tmp_path, family, change,
                                                          message):
@@ -293,45 +318,43 @@ def test_what_a_family_cannot_compute_is_refused_by_name(hf_dirs, tmp_path, fami
     assert any(message in p for p in problems), problems
 
 
-def test_a_window_is_full_attention_only_up_to_its_length(hf_dirs, tmp_path):
-    config = json.loads((hf_dirs["mistral"][0] / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "sliding_window": 16}))
-    (tmp_path / "model.safetensors").write_bytes(b"")
-    assert any("model.sliding_window=16 is shorter than train.seq_len=32" in p
-               for p in preflight(_resolved(tmp_path).cfg, 4))
-    on_purpose = _resolved(tmp_path, "model.hf_overrides=[sliding_window]",
-                           "model.sliding_window=null")
-    assert on_purpose.cfg.model.sliding_window is None
-    assert "model.sliding_window=None replaces config.json's 16 (model.hf_overrides)" in \
-        on_purpose.notes
-    assert preflight(on_purpose.cfg, 4) == []
-    cfg = compose(["model=mistral-7b", "train.seq_len=4096"]).cfg
+def test_windows_shorter_than_the_sequence_train_and_layer_types_are_checked(hf_dirs):
+    """A window shorter than train.seq_len is planned and trained (the layouts above); the
+    layer types must be one per layer, of the two kinds, and sliding ones need a window."""
+    assert preflight(_resolved(hf_dirs["mistral"][0], "train.seq_len=64").cfg, 4) == []
+    cfg = compose(["model=mistral-7b", "train.seq_len=8192", "model.sliding_window=4096"]).cfg
     assert preflight(cfg, 1) == []
-    windowed = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, sliding_window=4096))
-    assert preflight(windowed, 1) == []
-    short = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, sliding_window=4095))
-    assert any("model.sliding_window=4095 is shorter than train.seq_len=4096" in p
-               for p in preflight(short, 1))
-    llama = compose(["model=llama3-8b", "model.sliding_window=8192"]).cfg
-    assert any("model.family=llama, which has no attention window" in p
-               for p in preflight(llama, 1))
+    for overrides, message in (
+            (["model.layer_types=[full_attention]"], "model.layer_types has 1 entries for "
+                                                     "model.n_layers=32"),
+            (["model.sliding_window=null", "model.layer_types=[" + ",".join(
+                ["sliding_attention"] * 32) + "]"], "model.sliding_window is null"),
+            (["model.layer_types=[" + ",".join(["local"] * 32) + "]"], "['local']")):
+        bad = compose(["model=mistral-7b", *overrides]).cfg
+        assert any(message in p for p in preflight(bad, 1)), (overrides, preflight(bad, 1))
 
 
 PUBLISHED = {"qwen2.5-0.5b": 0.49, "qwen2.5-7b": 7.62, "qwen3-0.6b": 0.60, "qwen3-8b": 8.19,
              "mistral-7b": 7.25, "llama3-8b": 8.03, "llama3-70b": 70.55, "llama3.2-1b": 1.24,
              "llama3.2-3b": 3.21, "smollm2-135m": 0.13}
 """preset -> its model card's size in billions of parameters"""
+GEMMA3_TEXT = ("gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b")
+"""Presets whose model cards count a vision tower too: their text decoders are counted by
+transformers' own Gemma 3 model built from the preset's config (on the meta device)."""
 
 
 def test_the_planner_counts_every_preset_as_the_built_model_holds_it():
     presets = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
-    assert set(PUBLISHED) == set(presets) - {"tiny"}
+    assert set(PUBLISHED) | set(GEMMA3_TEXT) == set(presets) - {"tiny"}
     for preset in presets:
         m = compose([f"model={preset}"]).cfg.model
         with torch.device("meta"):
             held = sum(p.numel() for p in new_model(m).parameters())
+            if preset in GEMMA3_TEXT:
+                hf = transformers.AutoModelForCausalLM.from_config(hf_config(m))
+                assert held == sum(p.numel() for p in hf.parameters()), preset
         assert param_count(m) == held, preset
-        assert preset == "tiny" or round(held / 1e9, 2) == PUBLISHED[preset], preset
+        assert preset in ("tiny", *GEMMA3_TEXT) or round(held / 1e9, 2) == PUBLISHED[preset]
 
 
 @pytest.mark.slow  # 6 s on 2 cores: `lctrain preprocess`, then a 4-rank `lctrain train` per family

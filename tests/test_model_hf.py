@@ -20,7 +20,8 @@ def build_pair(cfg: ModelConfig, seed: int = 0):
     hf = transformers.LlamaForCausalLM(hf_config(cfg))
     hf.config._attn_implementation = "eager"  # independent attention code path
     missing, unexpected = hf.load_state_dict(to_hf_state_dict(ours.state_dict(),
-                                                              cfg.tie_embeddings), strict=False)
+                                                              cfg.tie_embeddings, cfg.family),
+                                             strict=False)
     assert not unexpected
     assert set(missing) <= {"lm_head.weight"} and (not missing or cfg.tie_embeddings)
     return ours, hf
@@ -64,7 +65,7 @@ def test_logits_and_grads_match_transformers(name):
     F.cross_entropy(ref.flatten(0, 1), labels.flatten()).backward()
     hf_params = dict(hf.named_parameters())
     for n, p in ours.named_parameters():
-        ref_grad = hf_params[to_hf_name(n)].grad
+        ref_grad = hf_params[to_hf_name(n, cfg.family)].grad
         torch.testing.assert_close(p.grad, ref_grad, rtol=1e-4, atol=1e-6, msg=n)
 
 
@@ -95,7 +96,7 @@ def test_state_dict_round_trip_and_deterministic_init():
     b.init_weights(3)
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), n
-    back = from_hf_state_dict(to_hf_state_dict(a.state_dict(), False), False)
+    back = from_hf_state_dict(to_hf_state_dict(a.state_dict(), False, "llama"), False, "llama")
     assert back.keys() == a.state_dict().keys()
     c = Llama(cfg)
     c.init_weights(4)

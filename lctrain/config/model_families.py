@@ -17,6 +17,8 @@ from lctrain.config.registry import Registry
 
 QK_NORMS = 2
 """The per-head RMSNorms of a `qk_norm` family: one for Q, one for K."""
+SANDWICH_NORMS = 2
+"""The extra block norms of a `sandwich_norms` family: after the attention, after the MLP."""
 
 
 @dataclass(frozen=True)
@@ -24,21 +26,39 @@ class ModelFamily:
     name: str
     """config.json's model_type, and the value of model.family."""
     hf_class: str
-    """The transformers model class of an exported checkpoint (its config class is the name
-    with Config for ForCausalLM)."""
+    """The transformers model class of an exported checkpoint."""
+    hf_config_class: str = ""
+    """Its config class (default: the model class's name with Config for ForCausalLM)."""
     qkv_bias: bool = False
     """Q, K and V projections carry biases (sharded with their columns under TP)."""
     qk_norm: bool = False
     """An RMSNorm over each head's dims on Q and K, before RoPE (replicated under TP)."""
     sliding_window: bool = False
-    """config.json may set a sliding attention window (model.sliding_window): a window at least
-    as long as the training sequence is full attention; a shorter one is refused."""
+    """config.json may set a sliding attention window (model.sliding_window) and which layers
+    use it (model.layer_types)."""
+    sandwich_norms: bool = False
+    """An RMSNorm on the attention's output and one on the MLP's, before each residual add
+    (Gemma: `post_attention_layernorm`, `post_feedforward_layernorm`)."""
+    norm_offset: bool = False
+    """Every RMSNorm scales by 1 + w (w starts at zero; Gemma), not by w."""
+    mlp_activation: str = "silu"
+    """The gated MLP's activation: silu (SwiGLU) | gelu_tanh (GeGLU with tanh GELU, Gemma)."""
+    embed_scale: bool = False
+    """The embedding's output is multiplied by sqrt(dim) (Gemma)."""
 
-    def block_extra_params(self, head_dim: int, n_heads: int, n_kv_heads: int) -> tuple[int, int]:
+    def __post_init__(self):
+        if not self.hf_config_class:
+            object.__setattr__(self, "hf_config_class",
+                               self.hf_class.replace("ForCausalLM", "Config"))
+
+    def block_extra_params(self, dim: int, head_dim: int, n_heads: int,
+                           n_kv_heads: int) -> tuple[int, int]:
         """(parameters TP shards, parameters TP replicates) one block holds beyond a Llama
-        block's: the Q/K/V biases (one per output column) and the two head norms."""
+        block's: the Q/K/V biases (one per output column), the two head norms and the two
+        sandwich norms."""
         sharded = head_dim * (n_heads + 2 * n_kv_heads) if self.qkv_bias else 0
         replicated = QK_NORMS * head_dim if self.qk_norm else 0
+        replicated += SANDWICH_NORMS * dim if self.sandwich_norms else 0
         return sharded, replicated
 
 
@@ -48,6 +68,9 @@ for _family in (
     ModelFamily("qwen2", "Qwen2ForCausalLM", qkv_bias=True, sliding_window=True),
     ModelFamily("qwen3", "Qwen3ForCausalLM", qk_norm=True, sliding_window=True),
     ModelFamily("mistral", "MistralForCausalLM", sliding_window=True),
+    ModelFamily("gemma3_text", "Gemma3ForCausalLM", "Gemma3TextConfig", qk_norm=True, sliding_window=True,
+                sandwich_norms=True, norm_offset=True, mlp_activation="gelu_tanh",
+                embed_scale=True),
 ):
     MODEL_FAMILIES.add(_family)
 

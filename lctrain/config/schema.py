@@ -18,6 +18,9 @@ from lctrain.config.fields import at_least, each_one_of, one_of
 from lctrain.config.model_families import MODEL_FAMILIES
 from lctrain.config.schema_launch import LaunchConfig, PlanConfig, SlurmConfig
 
+SLIDING, FULL = "sliding_attention", "full_attention"
+"""The layer types (model.layer_types), transformers' names."""
+
 
 @dataclass
 class ModelConfig:
@@ -25,7 +28,8 @@ class ModelConfig:
     """Preset name, for logs only."""
     family: str = one_of(registry=MODEL_FAMILIES, default="llama")
     """Model family (config.json's model_type): llama | qwen2 (Q/K/V biases) | qwen3 (RMSNorm
-    of each Q and K head before RoPE) | mistral. The blocks differ; the layouts do not."""
+    of each Q and K head before RoPE) | mistral | gemma3_text (Gemma 3: window layers, sandwich
+    norms, GeGLU). The blocks differ; the layouts do not."""
     vocab_size: int = at_least(1, 512)
     """Vocabulary size (rows of the embedding and of the output layer)."""
     dim: int = at_least(1, 128)
@@ -65,9 +69,19 @@ class ModelConfig:
     max_position_embeddings: int = at_least(1, 8192)
     """Context length the model declares (config.json's max_position_embeddings on export)."""
     sliding_window: int | None = at_least(1, None)
-    """Attention window of the families that have one (mistral, qwen2, qwen3 with
-    use_sliding_window); null: the whole causal context. A window at least train.seq_len long
-    is the whole context; a shorter one is refused (sliding-window attention is not built)."""
+    """Keys a sliding-window layer attends to (its own position and the window - 1 before it,
+    as transformers counts), in the families that have one (mistral, qwen2 and qwen3 with
+    use_sliding_window, gemma3); null: no window. A window at least train.seq_len long is the
+    whole causal context."""
+    layer_types: list[str] | None = None
+    """Attention of each layer, full_attention | sliding_attention (config.json's layer_types,
+    or from its sliding_window_pattern or max_window_layers); null: every layer sliding when
+    model.sliding_window is set, else every layer full."""
+    rope_local_theta: float | None = None
+    """RoPE base of the sliding layers, without scaling (Gemma 3: 10000, its full layers 1M);
+    null: the full layers' RoPE."""
+    query_pre_attn_scalar: int | None = at_least(1, None)
+    """Attention scores scaled by query_pre_attn_scalar^-1/2 (Gemma); null: head_dim^-1/2."""
     init_from: str | None = None
     """Hugging Face directory (config.json + *.safetensors) of a model of a registered family
     (model.family) to start from, in any layout. Its config.json decides every model field it
@@ -93,6 +107,16 @@ class ModelConfig:
     def kv_dim(self) -> int:
         """Width of the keys (and of the values), H_kv x d."""
         return self.n_kv_heads * self.d_head
+
+    def layer_type(self, layer: int) -> str:
+        """full_attention | sliding_attention of block `layer` (see layer_types)."""
+        if self.layer_types is not None:
+            return self.layer_types[layer]
+        return "sliding_attention" if self.sliding_window is not None else "full_attention"
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of block `layer`; None for a full-attention layer."""
+        return self.sliding_window if self.layer_type(layer) == SLIDING else None
 
 
 @dataclass

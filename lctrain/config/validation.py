@@ -23,7 +23,7 @@ from lctrain.config.derived import load_balance_of, stage_problems, stages_of, u
 from lctrain.config.device_rules import cuda_problems, kernel_device_problems
 from lctrain.config.eval_rules import eval_problems, has_validation
 from lctrain.config.model_families import model_family
-from lctrain.config.schema import LctrainConfig, ParallelConfig
+from lctrain.config.schema import FULL, SLIDING, LctrainConfig, ParallelConfig
 from lctrain.config.suggest import divisors, nearest_multiple
 
 
@@ -376,21 +376,25 @@ def _length_mix(cfg: LctrainConfig) -> list[str]:
 
 
 def _window(cfg: LctrainConfig) -> list[str]:
-    """model.sliding_window: only where the family has one, and no shorter than the sequence
-    (a window that long is the whole causal context; sliding-window attention is not built)."""
-    m, s = cfg.model, cfg.train.seq_len
-    if m.sliding_window is None:
-        return []
-    if not model_family(m.family).sliding_window:
-        return [f"model.sliding_window={m.sliding_window} with model.family={m.family}, which "
-                "has no attention window; set model.sliding_window=null"]
-    if m.sliding_window < s:
-        return [f"model.sliding_window={m.sliding_window} is shorter than train.seq_len={s}, "
-                "and lctrain has no sliding-window attention (a window at least the sequence "
-                f"long is full attention); train at train.seq_len<={m.sliding_window}, or "
-                "attend over the whole context on purpose with model.sliding_window=null "
-                "(from a checkpoint: model.hf_overrides=[sliding_window])"]
-    return []
+    """model.sliding_window and model.layer_types: a window only where the family has one, one
+    layer type per layer, sliding layers only with a window."""
+    m = cfg.model
+    problems = []
+    if m.sliding_window is not None and not model_family(m.family).sliding_window:
+        problems.append(f"model.sliding_window={m.sliding_window} with model.family={m.family}, "
+                        "which has no attention window; set model.sliding_window=null")
+    if m.layer_types is None:
+        return problems
+    if len(m.layer_types) != m.n_layers:
+        problems.append(f"model.layer_types has {len(m.layer_types)} entries for "
+                        f"model.n_layers={m.n_layers}; give one per layer (or null)")
+    unknown = sorted(set(m.layer_types) - {SLIDING, FULL})
+    if unknown:
+        problems.append(f"model.layer_types has {unknown}; each layer is {FULL} or {SLIDING}")
+    if SLIDING in m.layer_types and m.sliding_window is None:
+        problems.append(f"model.layer_types has {SLIDING} layers but model.sliding_window is "
+                        "null; set the window (e.g. model.sliding_window=4096)")
+    return problems
 
 
 def _stages(cfg: LctrainConfig, world_size: int) -> list[str]:

@@ -34,7 +34,7 @@ def block_split(m: ModelConfig) -> tuple[int, int]:
 def _block_split(family: str, dim: int, d_head: int, heads: int, kv_heads: int,
                  ffn_dim: int) -> tuple[int, int]:
     attention = dim * (2 * heads * d_head + 2 * kv_heads * d_head)
-    sharded, replicated = model_family(family).block_extra_params(d_head, heads, kv_heads)
+    sharded, replicated = model_family(family).block_extra_params(dim, d_head, heads, kv_heads)
     return attention + MLP_MATRICES * dim * ffn_dim + sharded, 2 * dim + replicated
 
 

@@ -26,13 +26,16 @@ class FamilyCode:
     """Builds a block's attention: (ModelConfig, core) -> module (lctrain.models.llama's
     `Attention` or a subclass)."""
     hf_names: dict[str, str] = field(default_factory=dict)
-    """lctrain module path inside a block -> Hugging Face path, beyond Llama's (e.g.
-    attention.q_norm -> self_attn.q_norm); weights and biases map alike."""
+    """lctrain module path inside a block -> Hugging Face path, beyond (or instead of) Llama's
+    (e.g. attention.q_norm -> self_attn.q_norm); weights and biases map alike."""
     tp_plan: Callable[[], dict[str, Any]] = dict
     """Tensor-parallel styles of the family's own modules inside a block, beyond Llama's
     (lctrain.parallel.tensor adds them). Biases need none: they shard with their columns."""
     hf_config: Callable[[ModelConfig], dict[str, Any]] = lambda _cfg: {}
-    """Keyword arguments of the transformers config class beyond the common ones, for export."""
+    """Keyword arguments of the transformers config class beyond (or replacing) the common
+    ones, for export."""
+    block_norms: tuple[str, ...] = ()
+    """A block's norms beyond Llama's two (which sequence parallelism shards like them)."""
 
 
 LLAMA = FamilyCode("llama", attention=Attention,

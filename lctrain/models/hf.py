@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from lctrain.config import ModelConfig
 from lctrain.config.model_families import MODEL_FAMILIES, model_family
+from lctrain.models.hf_params import rope_parameters
 from lctrain.models.init import local_slices
 from lctrain.models.registry import FAMILY_CODE, family_code
 
@@ -32,30 +33,30 @@ _LAYER_MAP = {
 _TOP_MAP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
 
 
-def _layer_map() -> dict[str, str]:
-    """Llama's block names and every registered family's own (they never collide)."""
-    out = dict(_LAYER_MAP)
-    for name in FAMILY_CODE:
-        out.update(FAMILY_CODE[name].hf_names)
-    return out
+def _layer_map(family: str) -> dict[str, str]:
+    """Llama's block names with the family's own added or renamed (Gemma 3's ffn_norm is its
+    pre_feedforward_layernorm)."""
+    return {**_LAYER_MAP, **FAMILY_CODE[family].hf_names}
 
 
-def to_hf_name(name: str) -> str:
+def to_hf_name(name: str, family: str) -> str:
     m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name)
     if m:
-        return f"model.layers.{m.group(1)}.{_layer_map()[m.group(2)]}.{m.group(3)}"
+        return f"model.layers.{m.group(1)}.{_layer_map(family)[m.group(2)]}.{m.group(3)}"
     return f"{_TOP_MAP[name.removesuffix('.weight')]}.weight"
 
 
-def to_hf_state_dict(state: dict[str, Tensor], tie_embeddings: bool) -> dict[str, Tensor]:
-    out = {to_hf_name(k): v for k, v in state.items()}
+def to_hf_state_dict(state: dict[str, Tensor], tie_embeddings: bool,
+                     family: str) -> dict[str, Tensor]:
+    out = {to_hf_name(k, family): v for k, v in state.items()}
     if tie_embeddings:
         out.pop("lm_head.weight", None)
     return out
 
 
-def from_hf_state_dict(hf_state: dict[str, Tensor], tie_embeddings: bool) -> dict[str, Tensor]:
-    inverse, ours_of = {}, {h: ours for ours, h in _layer_map().items()}
+def from_hf_state_dict(hf_state: dict[str, Tensor], tie_embeddings: bool,
+                       family: str) -> dict[str, Tensor]:
+    inverse, ours_of = {}, {h: ours for ours, h in _layer_map(family).items()}
     for k, v in hf_state.items():
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", k)
         if m:
@@ -67,35 +68,19 @@ def from_hf_state_dict(hf_state: dict[str, Tensor], tie_embeddings: bool) -> dic
     return inverse
 
 
-def rope_parameters(cfg: ModelConfig) -> dict:
-    """transformers' `rope_parameters` for the RoPE settings of `cfg`."""
-    params = {"rope_type": cfg.rope_type, "rope_theta": cfg.rope_theta}
-    if cfg.rope_type != "default":
-        params["factor"] = cfg.rope_factor
-    if cfg.rope_type == "llama3":
-        params.update(low_freq_factor=cfg.rope_low_freq_factor,
-                      high_freq_factor=cfg.rope_high_freq_factor,
-                      original_max_position_embeddings=cfg.rope_original_max_position)
-    if cfg.rope_type == "yarn":
-        params.update(original_max_position_embeddings=cfg.rope_original_max_position,
-                      beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow)
-    return params
-
-
 def hf_config(cfg: ModelConfig):
     """A transformers config of the family's class (LlamaConfig, Qwen2Config, ...) with the
     same architecture as `cfg`."""
     import transformers  # lazy: transformers takes seconds to import
 
-    config_class = getattr(transformers, model_family(cfg.family).hf_class.replace(
-        "ForCausalLM", "Config"))
-    return config_class(
+    config_class = getattr(transformers, model_family(cfg.family).hf_config_class)
+    common = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.d_head, rms_norm_eps=cfg.norm_eps,
         rope_parameters=rope_parameters(cfg), tie_word_embeddings=cfg.tie_embeddings,
-        max_position_embeddings=cfg.max_position_embeddings, hidden_act="silu",
-        **family_code(cfg).hf_config(cfg))
+        max_position_embeddings=cfg.max_position_embeddings, hidden_act="silu")
+    return config_class(**{**common, **family_code(cfg).hf_config(cfg)})
 
 
 # HF config key -> ModelConfig field, for the shape check of model.init_from (and model_type
@@ -145,7 +130,7 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
         if id(param) in seen:  # tied output layer: loaded through the embedding
             continue
         seen.add(id(param))
-        hf_name = to_hf_name(name)
+        hf_name = to_hf_name(name, model.cfg.family)
         if hf_name not in where:
             raise ValueError(f"{path} has no tensor {hf_name} (for {name}); is it a checkpoint "
                              "of this family and shape?")
@@ -190,8 +175,9 @@ def export_hf(parameters: Iterable[tuple[str, Tensor | None]], cfg: ModelConfig,
     for name, full in parameters:
         if rank != 0:
             continue
-        current[to_hf_name(name)] = full.detach().float().cpu().contiguous()
-        size += current[to_hf_name(name)].nbytes
+        hf_name = to_hf_name(name, cfg.family)
+        current[hf_name] = full.detach().float().cpu().contiguous()
+        size += current[hf_name].nbytes
         if size >= shard_bytes:
             files.append(_write_shard(out, len(files), current))
             current, size = {}, 0

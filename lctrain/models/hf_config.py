@@ -13,6 +13,7 @@ from pathlib import Path
 
 from lctrain.config import ModelConfig, choices_of
 from lctrain.config.model_families import MODEL_FAMILIES, model_family
+from lctrain.config.schema import FULL, SLIDING
 
 # config.json key -> ModelConfig field (plain copies)
 _FIELDS = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
@@ -24,6 +25,8 @@ _ROPE = {"rope_theta": "rope_theta", "rope_type": "rope_type", "factor": "rope_f
          "low_freq_factor": "rope_low_freq_factor", "high_freq_factor": "rope_high_freq_factor",
          "original_max_position_embeddings": "rope_original_max_position",
          "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow"}
+_ACTIVATIONS = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}
+"""`ModelFamily.mlp_activation` -> config.json's names for it."""
 SHAPE_FIELDS = ("family", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                 "ffn_dim", "tie_embeddings")
 """Fields the weights fix: model.hf_overrides cannot change them."""
@@ -42,8 +45,10 @@ def read_hf_config(path: str | Path) -> dict:
 
 
 def _rope(hf: dict) -> dict:
-    """The RoPE settings of config.json as one dict (rope_type, rope_theta, factor, ...)."""
+    """The RoPE settings of config.json as one dict (rope_type, rope_theta, factor, ...): the
+    full layers' where each layer type has its own (Gemma 3)."""
     params = dict(hf.get("rope_parameters") or {})
+    params = dict(params.get(FULL, params))
     scaling = hf.get("rope_scaling") or {}
     params.update({k: v for k, v in scaling.items() if k not in params})
     if "type" in params and "rope_type" not in params:  # transformers < 4.45 spelling
@@ -61,6 +66,32 @@ def window(hf: dict) -> int | None:
     return hf.get("sliding_window")
 
 
+def _local_theta(hf: dict) -> float | None:
+    """The sliding layers' RoPE base where it is their own (Gemma 3: rope_parameters'
+    sliding_attention, or the older rope_local_base_freq)."""
+    local = (hf.get("rope_parameters") or {}).get(SLIDING) or {}
+    theta = local.get("rope_theta", hf.get("rope_local_base_freq"))
+    return None if theta is None else float(theta)
+
+
+def layer_types(hf: dict) -> list[str] | None:
+    """Each layer's attention (model.layer_types): config.json's layer_types, or from Gemma's
+    sliding_window_pattern (every pattern-th layer full) or Qwen's max_window_layers (layers
+    from it on sliding), as transformers derives them; None when every layer is the default
+    (sliding with a window, else full)."""
+    n, w = hf.get("num_hidden_layers", 0), window(hf)
+    if hf.get("layer_types"):
+        types = list(hf["layer_types"])
+    elif w is not None and "sliding_window_pattern" in hf:
+        types = [SLIDING if (i + 1) % hf["sliding_window_pattern"] else FULL for i in range(n)]
+    elif w is not None and "max_window_layers" in hf:
+        types = [SLIDING if i >= hf["max_window_layers"] else FULL for i in range(n)]
+    else:
+        return None
+    default = SLIDING if w is not None else FULL
+    return None if all(t == default for t in types) else types
+
+
 def model_fields(hf: dict) -> dict:
     """lctrain's model.* values that config.json defines (fields it leaves out are absent)."""
     out = {ours: hf[key] for key, ours in _FIELDS.items() if key in hf}
@@ -73,6 +104,10 @@ def model_fields(hf: dict) -> dict:
     if heads and dim:  # a head dim of dim / n_heads is model.head_dim=null (derived)
         out["head_dim"] = None if head_dim is None or head_dim * heads == dim else head_dim
     out["sliding_window"] = window(hf)
+    out["layer_types"] = layer_types(hf)
+    out["rope_local_theta"] = _local_theta(hf)
+    if hf.get("query_pre_attn_scalar") is not None:
+        out["query_pre_attn_scalar"] = int(hf["query_pre_attn_scalar"])
     rope = _rope(hf)
     out.update({ours: rope[key] for key, ours in _ROPE.items() if key in rope})
     for name in ("rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
@@ -100,21 +135,29 @@ def unsupported(hf: dict, path: str) -> list[str]:
                         "biases (the qwen2 family has Q/K/V biases)")
     if hf.get("mlp_bias"):
         problems.append(f"{where} sets mlp_bias=true; lctrain's MLPs have no biases")
-    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
-        problems.append(f"{where} sets hidden_act={hf['hidden_act']!r}; lctrain's SwiGLU uses "
-                        "silu")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
+    if act not in _ACTIVATIONS[family.mlp_activation]:
+        problems.append(f"{where} sets the MLP activation {act!r}; lctrain's {kind} uses "
+                        f"{family.mlp_activation} ({', '.join(_ACTIVATIONS[family.mlp_activation])})")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(key) is not None:
+            problems.append(f"{where} sets {key}={hf[key]}; lctrain computes no logit "
+                            "soft-capping")
+    if hf.get("use_bidirectional_attention"):
+        problems.append(f"{where} sets use_bidirectional_attention=true; lctrain trains causal "
+                        "language models")
     if window(hf) is not None and not family.sliding_window:
         problems.append(f"{where} sets sliding_window={hf['sliding_window']}; lctrain's {kind} "
                         "attends over the whole causal context")
-    layer_types = set(hf.get("layer_types") or ()) - {"full_attention", "sliding_attention"}
-    if layer_types:
-        problems.append(f"{where} has layer_types {sorted(layer_types)}; lctrain computes "
-                        "full (and, up to the sequence length, sliding) attention only")
+    other_types = set(hf.get("layer_types") or ()) - {FULL, SLIDING}
+    if other_types:
+        problems.append(f"{where} has layer_types {sorted(other_types)}; lctrain computes "
+                        f"{FULL} and {SLIDING} layers only")
     rope = _rope(hf)
     if rope["rope_type"] not in choices_of(ModelConfig, "rope_type"):
         problems.append(f"{where} uses rope_type={rope['rope_type']!r}; lctrain implements "
                         f"{', '.join(choices_of(ModelConfig, 'rope_type'))}")
-    extra = set(rope) - set(_ROPE) - {"type"}
+    extra = set(rope) - set(_ROPE) - {"type", SLIDING}
     if extra:
         problems.append(f"{where} sets RoPE parameters lctrain does not implement: "
                         f"{', '.join(sorted(extra))}")

@@ -20,6 +20,7 @@ from lctrain.models.init, the same for every layout.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -51,15 +52,19 @@ def full_logits_loss(output: nn.Module, h: Tensor, labels: Tensor) -> Tensor:
     return cross_entropy_sum(output(h), labels)
 
 
-def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None,
+                   window: int | None = None) -> Tensor:
     """Local causal attention. [B, S, H, d] x [B, S, H_kv, d] -> [B, S, H, d].
 
-    PyTorch SDPA without documents; with doc_ids, the position-aware kernels of
-    lctrain.attention (they skip what the document mask hides).
+    PyTorch SDPA without documents or window; with doc_ids or a window shorter than the
+    sequence, the position-aware kernels of lctrain.attention (they skip what the document
+    mask and the window hide).
     """
-    if doc_ids is not None:
+    window = window if window is not None and window < q.shape[1] else None
+    if doc_ids is not None or window is not None:
         block = Block(torch.arange(q.shape[1]), doc_ids)
-        return local_attention(q, k, v, block, block, causal=True, scale=q.shape[-1] ** -0.5)[0]
+        return local_attention(q, k, v, block, block, causal=True, scale=q.shape[-1] ** -0.5,
+                               window=window)[0]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
         enable_gqa=k.shape[2] != q.shape[2])
@@ -67,24 +72,29 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = Non
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """RMSNorm scaled by its weight w, or by 1 + w with `offset` (Gemma; w starts at zero)."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # Normalise in float32 (as HF Llama does), scale in the input dtype. Under autocast the
-        # output is in the compute dtype: the projections that read it then share one copy
-        # instead of each casting its own.
+        # Normalise in float32 (as HF Llama does), scale in the input dtype (Gemma: scale in
+        # float32 too, as HF Gemma does). Under autocast the output is in the compute dtype:
+        # the projections that read it then share one copy instead of each casting its own.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(x.dtype)
+        if self.offset:
+            out = (xf * (1.0 + self.weight.float())).to(x.dtype)
+        else:
+            out = self.weight * xf.to(x.dtype)
         if torch.is_autocast_enabled(x.device.type):
             out = out.to(torch.get_autocast_dtype(x.device.type))
         return out
 
     def init_rules(self) -> dict[str, float | None]:
-        return {"weight": None}  # ones
+        return {"weight": ZEROS if self.offset else None}  # a scale of one either way
 
 
 class RotaryEmbedding(nn.Module):
@@ -121,7 +131,8 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class Attention(nn.Module):
     """Llama's attention: Q, K, V projections (with biases where the family has them:
     `ModelFamily.qkv_bias`, Qwen2), RoPE, the core, the output projection. A family changes
-    it by overriding `head_norms`."""
+    it by overriding `head_norms`. `window`: the sliding window of a window layer (set by the
+    block from model.layer_types), passed to the core."""
 
     def __init__(self, cfg: ModelConfig, core: AttentionCore = sdpa_attention):
         super().__init__()
@@ -135,6 +146,10 @@ class Attention(nn.Module):
         self.std, self.out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.core = core
         """The attention core (local SDPA or a context-parallel algorithm)."""
+        self.window: int | None = None
+        # the core scales scores by d^-1/2; another scale (query_pre_attn_scalar) goes into q
+        self.q_scale = (None if cfg.query_pre_attn_scalar is None
+                        else math.sqrt(self.head_dim / cfg.query_pre_attn_scalar))
 
     def forward(self, x: Tensor, *, cos: Tensor, sin: Tensor,
                 doc_ids: Tensor | None = None) -> Tensor:
@@ -145,7 +160,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = self.head_norms(q, k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.core(q, k, v, doc_ids)  # [B, S, H, d]
+        if self.q_scale is not None:
+            q = q * self.q_scale
+        out = self.core(q, k, v, doc_ids, window=self.window)  # [B, S, H, d]
         return self.wo(out.reshape(b, s, -1))
 
     def head_norms(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
@@ -162,15 +179,21 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
+    """The gated MLP: w2(act(w1 x) * w3 x), act silu (SwiGLU) or tanh GELU (GeGLU:
+    `ModelFamily.mlp_activation`)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.gelu = model_family(cfg.family).mlp_activation == "gelu_tanh"
         self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
         self.std, self.out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate = self.w1(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.w2(gate * self.w3(x))
 
     def init_rules(self) -> dict[str, float | None]:
         # the down projection feeds the residual stream: scaled down by depth
@@ -178,18 +201,30 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    """Norm, attention, residual add; norm, MLP, residual add. A `sandwich_norms` family
+    normalises the attention's and the MLP's outputs too, before each add (Gemma)."""
+
     def __init__(self, cfg: ModelConfig, core: AttentionCore = sdpa_attention,
-                 attention: Callable[..., Attention] = Attention):
+                 attention: Callable[..., Attention] = Attention, layer: int = 0):
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        family = model_family(cfg.family)
+        offset = family.norm_offset
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, offset)
         self.attention = attention(cfg, core)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention.window = cfg.layer_window(layer)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, offset)
         self.feed_forward = FeedForward(cfg)
+        if family.sandwich_norms:
+            self.attention_out_norm = RMSNorm(cfg.dim, cfg.norm_eps, offset)
+            self.ffn_out_norm = RMSNorm(cfg.dim, cfg.norm_eps, offset)
+        self.sandwich = family.sandwich_norms
 
     def forward(self, x: Tensor, *, cos: Tensor, sin: Tensor,
                 doc_ids: Tensor | None = None) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos=cos, sin=sin, doc_ids=doc_ids)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.attention(self.attention_norm(x), cos=cos, sin=sin, doc_ids=doc_ids)
+        h = x + (self.attention_out_norm(a) if self.sandwich else a)
+        f = self.feed_forward(self.ffn_norm(h))
+        return h + (self.ffn_out_norm(f) if self.sandwich else f)
 
 
 class Llama(nn.Module):
@@ -202,10 +237,17 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        family = model_family(cfg.family)
         self.rope = RotaryEmbedding(cfg)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, core, attention)
+        self.rope_local = (None if cfg.rope_local_theta is None else RotaryEmbedding(
+            dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_type="default")))
+        """The sliding layers' RoPE, when it differs (model.rope_local_theta: Gemma 3)."""
+        self.local_rope_layers = {str(i) for i in range(cfg.n_layers)
+                                  if self.rope_local is not None and cfg.layer_window(i)}
+        self.embed_scale = math.sqrt(cfg.dim) if family.embed_scale else None
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, core, attention, i)
                                      for i in range(cfg.n_layers)})
-        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps, family.norm_offset)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -225,11 +267,18 @@ class Llama(nn.Module):
         """
         if positions is None:  # from the input: with sequence parallelism h holds S/tp tokens
             positions = torch.arange(x.shape[1], device=x.device)[None]
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        cos, sin = self.rope(positions, h.dtype if not torch.is_autocast_enabled(h.device.type)
-                             else torch.get_autocast_dtype(h.device.type))
-        for layer in self.layers.values():
-            h = layer(h, cos=cos, sin=sin, doc_ids=doc_ids)
+        h = x
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(x)
+            if self.embed_scale is not None:  # in the embedding's dtype, as HF Gemma rounds it
+                h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        dtype = (h.dtype if not torch.is_autocast_enabled(h.device.type)
+                 else torch.get_autocast_dtype(h.device.type))
+        cos, sin = self.rope(positions, dtype)
+        local = self.rope_local(positions, dtype) if self.local_rope_layers else (cos, sin)
+        for name, layer in self.layers.items():
+            c, s = local if name in self.local_rope_layers else (cos, sin)
+            h = layer(h, cos=c, sin=s, doc_ids=doc_ids)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:

@@ -11,12 +11,14 @@ from lctrain.models.llama import Attention
 
 
 def windowed_hf_config(cfg: ModelConfig) -> dict:
-    """The sliding-window keys of Qwen2's and Qwen3's config classes: on for every layer when
-    model.sliding_window is set (lctrain trains no window shorter than the sequence), else
-    off."""
+    """The sliding-window keys of Qwen2's and Qwen3's config classes: on, with each layer's
+    type, when model.sliding_window is set, else off."""
     window = cfg.sliding_window
-    return {"use_sliding_window": window is not None, "sliding_window": window,
-            "max_window_layers": 0 if window is not None else cfg.n_layers}
+    if window is None:
+        return {"use_sliding_window": False, "sliding_window": None,
+                "max_window_layers": cfg.n_layers}
+    return {"use_sliding_window": True, "sliding_window": window, "max_window_layers": 0,
+            "layer_types": [cfg.layer_type(i) for i in range(cfg.n_layers)]}
 
 
 QWEN2 = FamilyCode("qwen2", attention=Attention,  # the biases: ModelFamily.qkv_bias

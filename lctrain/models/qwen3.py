@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.distributed.tensor.parallel import SequenceParallel
 
 from lctrain.config import ModelConfig
+from lctrain.config.model_families import model_family
 from lctrain.models.families import FamilyCode
 from lctrain.models.llama import Attention, AttentionCore, RMSNorm, sdpa_attention
 from lctrain.models.qwen2 import windowed_hf_config
@@ -24,8 +25,9 @@ HEADS_DIM = 2
 class Qwen3Attention(Attention):
     def __init__(self, cfg: ModelConfig, core: AttentionCore = sdpa_attention):
         super().__init__(cfg, core)
-        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        offset = model_family(cfg.family).norm_offset  # Gemma 3's head norms scale by 1 + w
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps, offset)
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps, offset)
 
     def head_norms(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         return self.q_norm(q), self.k_norm(k)

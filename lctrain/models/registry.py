@@ -9,13 +9,14 @@ from __future__ import annotations
 from lctrain.config import ModelConfig
 from lctrain.config.registry import Registry
 from lctrain.models.families import LLAMA, FamilyCode
+from lctrain.models.gemma3 import GEMMA3
 from lctrain.models.llama import AttentionCore, Llama, sdpa_attention
 from lctrain.models.mistral import MISTRAL
 from lctrain.models.qwen2 import QWEN2
 from lctrain.models.qwen3 import QWEN3
 
 FAMILY_CODE: Registry[FamilyCode] = Registry("model family's code")
-for _code in (LLAMA, QWEN2, QWEN3, MISTRAL):
+for _code in (LLAMA, QWEN2, QWEN3, MISTRAL, GEMMA3):
     FAMILY_CODE.add(_code)
 
 

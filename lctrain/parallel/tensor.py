@@ -58,6 +58,8 @@ def tp_plan(sp: bool, family: FamilyCode = LLAMA) -> tuple[dict, dict]:
         top["norm"] = SequenceParallel()
         block["attention_norm"] = SequenceParallel()
         block["ffn_norm"] = SequenceParallel()
+        for norm in family.block_norms:  # on a sublayer's output: added to the local residual
+            block[norm] = SequenceParallel(use_local_output=True)
     return top, block
 
 
