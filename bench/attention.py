@@ -5,13 +5,18 @@
     python bench/attention.py --section balance     # causal work max/mean per rank
     python bench/attention.py --section efficiency  # t(1 process) / (P * t(P ranks)), P = 2
     python bench/attention.py --section maxlen      # tiny model, cp=8: memory per rank vs length
+    python bench/attention.py --section window      # window layer vs full layer: elements sent
 
 traffic: one forward + backward per algorithm under `record_traffic`, divided by the formulas of
 lctrain.planning.traffic (docs/parallelism.md §5-8). balance: query-key pairs each rank's
 kernels compute (the same run decomposition the kernels execute), contiguous vs zigzag. efficiency: wall time of
 one causal forward + backward at a long sequence, single process vs P ranks, each 1 thread.
 maxlen: one cp=8 training step of the tiny model per length; peak RSS per rank, a linear fit,
-and the length at which 8 ranks would fill the machine's available memory.
+and the length at which 8 ranks would fill the machine's available memory. window: the most
+elements any rank sends in one forward + backward of a sliding-window layer (the halo exchange,
+docs/parallelism.md §25) and of a full layer, measured by `record_traffic`, zigzag, P = 2, 4, 8,
+and the window layer's over 4 (W - 1) d_kv: the chunk boundaries it sends across (K, V and
+their gradients of W - 1 tokens each; 1 at P = 2, 2 beyond; USP adds its all-to-alls).
 """
 
 from __future__ import annotations
@@ -86,6 +91,44 @@ def section_traffic() -> None:
         for name, (rf, rb, elems) in res[0].items():
             assert all(r[name][:2] == (rf, rb) for r in res), "ranks disagree"
             print(f"{p:>3} {name:<16} {rf:>9.2f} {rb:>9.2f} {elems:>13,.0f}")
+
+
+WINDOW_SEQ, WINDOW_HEADS, WINDOW_HEAD_DIM = 3072, 4, 16
+
+
+def _window_rank(p: int, windows: tuple[int, ...]) -> dict:
+    """{(algorithm, window or None): elements this rank sent, forward + backward}."""
+    out = {}
+    S, H, hd = WINDOW_SEQ, WINDOW_HEADS, WINDOW_HEAD_DIM
+    for name in ("ring", "usp", "allgather"):
+        if name == "usp" and p < 4:
+            continue
+        g = _groups(p, name, 2 if name == "usp" else 1)
+        attn = ContextParallelAttention(name, g, S, "zigzag")
+        for window in (None, *windows):
+            q, k, v = _inputs(S, H, H, hd, g, "zigzag")
+            with record_traffic() as rec:
+                attn.attention(q, k, v, window=window)[0].sum().backward()
+            out[name, window] = rec.total(tag=name)
+    return out
+
+
+def section_window(windows: tuple[int, ...] = (64, 256)) -> None:
+    d_kv = WINDOW_HEADS * WINDOW_HEAD_DIM
+    print(f"\n## window layers: most elements sent by a rank, forward + backward (S={WINDOW_SEQ},"
+          f" H=H_kv={WINDOW_HEADS}, d={WINDOW_HEAD_DIM}, zigzag chunks S/2P)")
+    print(f"{'P':>3} {'algorithm':<10} {'full':>10} " + " ".join(
+        f"{f'W={w}':>10} {'/full':>7} {'/4(W-1)d':>9}" for w in windows))
+    for p in (2, 4, 8):
+        res = run_ranks(_window_rank, p, (p, windows), timeout_s=600)
+        for name in ("ring", "usp", "allgather"):
+            if (name, None) not in res[0]:
+                continue
+            most = {w: max(r[name, w] for r in res) for w in (None, *windows)}
+            cells = " ".join(f"{most[w]:>10,} {most[w] / most[None]:>7.4f} "
+                             f"{most[w] / (4 * (w - 1) * d_kv):>9.3f}"
+                             for w in windows)
+            print(f"{p:>3} {name:<10} {most[None]:>10,} {cells}")
 
 
 def section_balance() -> None:
@@ -182,7 +225,8 @@ def section_maxlen(lengths: list[int]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--section", choices=["traffic", "balance", "efficiency", "maxlen", "all"],
+    ap.add_argument("--section", choices=["traffic", "balance", "efficiency", "maxlen", "window",
+                                          "all"],
                     default="all")
     ap.add_argument("--efficiency-seq", type=int, default=8192)
     ap.add_argument("--reps", type=int, default=3)
@@ -197,6 +241,8 @@ def main() -> None:
         section_efficiency(args.efficiency_seq, args.reps)
     if args.section in ("maxlen", "all"):
         section_maxlen(args.maxlen_seqs)
+    if args.section in ("window", "all"):
+        section_window()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ counts them per unit for the plan and the tests, from the same split the loader 
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 from torch import Tensor
 
@@ -53,3 +55,13 @@ def halo_tokens(seq_len: int, cp: int, window: int, load_balance: str, ulysses: 
     pairs = [[0 if i == j else int(window_needed(pos[j], docs[j], pos[i], docs[i], window)
                                    .sum(1).max()) for i in range(units)] for j in range(units)]
     return [(sum(pairs[j]), sum(row[j] for row in pairs)) for j in range(units)]
+
+
+@cache  # the plan and its layout search ask for the same layouts many times
+def unit_halo(seq_len: int, cp: int, window: int, load_balance: str,
+              ulysses: int = 1) -> tuple[int, int]:
+    """(sent, received) tokens of balance unit 0 (the rank that logs) in a window layer over
+    one sequence; load_balance=documents splits it as one document (packed documents only cut
+    windows shorter: an upper bound)."""
+    doc_ids = torch.zeros(1, seq_len, dtype=torch.long) if load_balance == "documents" else None
+    return halo_tokens(seq_len, cp, window, load_balance, ulysses, doc_ids)[0]

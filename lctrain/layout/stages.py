@@ -46,9 +46,12 @@ def block_params(m: ModelConfig) -> int:
 def layer_costs(m: ModelConfig, seq_len: int) -> tuple[float, list[float], float]:
     """(embedding, [each block], output layer + loss): forward + backward FLOPs per token, 3x the
     forward's. A block's forward is 2 FLOPs per weight plus causal attention, 2 S d_model
-    (QK^T and PV over S/2 keys on average); the output layer 2 D V plus the softmax (~5 V)."""
+    (QK^T and PV over S/2 keys on average; a window layer's over its window's keys); the
+    output layer 2 D V plus the softmax (~5 V)."""
     embedding, block, output = _unit_costs(m, seq_len)
-    return embedding, [block] * m.n_layers, output
+    weights = block - attention_flops(m, seq_len)
+    return embedding, [weights + attention_flops(m, seq_len, m.layer_window(i))
+                       for i in range(m.n_layers)], output
 
 
 TRAIN_OVER_FORWARD = 3
@@ -60,11 +63,14 @@ SOFTMAX_FLOPS = 5
 """The loss's softmax per vocabulary entry and token: max, subtract, exp, sum, divide."""
 
 
-def attention_flops(m: ModelConfig, seq_len: int) -> float:
+def attention_flops(m: ModelConfig, seq_len: int, window: int | None = None) -> float:
     """Training FLOPs per token of one block's causal attention: QK^T and PV take H x d
     multiply-adds per key each (d_model unless model.head_dim says otherwise), over S/2 keys
-    on average, so 2 x 2 x Hd x S/2 = 2 S Hd forward."""
-    return TRAIN_OVER_FORWARD * 2 * seq_len * m.q_dim
+    on average, so 2 x 2 x Hd x S/2 = 2 S Hd forward. A window of W < S keys: each query sees
+    W keys but the first W - 1, so W - W (W - 1) / (2 S) on average (docs/parallelism.md §25)."""
+    keys = seq_len / 2 if window is None or window >= seq_len else (
+        window - window * (window - 1) / (2 * seq_len))
+    return TRAIN_OVER_FORWARD * 4 * keys * m.q_dim
 
 
 def _unit_costs(m: ModelConfig, seq_len: int) -> tuple[float, float, float]:

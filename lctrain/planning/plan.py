@@ -24,6 +24,7 @@ from lctrain.config.derived import (
     slurm_ranks_per_node,
 )
 from lctrain.config.validation import warnings_for
+from lctrain.layout.halo import unit_halo
 from lctrain.layout.stages import bubble_fraction, split_layers, stages_of
 from lctrain.layout.topology import AXES, GROUPS, Topology
 from lctrain.planning.documents import load_balance_table
@@ -52,6 +53,7 @@ from lctrain.planning.traffic import (
     dp_step_bytes,
     dp_step_traffic,
     host_copy_bytes,
+    layer_windows,
     step_traffic_bytes,
     tp_block_traffic,
 )
@@ -60,14 +62,21 @@ GIB = 2**30
 
 
 def attention_traffic_per_layer(cfg: LctrainConfig, world_size: int) -> dict[str, float]:
-    """Elements sent per rank by one layer's attention (micro-batch of sequences)."""
+    """Elements sent per rank by one layer's attention (micro-batch of sequences); a window
+    layer's too, when the model has them (rank 0's halo exchange, §25)."""
     d = derive(cfg, world_size)
-    m, p = cfg.model, cfg.parallel
-    t = attention_traffic(p.attention, cfg.train.seq_len, m.q_dim // p.tp,
-                          m.kv_dim // p.tp * d.kv_replication, p.cp, d.cp_ulysses,
-                          batch=cfg.train.micro_batch)
-    return {f"{p.attention}_per_layer_fwd": t["forward"],
-            f"{p.attention}_per_layer_bwd": t["backward"]}
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    out = {}
+    for window in layer_windows(cfg, range(m.n_layers)):
+        halo = None if window is None else unit_halo(t.seq_len, p.cp, window,
+                                                     load_balance_of(cfg), d.cp_ulysses)
+        sent = attention_traffic(p.attention, t.seq_len, m.q_dim // p.tp,
+                                 m.kv_dim // p.tp * d.kv_replication, p.cp, d.cp_ulysses,
+                                 batch=t.micro_batch, halo=halo)
+        kind = p.attention if window is None else f"{p.attention}_window{window}"
+        out |= {f"{kind}_per_layer_fwd": sent["forward"],
+                f"{kind}_per_layer_bwd": sent["backward"]}
+    return out
 
 
 def predicted_traffic(cfg: LctrainConfig, world_size: int) -> dict:
@@ -233,6 +242,8 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
                 [t.micro_batch, t.seq_len // d.cp_ring, m.n_heads // (p.tp * d.cp_ulysses),
                  head_dim],
             "layers_per_stage": [len(layers) for layers in split_layers(cfg)],
+            "layers_by_window": {("full" if w is None else f"window {w}"): n for w, n in
+                                 layer_windows(cfg, range(m.n_layers)).items()},
         },
         "memory_gib": {"params_total_billion": n_params / 1e9}
                       | {k: v / GIB for k, v in worst["bytes"].items()},

@@ -40,6 +40,7 @@ from lctrain.planning.traffic import (
     cp_transfers,
     dp_step_bytes,
     host_copy_bytes,
+    layer_windows,
     step_traffic_bytes,
 )
 
@@ -199,9 +200,12 @@ def collective_calls(step: StepShape) -> dict[str, float]:
     if p.tp > 1:
         forward, backward, recomputed = TP_CALLS[p.sp]
         per_block["tp"] = forward + backward + (recomputed if again else 0)
-    for x in cp_transfers(cfg, step.world_size):
-        times = 2 if again and x.direction == "fwd" else 1
-        per_block[x.group] = per_block.get(x.group, 0) + times * x.calls
+    windows = layer_windows(cfg, range(cfg.model.n_layers))
+    for window, count in windows.items():  # calls of an average block
+        for x in cp_transfers(cfg, step.world_size, window):
+            times = 2 if again and x.direction == "fwd" else 1
+            per_block[x.group] = (per_block.get(x.group, 0)
+                                  + times * x.calls * count / cfg.model.n_layers)
     out = {g: n * step.blocks * step.micro_batches for g, n in per_block.items()}
     if p.pp > 1:
         out["pp"] = PP_CALLS_PER_STAGE * len(stages_of(cfg, 0)) * step.micro_batches

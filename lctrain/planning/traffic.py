@@ -18,7 +18,12 @@ import dataclasses
 
 from lctrain.config import LctrainConfig, derive
 from lctrain.config.cp_algorithms import Transfer, cp_algorithm, halo_transfers
-from lctrain.config.derived import data_parallel_engine_of, reduces_each_micro_step
+from lctrain.config.derived import (
+    data_parallel_engine_of,
+    load_balance_of,
+    reduces_each_micro_step,
+)
+from lctrain.layout.halo import unit_halo
 from lctrain.layout.stages import split_layers, stages_of
 from lctrain.planning.documents import travelling_share
 from lctrain.planning.memory import (
@@ -185,16 +190,33 @@ def _tp_step_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int) -> float:
     return d.grad_accum * (compute_bytes(cfg) * compute + 4 * fp32)
 
 
-def cp_transfers(cfg: LctrainConfig, world_size: int) -> tuple[Transfer, ...]:
+def cp_transfers(cfg: LctrainConfig, world_size: int,
+                 window: int | None = None) -> tuple[Transfer, ...]:
     """The collectives of one attention layer and sequence of this layout's algorithm at its
     widths per TP rank (KV replication included), the K/V blocks at the corpus's travelling
-    share (plan.documents, §24); () when cp = 1."""
+    share (plan.documents, §24); for a window layer (`window` < S) rank 0's halo exchange
+    (§25; with load_balance=documents, one document's: packed documents send less); () when
+    cp = 1."""
     d, m, p, t = derive(cfg, world_size), cfg.model, cfg.parallel, cfg.train
     if p.cp == 1:
         return ()
     dq, dkv = m.q_dim // p.tp, m.kv_dim // p.tp * d.kv_replication
+    if window is not None and window < t.seq_len:
+        halo = unit_halo(t.seq_len, p.cp, window, load_balance_of(cfg), d.cp_ulysses)
+        return layer_transfers(p.attention, t.seq_len, dq, dkv, p.cp, p.ulysses_degree,
+                               halo=halo)
     return layer_transfers(p.attention, t.seq_len, dq, dkv, p.cp, p.ulysses_degree,
                            travelling_share(cfg))
+
+
+def layer_windows(cfg: LctrainConfig, layers) -> dict[int | None, int]:
+    """{window (None: full attention): how many of `layers` (global ids) have it}."""
+    out: dict[int | None, int] = {}
+    for i in layers:
+        w = cfg.model.layer_window(i)
+        key = w if w is not None and w < cfg.train.seq_len else None
+        out[key] = out.get(key, 0) + 1
+    return out
 
 
 RECOMPUTED = "_recompute"
@@ -204,10 +226,11 @@ RECOMPUTED = "_recompute"
 def cp_step_groups(cfg: LctrainConfig, world_size: int) -> dict[str, str]:
     """The topology group that carries each key of `cp_step_bytes`."""
     out = {}
-    for x in cp_transfers(cfg, world_size):
-        out[x.key] = x.group
-        if x.direction == "fwd":
-            out[x.collective + RECOMPUTED] = x.group
+    for window in layer_windows(cfg, range(cfg.model.n_layers)):
+        for x in cp_transfers(cfg, world_size, window):
+            out[x.key] = x.group
+            if x.direction == "fwd":
+                out[x.collective + RECOMPUTED] = x.group
     return out
 
 
@@ -221,16 +244,17 @@ def cp_step_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict
     when checkpointing recomputes the attention (selective at cp > 1, full). Times the rank's
     layers and the step's micro-batches. {} when cp = 1."""
     d, t = derive(cfg, world_size), cfg.train
-    transfers = cp_transfers(cfg, world_size)
-    if not transfers:
+    if cfg.parallel.cp == 1:
         return {}
     a = compute_bytes(cfg)
-    parts: dict[str, float] = {}
-    for x in transfers:
-        parts[x.key] = parts.get(x.key, 0.0) + (4 if x.float32 else a) * (t.micro_batch
-                                                                          * x.elements)
-    if t.activation_checkpointing != "none":
-        parts |= {x.collective + RECOMPUTED: parts[x.key] for x in transfers
-                  if x.direction == "fwd"}
-    times = sum(len(split_layers(cfg)[s]) for s in stages_of(cfg, pp_rank))
-    return {k: v * times * d.grad_accum for k, v in parts.items()}
+    layers = [i for s in stages_of(cfg, pp_rank) for i in split_layers(cfg)[s]]
+    out: dict[str, float] = {}
+    for window, count in layer_windows(cfg, layers).items():
+        for x in cp_transfers(cfg, world_size, window):
+            nbytes = (4 if x.float32 else a) * t.micro_batch * x.elements * count * d.grad_accum
+            keys = [x.key]
+            if t.activation_checkpointing != "none" and x.direction == "fwd":
+                keys.append(x.collective + RECOMPUTED)
+            for key in keys:
+                out[key] = out.get(key, 0.0) + nbytes
+    return out
