@@ -1,7 +1,6 @@
 """Mistral (config.json model_type mistral): Llama's blocks exactly; what differs is the
-sliding attention window of config.json. A window that is null or at least the training
-sequence is full attention, which is all lctrain computes; a shorter one is refused by
-validation (`model.sliding_window`) until sliding-window attention exists.
+sliding attention window of config.json (v0.1: 4096 on every layer; v0.3: none), which every
+layer applies (`model.sliding_window`; one at least the training sequence is full attention).
 """
 
 from __future__ import annotations
