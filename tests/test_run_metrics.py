@@ -23,8 +23,10 @@ from lctrain.training.metrics import PeakMemory, measure_matmul_tflops
 from tests.helpers import on_ranks, run_cli, tiny_config
 
 
-def _dense_causal(q, k, v, doc_ids=None):
-    """Causal attention as plain matmuls over every key (masked ones included): [B, S, H, d]."""
+def _dense_causal(q, k, v, doc_ids=None, window=None):
+    """Causal attention as plain matmuls over every key (masked ones included): [B, S, H, d]
+    (a model without window layers: `window` is None)."""
+    assert window is None
     rep = q.shape[2] // k.shape[2]
     q, k, v = (x.transpose(1, 2) for x in (q, k.repeat_interleave(rep, 2),
                                             v.repeat_interleave(rep, 2)))
