@@ -110,7 +110,7 @@ def check_case(case: dict, cache: dict) -> None:
     assert torch.equal(torch.isfinite(lse), finite), f"lse -inf rows differ {case}"
     torch.testing.assert_close(lse.double()[finite], ref_core[finite], **tol, msg=f"lse {case}")
     if window is not None and window < S:
-        assert_halo(case, g, u, attn, docs, fwd, bwd)
+        assert_halo(case, g, u, docs, fwd, bwd)
         return
     share = 1.0
     if docs is not None and u < g.cp_size:  # the ring's (all-gather's) key blocks: its units
@@ -144,11 +144,12 @@ def unit_tokens(S: int, cp: int, lb: str, u: int, docs, B: int) -> list[list[lis
     return out
 
 
-def assert_halo(case: dict, g, u: int, attn, docs, fwd, bwd) -> None:
+def assert_halo(case: dict, g, u: int, docs, fwd, bwd) -> None:
     """A window layer sends, to each other unit, the tokens that unit's queries see (counted
     token by token: same document, 0 <= query - key < W; the most of any row), K and V forward,
-    and the dK and dV of what it received back in float32, and nothing to a unit out of reach; the count equals
-    `lctrain.layout.halo.halo_tokens` and the traffic `attention_traffic(..., halo=)`."""
+    and the dK and dV of what it received back in float32, and nothing to a unit out of reach;
+    the count equals `lctrain.layout.halo.halo_tokens`, the traffic `attention_traffic(...,
+    halo=)`."""
     algo, S, B, W = case["algorithm"], case["S"], case["B"], case["window"]
     held = unit_tokens(S, g.cp_size, case["lb"], u, docs, B)
     me = g.cp_rank // u

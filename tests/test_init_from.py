@@ -145,7 +145,8 @@ def test_hf_overrides_are_applied_reported_and_exported(hf_dirs, tmp_path):
 
 @pytest.mark.parametrize("change,message", [
     ({"attention_bias": True}, "attention_bias=true"), ({"mlp_bias": True}, "mlp_bias=true"),
-    ({"hidden_act": "gelu"}, "the MLP activation 'gelu'"), ({"sliding_window": 4096}, "sliding_window"),
+    ({"hidden_act": "gelu"}, "the MLP activation 'gelu'"),
+    ({"sliding_window": 4096}, "sliding_window"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
      "rope_type='dynamic'"),
     ({"model_type": "gemma2"}, "model_type='gemma2'"),

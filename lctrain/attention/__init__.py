@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lctrain.attention.algorithms import CP_ATTENTION, CPGroups, register, registered
 from lctrain.attention.allgather import ALLGATHER
-from lctrain.attention.calls import Block
+from lctrain.attention.calls import Block, effective_window
 from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions
 from lctrain.attention.local import local_attention
 from lctrain.attention.ring import RING
@@ -125,7 +125,7 @@ class ContextParallelAttention:
         qb, kbs = self.blocks(doc_ids)
         kw = {"causal": self.causal, "scale": 1.0 / math.sqrt(q.shape[-1]),
               "options": self.options,
-              "window": window if window is not None and window < self.seq_len else None}
+              "window": effective_window(window, self.seq_len)}
         with traffic_tag(self.algorithm):
             if g.cp_size == 1:
                 return local_attention(q, k, v, qb, qb, **kw)

@@ -10,8 +10,9 @@ blocks of tokens it attends to and the function that runs it, under one contract
 q [B, S/cp, H, d] and k/v [B, S/cp, H_kv, d] are this rank's shards; `query` and `keys` are the
 `Block`s its `blocks` rule chose; `window` is a sliding window of that many keys (causal; None
 for a full layer), which an algorithm honours in compute and communication (halo.py). Each
-algorithm's module (ring.py, ulysses.py, usp.py, allgather.py) defines its entry; `lctrain.attention` registers them. docs/extending.md is the
-checklist for a new one; `registered` adds one for the length of a block (tests).
+algorithm's module (ring.py, ulysses.py, usp.py, allgather.py) defines its entry;
+`lctrain.attention` registers them. docs/extending.md is the checklist for a new one;
+`registered` adds one for the length of a block (tests).
 """
 
 from __future__ import annotations

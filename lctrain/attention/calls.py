@@ -17,8 +17,8 @@ so no call ever needs an explicit mask, and rows that see no key get no call (th
 transformers' rule; causal only) clips each rectangle to what the window leaves visible: the
 diagonal becomes a band, a rectangle of earlier keys loses the keys and queries too far apart,
 and what is left partly visible is a `band` call, the window flash attention's kernels take
-(docs/parallelism.md §25). A block caches its plan per partner: the ring's steps, the backward and activation
-recompute reuse it, and a new plan is made once per micro-batch of documents.
+(docs/parallelism.md §25). A block caches its plan per partner: the ring's steps, the backward
+and activation recompute reuse it, and a new plan is made once per micro-batch of documents.
 `varlen_groups` packs the calls of a documents plan into a few variable-length batches (per
 kind, in waves where no query row repeats) for flash-attn's varlen kernels: (b, position)
 indices and int32 cu_seqlens.
@@ -250,6 +250,12 @@ def _document_calls(qb: Block, kb: Block, b: int, q_run: Run, k_run: Run, causal
                     yield KernelCall(row, qr.rows, kr.rows, kind, band)
 
 
+def effective_window(window: int | None, seq_len: int) -> int | None:
+    """The window a layer applies over `seq_len` tokens: None (full causal attention) when it
+    has none or when it covers the whole sequence."""
+    return window if window is not None and window < seq_len else None
+
+
 def band_rows(n: int, m: int, band: tuple[int, int]) -> tuple[Tensor, Tensor]:
     """(first, last) visible key of each of the n query rows of a band call over m keys
     ([n] each; first > last: none)."""
@@ -299,8 +305,7 @@ def _pack(calls: list[KernelCall], sq: int, sk: int) -> list[VarlenGroup]:
     """The calls of a documents plan (one row each) as varlen groups: per kind (and band), as
     many as it takes for no query row to repeat inside one."""
     groups = []
-    kinds = sorted({(c.kind, c.band) for c in calls}, key=lambda x: (x[0], x[1] or (0, 0)))
-    for kind, band in kinds:
+    for kind, band in dict.fromkeys((c.kind, c.band) for c in calls):  # in order of appearance
         for wave in _waves([c for c in calls if (c.kind, c.band) == (kind, band)]):
             q_idx = [torch.arange(c.q.start, c.q.stop) + c.rows.start * sq for c in wave]
             k_idx = [torch.arange(c.k.start, c.k.stop) + c.rows.start * sk for c in wave]

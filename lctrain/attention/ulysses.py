@@ -85,7 +85,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, group: dist.Pr
                       options: KernelOptions = DEFAULT_KERNEL,
                       window: int | None = None) -> tuple[Tensor, Tensor]:
     """q [B, S/P, H, d], k/v [B, S/P, H_kv, d] local; qb: positions of the whole Ulysses group's
-    tokens in group-rank order. A window layer applies its window in the local kernel. Returns (out [B, S/P, H, d], lse [B, H/P, S] of the core).
+    tokens in group-rank order; a window layer's window applies in the local kernel. Returns
+    (out [B, S/P, H, d], lse [B, H/P, S] of the core).
     The caller checks the heads first (`check_heads`, before any collective)."""
     k, v = replicate_kv(k, v, kv_replication)
     # the group's tokens arrive in rank order; in position order a zigzag split is one run, so

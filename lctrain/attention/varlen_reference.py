@@ -4,9 +4,9 @@ the varlen path (packing, index maps, lse handling) runs and is tested on the CP
 Sequences are packed along dim 0: q [total_q, H, d], k/v [total_k, H_kv, d], sequence i covering
 rows cu_q[i]:cu_q[i+1] and cu_k[i]:cu_k[i+1]. Causal masks align to the bottom-right corner
 (query j of n sees keys up to j + (m - n) of m), as in flash-attn >= 2.1, and so do windows
-(left, right): query j sees keys j + m - n - left to j + m - n + right, -1 unbounded. lse is [H, total_q]
-float32 and +inf for a row that sees no key, with output 0. The backward takes the final
-(merged) out and lse, as flash-attn's does.
+(left, right): query j sees keys j + m - n - left to j + m - n + right, -1 unbounded. lse is
+[H, total_q] float32 and +inf for a row that sees no key, with output 0. The backward takes the
+final (merged) out and lse, as flash-attn's does.
 """
 
 from __future__ import annotations

@@ -68,9 +68,9 @@ for _family in (
     ModelFamily("qwen2", "Qwen2ForCausalLM", qkv_bias=True, sliding_window=True),
     ModelFamily("qwen3", "Qwen3ForCausalLM", qk_norm=True, sliding_window=True),
     ModelFamily("mistral", "MistralForCausalLM", sliding_window=True),
-    ModelFamily("gemma3_text", "Gemma3ForCausalLM", "Gemma3TextConfig", qk_norm=True, sliding_window=True,
-                sandwich_norms=True, norm_offset=True, mlp_activation="gelu_tanh",
-                embed_scale=True),
+    ModelFamily("gemma3_text", "Gemma3ForCausalLM", "Gemma3TextConfig", qk_norm=True,
+                sliding_window=True, sandwich_norms=True, norm_offset=True,
+                mlp_activation="gelu_tanh", embed_scale=True),
 ):
     MODEL_FAMILIES.add(_family)
 

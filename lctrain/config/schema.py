@@ -112,7 +112,7 @@ class ModelConfig:
         """full_attention | sliding_attention of block `layer` (see layer_types)."""
         if self.layer_types is not None:
             return self.layer_types[layer]
-        return "sliding_attention" if self.sliding_window is not None else "full_attention"
+        return SLIDING if self.sliding_window is not None else FULL
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of block `layer`; None for a full-attention layer."""

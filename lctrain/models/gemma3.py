@@ -28,15 +28,9 @@ def _hf_config(cfg: ModelConfig) -> dict:
             "attention_bias": False}
 
 
-def _tp_plan() -> dict:
-    """Qwen3's head norms; the sandwich norms under SP are block norms (lctrain.parallel.tensor
-    adds them with the others)."""
-    return QWEN3.tp_plan()
-
-
 GEMMA3 = FamilyCode("gemma3_text", attention=Qwen3Attention,
                     hf_names={**QWEN3.hf_names, "ffn_norm": "pre_feedforward_layernorm",
                               "attention_out_norm": "post_attention_layernorm",
                               "ffn_out_norm": "post_feedforward_layernorm"},
-                    tp_plan=_tp_plan, hf_config=_hf_config,
+                    tp_plan=QWEN3.tp_plan, hf_config=_hf_config,
                     block_norms=("attention_out_norm", "ffn_out_norm"))

@@ -135,10 +135,11 @@ def unsupported(hf: dict, path: str) -> list[str]:
                         "biases (the qwen2 family has Q/K/V biases)")
     if hf.get("mlp_bias"):
         problems.append(f"{where} sets mlp_bias=true; lctrain's MLPs have no biases")
-    act = hf.get("hidden_activation") or hf.get("hidden_act") or "silu"
-    if act not in _ACTIVATIONS[family.mlp_activation]:
+    act, names = (hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
+                  _ACTIVATIONS[family.mlp_activation])
+    if act not in names:
         problems.append(f"{where} sets the MLP activation {act!r}; lctrain's {kind} uses "
-                        f"{family.mlp_activation} ({', '.join(_ACTIVATIONS[family.mlp_activation])})")
+                        f"{family.mlp_activation} ({', '.join(names)})")
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if hf.get(key) is not None:
             problems.append(f"{where} sets {key}={hf[key]}; lctrain computes no logit "
@@ -157,7 +158,7 @@ def unsupported(hf: dict, path: str) -> list[str]:
     if rope["rope_type"] not in choices_of(ModelConfig, "rope_type"):
         problems.append(f"{where} uses rope_type={rope['rope_type']!r}; lctrain implements "
                         f"{', '.join(choices_of(ModelConfig, 'rope_type'))}")
-    extra = set(rope) - set(_ROPE) - {"type", SLIDING}
+    extra = set(rope) - set(_ROPE) - {"type"}
     if extra:
         problems.append(f"{where} sets RoPE parameters lctrain does not implement: "
                         f"{', '.join(sorted(extra))}")

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lctrain.attention.calls import Block
+from lctrain.attention.calls import Block, effective_window
 from lctrain.attention.local import local_attention
 from lctrain.config import ModelConfig
 from lctrain.config.model_families import model_family
@@ -60,7 +60,7 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = Non
     sequence, the position-aware kernels of lctrain.attention (they skip what the document
     mask and the window hide).
     """
-    window = window if window is not None and window < q.shape[1] else None
+    window = effective_window(window, q.shape[1])
     if doc_ids is not None or window is not None:
         block = Block(torch.arange(q.shape[1]), doc_ids)
         return local_attention(q, k, v, block, block, causal=True, scale=q.shape[-1] ** -0.5,
