@@ -80,7 +80,10 @@ def check_case(case: dict, cache: dict) -> None:
     full = Block(torch.arange(S), docs)
     scale = hd ** -0.5
     window = case.get("window")
-    ref_out, ref_lse = reference_attention(*ref_in, full, full, causal, scale, window=window)
+    sink = torch.randn(H, generator=gen, dtype=torch.float64) if case.get("sink") else None
+    ref_sink = None if sink is None else sink.to(dtype).double().requires_grad_()
+    ref_out, ref_lse = reference_attention(*ref_in, full, full, causal, scale, window=window,
+                                           sink=ref_sink)
     ref_out.backward(dout.to(dtype).double())
 
     u = cp_algorithm(algo).degree(g.cp_size, uly)
@@ -89,16 +92,21 @@ def check_case(case: dict, cache: dict) -> None:
         return sequence.split(x, dim, g.cp_rank, g.cp_size, lb, doc_ids=docs, ulysses=u)
 
     ins = [local(x.to(dtype)).requires_grad_() for x in (q, k, v)]
+    my_sink = None if sink is None else sink.to(dtype).requires_grad_()
     attn = ContextParallelAttention(algo, g, S, lb, causal=causal, kv_replication=rep,
                                     options=KernelOptions(backend=case.get("backend", "auto")))
     with record_traffic() as fwd:
-        out, lse = attn.attention(*ins, docs, window)
+        out, lse = attn.attention(*ins, docs, window, my_sink)
     with record_traffic() as bwd:
         out.backward(local(dout.to(dtype)))
     tol = TOL[dtype]
     torch.testing.assert_close(out.double(), local(ref_out.detach()), **tol, msg=f"out {case}")
     for name, x, r in zip("qkv", ins, ref_in):
         torch.testing.assert_close(x.grad.double(), local(r.grad), **tol, msg=f"d{name} {case}")
+    if sink is not None:  # each rank's share of the sinks' gradient (its queries, its heads)
+        total = my_sink.grad.double()
+        dist.all_reduce(total, group=g.cp)
+        torch.testing.assert_close(total, ref_sink.grad, **tol, msg=f"dsink {case}")
     # lse in the algorithm's core layout: Ulysses cores hold H/u heads of their group's tokens
     if u == 1:
         ref_core = local(ref_lse.detach(), dim=2)
@@ -280,7 +288,7 @@ def cases_for(world: int) -> list[dict]:
         out.append(dict(algorithm=algo, ring=ring, ulysses=uly, B=2, S=S, H=2 * world,
                         Hkv=world, hd=8, rep=1, dtype=torch.float32, lb="documents",
                         causal=True, docs=[[S // 8] * 8, [S // 8] * 8], silent=True))
-        out += window_cases(algo, ring, uly, world)
+        out += window_cases(algo, ring, uly, world) + sink_cases(algo, ring, uly, world)
     return out
 
 
@@ -302,6 +310,18 @@ def window_cases(algo: str, ring: int, uly: int, world: int) -> list[dict]:
     S = 28 * world
     out.append(dict(base, S=S, lb="documents", window=9, docs=packed_rows(S, world)))
     return out
+
+
+def sink_cases(algo: str, ring: int, uly: int, world: int) -> list[dict]:
+    """Attention sinks (a logit per head in every softmax denominator): without documents,
+    with packed documents split per row, and with a window through the varlen path."""
+    S = 12 * world
+    base = dict(algorithm=algo, ring=ring, ulysses=uly, B=2, S=S, H=2 * world, Hkv=world,
+                hd=8, rep=1, dtype=torch.float32, causal=True, sink=True)
+    return [dict(base, lb="zigzag", docs=None),
+            dict(base, lb="zigzag", docs=[5, 4 * world + 3, 8 * world - 8], window=7,
+                 backend="reference"),
+            dict(base, S=28 * world, lb="documents", docs=packed_rows(28 * world, world))]
 
 
 @pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.slow)])

@@ -51,15 +51,15 @@ class _GatherTokens(torch.autograd.Function):
 
 def attend(q: Tensor, k: Tensor, v: Tensor, query: Block, keys: list[Block], groups: CPGroups,
            *, causal: bool, scale: float, kv_replication: int = 1,
-           options: KernelOptions = DEFAULT_KERNEL,
-           window: int | None = None) -> tuple[Tensor, Tensor]:
+           options: KernelOptions = DEFAULT_KERNEL, window: int | None = None,
+           sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The registry's contract: gather K and V over the cp group, attend locally (the local
     kernel's autograd gives dK/dV of every token; the gather's backward sends them home). A
     window layer's window is applied in the local kernel (its K/V are still gathered whole)."""
     tag = current_tag()
     k_all, v_all = (_GatherTokens.apply(x, groups.cp, tag) for x in (k, v))
     return local_attention(q, k_all, v_all, query, keys[0], causal=causal, scale=scale,
-                           options=options, window=window)
+                           options=options, window=window, sink=sink)
 
 
 def transfers(L: float, d: float, d_kv: float, P: int, u: int) -> tuple[Transfer, ...]:

@@ -104,10 +104,13 @@ class ContextParallelAttention:
         return self._doc_blocks
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None,
-                  window: int | None = None) -> tuple[Tensor, Tensor]:
+                  window: int | None = None,
+                  sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """(out, lse); lse is in the layout of the algorithm's core (see each algorithm). Shapes
         and heads are checked here, once, before any collective. `window`: a sliding window of
-        that many keys (a window layer; one at least the sequence is full attention)."""
+        that many keys (a window layer; one at least the sequence is full attention); `sink`:
+        attention sinks, a logit per query head [H] that every query's softmax denominator
+        adds (None: none; docs/parallelism.md §26)."""
         g, local = self.groups, self.seq_len // self.groups.cp_size
         if q.shape[1] != local or k.shape[1] != local:
             raise ValueError(f"{self.algorithm} attention expects local sequence {local} "
@@ -122,10 +125,13 @@ class ContextParallelAttention:
             raise ValueError(f"a sliding window holds at least 1 key; got {window}")
         if window is not None and not self.causal:
             raise ValueError("a sliding window is causal: it needs causal attention")
+        if sink is not None and tuple(sink.shape) != (q.shape[2],):
+            raise ValueError(f"attention sinks hold one logit per query head ({q.shape[2]}); "
+                             f"got {tuple(sink.shape)}")
         qb, kbs = self.blocks(doc_ids)
         kw = {"causal": self.causal, "scale": 1.0 / math.sqrt(q.shape[-1]),
               "options": self.options,
-              "window": effective_window(window, self.seq_len)}
+              "window": effective_window(window, self.seq_len), "sink": sink}
         with traffic_tag(self.algorithm):
             if g.cp_size == 1:
                 return local_attention(q, k, v, qb, qb, **kw)
@@ -133,5 +139,5 @@ class ContextParallelAttention:
                                     **kw)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None,
-                 window: int | None = None) -> Tensor:
-        return self.attention(q, k, v, doc_ids, window)[0]
+                 window: int | None = None, sink: Tensor | None = None) -> Tensor:
+        return self.attention(q, k, v, doc_ids, window, sink)[0]

@@ -4,12 +4,14 @@
 degree, traffic, memory, timing); this registry holds what only the attention layer needs: the
 blocks of tokens it attends to and the function that runs it, under one contract
 
-    attend(q, k, v, query, keys, groups, *, causal, scale, kv_replication, options, window)
-        -> (out, lse)
+    attend(q, k, v, query, keys, groups, *, causal, scale, kv_replication, options, window,
+           sink) -> (out, lse)
 
 q [B, S/cp, H, d] and k/v [B, S/cp, H_kv, d] are this rank's shards; `query` and `keys` are the
 `Block`s its `blocks` rule chose; `window` is a sliding window of that many keys (causal; None
-for a full layer), which an algorithm honours in compute and communication (halo.py). Each
+for a full layer), which an algorithm honours in compute and communication (halo.py); `sink`
+the attention sinks [H] (None: none), which it adds once to its merged result
+(kernels.add_sink, in the Function that saves what its backward needs). Each
 algorithm's module (ring.py, ulysses.py, usp.py, allgather.py) defines its entry;
 `lctrain.attention` registers them. docs/extending.md is the checklist for a new one;
 `registered` adds one for the length of a block (tests).

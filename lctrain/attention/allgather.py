@@ -19,7 +19,7 @@ from lctrain.attention.algorithms import CPAttention, CPGroups, rank_blocks
 from lctrain.attention.calls import Block
 from lctrain.attention.halo import halo_attention
 from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions, acc_dtype
-from lctrain.attention.local import block_backward, forward_and_save
+from lctrain.attention.local import block_backward, forward_and_save, sink_grad_of
 from lctrain.attention.travel import Travel, travel_plan
 from lctrain.layout.comm import all_gather, current_tag, reduce_scatter, traffic_tag
 
@@ -30,10 +30,10 @@ class _AllGatherAttention(torch.autograd.Function):
     input dtype only once summed."""
 
     @staticmethod
-    def forward(ctx, q, k, v, qb, kb, group, causal, scale, options):
+    def forward(ctx, q, k, v, sink, qb, kb, group, causal, scale, options):
         ctx.group, ctx.tag = group, current_tag()
         k_all, v_all = all_gather(k, group, dim=1), all_gather(v, group, dim=1)
-        return forward_and_save(ctx, q, k_all, v_all, qb, kb, causal, scale, options)
+        return forward_and_save(ctx, q, k_all, v_all, qb, kb, causal, scale, options, sink=sink)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
@@ -43,8 +43,8 @@ class _AllGatherAttention(torch.autograd.Function):
         with traffic_tag(ctx.tag):
             dk, dv = (reduce_scatter(g.to(acc_dtype(g)).contiguous(), ctx.group, dim=1)
                       for g in (dk, dv))
-        return (dq.to(q.dtype), dk.to(k_all.dtype), dv.to(v_all.dtype), None, None, None, None,
-                None, None)
+        return (dq.to(q.dtype), dk.to(k_all.dtype), dv.to(v_all.dtype),
+                sink_grad_of(ctx, dout.contiguous()), None, None, None, None, None, None)
 
 
 class _SharedKVAttention(torch.autograd.Function):
@@ -53,16 +53,17 @@ class _SharedKVAttention(torch.autograd.Function):
     gradients (float32) to their owners, who add them to their own tokens'."""
 
     @staticmethod
-    def forward(ctx, q, k, v, qb, blocks, group, causal, scale, options):
+    def forward(ctx, q, k, v, sink, qb, blocks, group, causal, scale, options):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         travel = travel_plan(blocks, causal)
         ctx.group, ctx.tag, ctx.travel, ctx.local = group, current_tag(), travel[rank], k.shape[1]
         if travel[0].size == 0:  # no document crosses ranks: nothing to gather
-            return forward_and_save(ctx, q, k, v, qb, blocks[rank], causal, scale, options)
+            return forward_and_save(ctx, q, k, v, qb, blocks[rank], causal, scale, options,
+                                    sink=sink)
         k_all, v_all = (torch.cat([x, *_others(all_gather(travel[rank].gather(x), group, dim=1),
                                                rank, size)], dim=1) for x in (k, v))
         return forward_and_save(ctx, q, k_all, v_all, qb, _joined(blocks, travel, rank), causal,
-                                scale, options)
+                                scale, options, sink=sink)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
@@ -81,8 +82,8 @@ class _SharedKVAttention(torch.autograd.Function):
                                                              dim=1))
             grads.append(mine)
         dk, dv = grads
-        return (dq.to(q.dtype), dk.to(k_all.dtype), dv.to(v_all.dtype), None, None, None, None,
-                None, None)
+        return (dq.to(q.dtype), dk.to(k_all.dtype), dv.to(v_all.dtype),
+                sink_grad_of(ctx, dout.contiguous()), None, None, None, None, None, None)
 
 
 def _others(gathered: Tensor, rank: int, size: int) -> list[Tensor]:
@@ -112,26 +113,27 @@ def _all_tokens(blocks: list[Block]) -> Block:
 
 def allgather_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, blocks: list[Block],
                         group: dist.ProcessGroup, *, causal: bool, scale: float,
-                        options: KernelOptions = DEFAULT_KERNEL) -> tuple[Tensor, Tensor]:
+                        options: KernelOptions = DEFAULT_KERNEL,
+                        sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """q/k/v local [B, S/P, *, d]; qb: local positions; blocks: every rank's tokens, in
     group-rank order (this rank's is qb's). Returns (out [B, S/P, H, d], lse [B, H, S/P])."""
     if qb.doc is not None:
-        return _SharedKVAttention.apply(q, k, v, qb, blocks, group, causal, scale, options)
-    return _AllGatherAttention.apply(q, k, v, qb, _all_tokens(blocks), group, causal, scale,
-                                     options)
+        return _SharedKVAttention.apply(q, k, v, sink, qb, blocks, group, causal, scale, options)
+    return _AllGatherAttention.apply(q, k, v, sink, qb, _all_tokens(blocks), group, causal,
+                                     scale, options)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, query: Block, keys: list[Block], groups: CPGroups,
            *, causal: bool, scale: float, kv_replication: int = 1,
-           options: KernelOptions = DEFAULT_KERNEL,
-           window: int | None = None) -> tuple[Tensor, Tensor]:
+           options: KernelOptions = DEFAULT_KERNEL, window: int | None = None,
+           sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The registry's contract (algorithms.py): the key blocks are every rank's tokens. A window
     layer exchanges halos instead of gathering (halo.py)."""
     if window is not None:
         return halo_attention(q, k, v, keys, groups.cp, scale=scale, window=window,
-                              options=options)
+                              options=options, sink=sink)
     return allgather_attention(q, k, v, query, keys, groups.cp, causal=causal, scale=scale,
-                               options=options)
+                               options=options, sink=sink)
 
 
 ALLGATHER = CPAttention("allgather", attend, rank_blocks)

@@ -31,6 +31,7 @@ from lctrain.attention.kernels import (
     attend_forward,
     new_accumulators,
 )
+from lctrain.attention.local import save_final, sink_grad_of
 from lctrain.attention.travel import Travel, padded_travel
 from lctrain.layout.comm import PeerExchange, current_tag, traffic_tag
 from lctrain.layout.halo import window_needed
@@ -83,7 +84,7 @@ def _exchange_shapes(travels: dict[int, Travel], like: Tensor) -> dict[int, list
 
 class _HaloAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, blocks, group, scale, window, options):
+    def forward(ctx, q, k, v, sink, blocks, group, scale, window, options):
         rank = dist.get_rank(group)
         halo, own = halo_plan(blocks, rank, window), blocks[rank]
         exchange = PeerExchange(group, tag=HALO_TAG)
@@ -95,16 +96,15 @@ class _HaloAttention(torch.autograd.Function):
         for j, (kj, vj) in sorted(arrived.items()):
             attend_forward(q, kj, vj, own, halo.recv[j].block, True, scale, out, lse, options,
                            window)
-        out = out.to(q.dtype)
-        peers = sorted(arrived)
-        ctx.save_for_backward(q, k, v, out, lse, *(x for j in peers for x in arrived[j]))
-        ctx.args, ctx.peers, ctx.tag = (blocks, group, scale, window, options), peers, current_tag()
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        ctx.received = [x for j in sorted(arrived) for x in arrived[j]]
+        ctx.args, ctx.peers = (blocks, group, scale, window, options), sorted(arrived)
+        ctx.tag = current_tag()
+        return save_final(ctx, q, k, v, out, lse, sink)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, *received = ctx.saved_tensors
+        q, k, v, out, lse = ctx.saved_tensors
+        received = ctx.received
         blocks, group, scale, window, options = ctx.args
         halo, own = halo_plan(blocks, dist.get_rank(group), window), blocks[dist.get_rank(group)]
         dout = dout.contiguous()
@@ -124,12 +124,14 @@ class _HaloAttention(torch.autograd.Function):
         for j, (gk, gv) in exchange.wait().items():
             halo.send[j].add_into(dk, gk)
             halo.send[j].add_into(dv, gv)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), sink_grad_of(ctx, dout), None,
+                None, None, None, None)
 
 
 def halo_attention(q: Tensor, k: Tensor, v: Tensor, blocks: list[Block],
                    group: dist.ProcessGroup, *, scale: float, window: int,
-                   options: KernelOptions) -> tuple[Tensor, Tensor]:
+                   options: KernelOptions, sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Causal sliding-window attention of this rank's tokens over the group: q [B, S, H, d],
-    k/v [B, S, H_kv, d] at positions blocks[group rank] -> (out [B, S, H, d], lse [B, H, S])."""
-    return _HaloAttention.apply(q, k, v, blocks, group, scale, window, options)
+    k/v [B, S, H_kv, d] at positions blocks[group rank] -> (out [B, S, H, d], lse [B, H, S]).
+    `sink`: attention sinks [H] (kernels.add_sink)."""
+    return _HaloAttention.apply(q, k, v, sink, blocks, group, scale, window, options)

@@ -79,6 +79,32 @@ def merge_into(out_acc: Tensor, lse_acc: Tensor, out: Tensor, lse: Tensor) -> No
     lse_acc.copy_(new)
 
 
+def add_sink(out: Tensor, lse: Tensor, sink: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The merged (out [B, S, H, d], lse [B, H, S]) with attention sinks: per head a logit
+    sink[h] joins every query's softmax denominator and carries no value, as one more key every
+    query sees with value zero, merged once like a block: out * exp(lse - lse'),
+    lse' = logaddexp(lse, sink) (docs/parallelism.md §26). Unchanged when sink is None. The
+    backward of q, k, v needs nothing else: given the final (out', lse') each key's
+    probability is already the sinked one."""
+    if sink is None:
+        return out, lse
+    new = torch.logaddexp(lse, sink.detach().to(lse.dtype)[None, :, None].expand_as(lse))
+    weight = torch.exp(lse - new).transpose(1, 2)[..., None]
+    return out * weight.to(out.dtype), new
+
+
+def sink_grad(dout: Tensor, out: Tensor, lse: Tensor, sink: Tensor | None) -> Tensor | None:
+    """d loss / d sink [H] from the final (out, lse) and the output's gradient: the sink's
+    probability exp(sink - lse) times -(dout . out) in each query row (the softmax gradient of
+    a key of value zero), summed over the batch and the positions; None without sinks."""
+    if sink is None:
+        return None
+    acc = lse.dtype
+    delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2)  # [B, H, S]
+    return -(torch.exp(sink.detach().to(acc)[None, :, None] - lse) * delta).sum((0, 2)).to(
+        sink.dtype)
+
+
 # ---- dense kernels: one call covers all rows of a (query slice, key slice) --------------------
 
 def _band_mask(q: Tensor, k: Tensor, band: tuple[int, int] | None) -> Tensor | None:

@@ -14,11 +14,13 @@ from lctrain.attention.kernels import (
     DEFAULT_KERNEL,
     KernelOptions,
     acc_dtype,
+    add_sink,
     attend_backward,
     attend_forward,
     attend_whole,
     attend_whole_backward,
     new_accumulators,
+    sink_grad,
 )
 
 
@@ -49,33 +51,52 @@ def block_backward(dout, q, k, v, out, lse, qb: Block, kb: Block, causal: bool, 
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def forward_and_save(ctx, q, k, v, qb: Block, kb: Block, causal: bool, scale: float,
-                     options: KernelOptions, window: int | None = None) -> tuple[Tensor, Tensor]:
-    """An autograd Function's forward of q attending to k, v: (out in q's dtype, lse), with
-    what `block_backward` needs saved on ctx (tensors) and ctx.args (the rest)."""
-    out, lse = block_forward(q, k, v, qb, kb, causal, scale, options, window)
+def save_final(ctx, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+               sink: Tensor | None) -> tuple[Tensor, Tensor]:
+    """An autograd Function's last forward step: the merged (out, lse) with the sinks added
+    (`add_sink`), out in q's dtype, saved with q, k, v for the backward (and the sinks, whose
+    gradient `sink_grad_of` gives)."""
+    out, lse = add_sink(out, lse, sink)
     out = out.to(q.dtype)
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (qb, kb, causal, scale, options, window)
+    ctx.sink = sink
     ctx.mark_non_differentiable(lse)
     return out, lse
 
 
+def sink_grad_of(ctx, dout: Tensor) -> Tensor | None:
+    """The sinks' gradient of a Function whose forward ended with `save_final`."""
+    return sink_grad(dout, *ctx.saved_tensors[3:5], ctx.sink)
+
+
+def forward_and_save(ctx, q, k, v, qb: Block, kb: Block, causal: bool, scale: float,
+                     options: KernelOptions, window: int | None = None,
+                     sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """An autograd Function's forward of q attending to k, v: (out in q's dtype, lse), with
+    what `block_backward` needs saved on ctx (tensors) and ctx.args (the rest)."""
+    out, lse = block_forward(q, k, v, qb, kb, causal, scale, options, window)
+    ctx.args = (qb, kb, causal, scale, options, window)
+    return save_final(ctx, q, k, v, out, lse, sink)
+
+
 class _LocalAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, qb, kb, causal, scale, options, window):
-        return forward_and_save(ctx, q, k, v, qb, kb, causal, scale, options, window)
+    def forward(ctx, q, k, v, sink, qb, kb, causal, scale, options, window):
+        return forward_and_save(ctx, q, k, v, qb, kb, causal, scale, options, window, sink)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = block_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        dout = dout.contiguous()
+        dq, dk, dv = block_backward(dout, q, k, v, out, lse, *ctx.args)
+        return dq, dk, dv, sink_grad_of(ctx, dout), None, None, None, None, None, None
 
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, *, causal: bool,
                     scale: float, options: KernelOptions = DEFAULT_KERNEL,
-                    window: int | None = None) -> tuple[Tensor, Tensor]:
+                    window: int | None = None,
+                    sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """q [B, Sq, H, d] at positions qb, k/v [B, Sk, H_kv, d] at kb -> (out [B, Sq, H, d], lse).
-    `window`: a sliding window of that many keys (None: the whole causal context)."""
-    return _LocalAttention.apply(q, k, v, qb, kb, causal, scale, options, window)
+    `window`: a sliding window of that many keys (None: the whole causal context); `sink`:
+    attention sinks, a logit per query head [H] (None: none)."""
+    return _LocalAttention.apply(q, k, v, sink, qb, kb, causal, scale, options, window)

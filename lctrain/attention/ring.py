@@ -29,6 +29,7 @@ from lctrain.attention.kernels import (
     attend_forward,
     new_accumulators,
 )
+from lctrain.attention.local import save_final, sink_grad_of
 from lctrain.attention.travel import Travel, travel_plan
 from lctrain.layout.comm import RingExchange, current_tag, traffic_tag
 
@@ -110,42 +111,42 @@ def ring_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, qb, blocks, group, causal, scale, options):
+    def forward(ctx, q, k, v, sink, qb, blocks, group, causal, scale, options):
         out, lse = ring_forward(q, k, v, qb, blocks, group, causal, scale, options)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
         ctx.args, ctx.tag = (qb, blocks, group, causal, scale, options), current_tag()
-        ctx.mark_non_differentiable(lse)
-        return out, lse
+        return save_final(ctx, q, k, v, out, lse, sink)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
+        dout = dout.contiguous()
         with traffic_tag(ctx.tag):
-            dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
+            dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), sink_grad_of(ctx, dout), None,
+                None, None, None, None, None)
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, blocks: list[Block],
                    group: dist.ProcessGroup, *, causal: bool, scale: float,
-                   options: KernelOptions = DEFAULT_KERNEL,
-                   window: int | None = None) -> tuple[Tensor, Tensor]:
+                   options: KernelOptions = DEFAULT_KERNEL, window: int | None = None,
+                   sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """q [B, Sq, H, d], k/v [B, Sk, H_kv, d] local -> (out [B, Sq, H, d], lse [B, H, Sq]).
-    A window layer exchanges halos instead (halo.py): no block goes round the ring."""
+    A window layer exchanges halos instead (halo.py): no block goes round the ring. `sink`:
+    attention sinks [H] (kernels.add_sink)."""
     if window is not None:
         return halo_attention(q, k, v, blocks, group, scale=scale, window=window,
-                              options=options)
-    return _RingAttention.apply(q, k, v, qb, blocks, group, causal, scale, options)
+                              options=options, sink=sink)
+    return _RingAttention.apply(q, k, v, sink, qb, blocks, group, causal, scale, options)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, query: Block, keys: list[Block], groups: CPGroups,
            *, causal: bool, scale: float, kv_replication: int = 1,
-           options: KernelOptions = DEFAULT_KERNEL,
-           window: int | None = None) -> tuple[Tensor, Tensor]:
+           options: KernelOptions = DEFAULT_KERNEL, window: int | None = None,
+           sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The registry's contract (algorithms.py): Ring over the cp ring (whole KV heads: no
     replication)."""
     return ring_attention(q, k, v, query, keys, groups.ring, causal=causal, scale=scale,
-                          options=options, window=window)
+                          options=options, window=window, sink=sink)
 
 
 RING = CPAttention("ring", attend, ring_group_blocks)

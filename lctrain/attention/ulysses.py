@@ -64,6 +64,14 @@ def in_block_order(ordered: Ordered, out: Tensor, lse: Tensor) -> tuple[Tensor, 
     return _Permute.apply(out, inverse, index), take(lse, inverse, 2)
 
 
+def head_shard(sink: Tensor | None, group: dist.ProcessGroup) -> Tensor | None:
+    """The attention sinks [H] of the heads this rank holds after `scatter_heads` (its group
+    rank's H/P, in order); autograd sends their gradient back into the whole tensor."""
+    if sink is None:
+        return None
+    return sink.chunk(dist.get_world_size(group))[dist.get_rank(group)]
+
+
 def replicate_kv(k: Tensor, v: Tensor, times: int) -> tuple[Tensor, Tensor]:
     if times == 1:
         return k, v
@@ -82,8 +90,8 @@ def check_heads(q: Tensor, k: Tensor, degree: int, kv_replication: int = 1) -> N
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, group: dist.ProcessGroup, *,
                       causal: bool, scale: float, kv_replication: int = 1,
-                      options: KernelOptions = DEFAULT_KERNEL,
-                      window: int | None = None) -> tuple[Tensor, Tensor]:
+                      options: KernelOptions = DEFAULT_KERNEL, window: int | None = None,
+                      sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """q [B, S/P, H, d], k/v [B, S/P, H_kv, d] local; qb: positions of the whole Ulysses group's
     tokens in group-rank order; a window layer's window applies in the local kernel. Returns
     (out [B, S/P, H, d], lse [B, H/P, S] of the core).
@@ -94,19 +102,21 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, group: dist.Pr
     ordered = qb.ordered
     q, k, v = in_position_order(ordered, *(scatter_heads(x, group) for x in (q, k, v)))
     out, lse = local_attention(q, k, v, ordered.block, ordered.block, causal=causal,
-                               scale=scale, options=options, window=window)
+                               scale=scale, options=options, window=window,
+                               sink=head_shard(sink, group))
     out, lse = in_block_order(ordered, out, lse)
     return gather_heads(out, group), lse
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, query: Block, keys: list[Block], groups: CPGroups,
            *, causal: bool, scale: float, kv_replication: int = 1,
-           options: KernelOptions = DEFAULT_KERNEL,
-           window: int | None = None) -> tuple[Tensor, Tensor]:
+           options: KernelOptions = DEFAULT_KERNEL, window: int | None = None,
+           sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The registry's contract (algorithms.py): Ulysses over the cp group's Ulysses axis, which
     is all of it (the query block is the whole group's tokens)."""
     return ulysses_attention(q, k, v, query, groups.ulysses, causal=causal, scale=scale,
-                             kv_replication=kv_replication, options=options, window=window)
+                             kv_replication=kv_replication, options=options, window=window,
+                             sink=sink)
 
 
 ULYSSES = CPAttention("ulysses", attend, ring_group_blocks)

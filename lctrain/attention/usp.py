@@ -17,6 +17,7 @@ from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions
 from lctrain.attention.ring import ring_attention
 from lctrain.attention.ulysses import (
     gather_heads,
+    head_shard,
     in_block_order,
     in_position_order,
     replicate_kv,
@@ -27,8 +28,8 @@ from lctrain.attention.ulysses import (
 def usp_attention(q: Tensor, k: Tensor, v: Tensor, blocks: list[Block],
                   ulysses_group: dist.ProcessGroup, ring_group: dist.ProcessGroup, *,
                   causal: bool, scale: float, kv_replication: int = 1,
-                  options: KernelOptions = DEFAULT_KERNEL,
-                  window: int | None = None) -> tuple[Tensor, Tensor]:
+                  options: KernelOptions = DEFAULT_KERNEL, window: int | None = None,
+                  sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """q [B, S/cp, H, d], k/v [B, S/cp, H_kv, d]; blocks[i]: token positions of ring group i
     (its Ulysses members' tokens in member order). Returns (out [B, S/cp, H, d],
     lse [B, H/u, S/ring] of the core). The caller checks the heads first (`check_heads`)."""
@@ -39,18 +40,19 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, blocks: list[Block],
     q, k, v = in_position_order(ordered, *(scatter_heads(x, ulysses_group) for x in (q, k, v)))
     out, lse = ring_attention(q, k, v, ordered.block, [b.ordered.block for b in blocks],
                               ring_group, causal=causal, scale=scale, options=options,
-                              window=window)
+                              window=window, sink=head_shard(sink, ulysses_group))
     out, lse = in_block_order(ordered, out, lse)
     return gather_heads(out, ulysses_group), lse
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, query: Block, keys: list[Block], groups: CPGroups,
            *, causal: bool, scale: float, kv_replication: int = 1,
-           options: KernelOptions = DEFAULT_KERNEL,
-           window: int | None = None) -> tuple[Tensor, Tensor]:
+           options: KernelOptions = DEFAULT_KERNEL, window: int | None = None,
+           sink: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The registry's contract (algorithms.py): the key blocks are the ring groups' tokens."""
     return usp_attention(q, k, v, keys, groups.ulysses, groups.ring, causal=causal, scale=scale,
-                         kv_replication=kv_replication, options=options, window=window)
+                         kv_replication=kv_replication, options=options, window=window,
+                         sink=sink)
 
 
 USP = CPAttention("usp", attend, ring_group_blocks)
