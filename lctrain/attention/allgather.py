@@ -18,8 +18,8 @@ from torch import Tensor
 from lctrain.attention.algorithms import CPAttention, CPGroups, rank_blocks
 from lctrain.attention.calls import Block
 from lctrain.attention.halo import halo_attention
-from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions, acc_dtype
-from lctrain.attention.local import block_backward, forward_and_save, sink_grad_of
+from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions, acc_dtype, sink_grad
+from lctrain.attention.local import block_backward, forward_and_save
 from lctrain.attention.travel import Travel, travel_plan
 from lctrain.layout.comm import all_gather, current_tag, reduce_scatter, traffic_tag
 
@@ -44,7 +44,7 @@ class _AllGatherAttention(torch.autograd.Function):
             dk, dv = (reduce_scatter(g.to(acc_dtype(g)).contiguous(), ctx.group, dim=1)
                       for g in (dk, dv))
         return (dq.to(q.dtype), dk.to(k_all.dtype), dv.to(v_all.dtype),
-                sink_grad_of(ctx, dout.contiguous()), None, None, None, None, None, None)
+                sink_grad(dout, out, lse, ctx.sink), None, None, None, None, None, None)
 
 
 class _SharedKVAttention(torch.autograd.Function):
@@ -83,7 +83,7 @@ class _SharedKVAttention(torch.autograd.Function):
             grads.append(mine)
         dk, dv = grads
         return (dq.to(q.dtype), dk.to(k_all.dtype), dv.to(v_all.dtype),
-                sink_grad_of(ctx, dout.contiguous()), None, None, None, None, None, None)
+                sink_grad(dout, out, lse, ctx.sink), None, None, None, None, None, None)
 
 
 def _others(gathered: Tensor, rank: int, size: int) -> list[Tensor]:

@@ -30,8 +30,9 @@ from lctrain.attention.kernels import (
     attend_backward,
     attend_forward,
     new_accumulators,
+    sink_grad,
 )
-from lctrain.attention.local import save_final, sink_grad_of
+from lctrain.attention.local import save_final
 from lctrain.attention.travel import Travel, padded_travel
 from lctrain.layout.comm import PeerExchange, current_tag, traffic_tag
 from lctrain.layout.halo import window_needed
@@ -124,8 +125,8 @@ class _HaloAttention(torch.autograd.Function):
         for j, (gk, gv) in exchange.wait().items():
             halo.send[j].add_into(dk, gk)
             halo.send[j].add_into(dv, gv)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), sink_grad_of(ctx, dout), None,
-                None, None, None, None)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                sink_grad(dout, out, lse, ctx.sink), None, None, None, None, None)
 
 
 def halo_attention(q: Tensor, k: Tensor, v: Tensor, blocks: list[Block],

@@ -54,19 +54,14 @@ def block_backward(dout, q, k, v, out, lse, qb: Block, kb: Block, causal: bool, 
 def save_final(ctx, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                sink: Tensor | None) -> tuple[Tensor, Tensor]:
     """An autograd Function's last forward step: the merged (out, lse) with the sinks added
-    (`add_sink`), out in q's dtype, saved with q, k, v for the backward (and the sinks, whose
-    gradient `sink_grad_of` gives)."""
+    (`add_sink`), out in q's dtype, saved with q, k, v for the backward (the sinks on ctx.sink:
+    their gradient is `sink_grad` of the saved out and lse)."""
     out, lse = add_sink(out, lse, sink)
     out = out.to(q.dtype)
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.sink = sink
     ctx.mark_non_differentiable(lse)
     return out, lse
-
-
-def sink_grad_of(ctx, dout: Tensor) -> Tensor | None:
-    """The sinks' gradient of a Function whose forward ended with `save_final`."""
-    return sink_grad(dout, *ctx.saved_tensors[3:5], ctx.sink)
 
 
 def forward_and_save(ctx, q, k, v, qb: Block, kb: Block, causal: bool, scale: float,
@@ -89,7 +84,7 @@ class _LocalAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dout = dout.contiguous()
         dq, dk, dv = block_backward(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, sink_grad_of(ctx, dout), None, None, None, None, None, None
+        return dq, dk, dv, sink_grad(dout, out, lse, ctx.sink), None, None, None, None, None, None
 
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, *, causal: bool,

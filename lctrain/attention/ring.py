@@ -28,8 +28,9 @@ from lctrain.attention.kernels import (
     attend_backward,
     attend_forward,
     new_accumulators,
+    sink_grad,
 )
-from lctrain.attention.local import save_final, sink_grad_of
+from lctrain.attention.local import save_final
 from lctrain.attention.travel import Travel, travel_plan
 from lctrain.layout.comm import RingExchange, current_tag, traffic_tag
 
@@ -122,8 +123,8 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         with traffic_tag(ctx.tag):
             dq, dk, dv = ring_backward(dout, q, k, v, out, lse, *ctx.args)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), sink_grad_of(ctx, dout), None,
-                None, None, None, None, None)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                sink_grad(dout, out, lse, ctx.sink), None, None, None, None, None, None)
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, blocks: list[Block],
