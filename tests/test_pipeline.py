@@ -45,24 +45,30 @@ LAYOUTS = {  # name -> (world, parallel overrides, data overrides)
     "tp2_sp_cp2_ring_pp2": (8, {"pp": 2, "tp": 2, "sp": True, "cp": 2, "attention": "ring"}, {}),
     "cp4_usp_pp2": (8, {"pp": 2, "cp": 4, "attention": "usp", "ulysses_degree": 2}, {}),
     "pp2_tp2_dp2": (8, {"pp": 2, "tp": 2, "dp": 2}, {}),
+    "pp2_tied": (2, {"pp": 2}, {}),
+    "pp2_tp2_sp_tied": (4, {"pp": 2, "tp": 2, "sp": True}, {}),
 }
+TIED = {"pp2_tied", "pp2_tp2_sp_tied"}
+"""The layouts of a model whose output layer is tied to the embedding (first and last stage)."""
 SCHEDULES_OF = {"pp2_dp2_ddp": ("1f1b", "interleaved_1f1b"),
                 "pp2_cp2_ring_docs": ("gpipe", "1f1b"), "pp2_cp2_ulysses": ("interleaved_1f1b",),
                 "tp2_sp_cp2_ring_pp2": ("interleaved_1f1b",), "cp4_usp_pp2": ("1f1b",),
-                "pp2_tp2_dp2": ("gpipe",)}
+                "pp2_tp2_dp2": ("gpipe",), "pp2_tied": ("zbv",),
+                "pp2_tp2_sp_tied": ("1f1b",)}
 """The schedules of the layouts that do not run all of them: every schedule runs the layouts
 of one dimension besides pp (pp2, pp4, pp2 x tp2 + SP), where the zero-bubble ones are allowed;
 the data- and context-parallel layouts and those of three dimensions run one or two each,
-different ones (ranks time-sliced on 2 cores cost 1 to 5 s a case)."""
+different ones (ranks time-sliced on 2 cores cost 1 to 5 s a case). A tied embedding runs zbv
+(the first and last stage on one rank) and 1f1b with TP (on two ranks, vocab-sharded)."""
 
 
-def _config(par: dict, data: dict, schedule: str, dp: int):
+def _config(par: dict, data: dict, schedule: str, dp: int, tied: bool = False):
     p = par["pp"]
     virtual = SCHEDULES[schedule]
     # zbv needs a micro-batch per stage: 2 pp of them
     accum = 2 * p if schedule == "zbv" else p
     return tiny_config(
-        model={"n_layers": 8},
+        model={"n_layers": 8, "tie_embeddings": tied},
         train={"steps": 3, "global_batch": accum * dp, "micro_batch": 1},
         parallel={**par, "pp_schedule": schedule, "pp_virtual_stages": virtual},
         data=data)
@@ -76,7 +82,7 @@ def _cases(world: int):
         if w != world:
             continue
         for schedule in SCHEDULES_OF.get(name, SCHEDULES):
-            cfg = _config(par, data, schedule, par.get("dp", 1))
+            cfg = _config(par, data, schedule, par.get("dp", 1), tied=name in TIED)
             problems = validate(cfg, world)
             assert problems == [], (name, schedule, problems)
             yield f"{name}/{schedule}", cfg
@@ -98,7 +104,7 @@ def _reference_grads(cfg):
 def _reference_key(cfg) -> str:
     """What the one-process reference of a case (gradients, history) depends on."""
     return f"ref_layers{cfg.model.n_layers}_batch{cfg.train.global_batch}_" \
-           f"docs{cfg.data.document_masking}"
+           f"docs{cfg.data.document_masking}_tied{cfg.model.tie_embeddings}"
 
 
 def _one_step_gradient_error(cfg, ref: dict) -> float:
@@ -159,6 +165,30 @@ def test_stage_split_and_owners():
     assert [stage_rank(s, 2, 2, "zbv") for s in range(4)] == [0, 1, 1, 0]
     explicit = with_overrides(cfg, parallel={"pp_layers": [1, 3, 3, 1]})
     assert split_layers(explicit) == ((0,), (1, 2, 3), (4, 5, 6), (7,))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_the_plan_counts_a_tied_embeddings_copy_as_the_stages_hold_it(schedule):
+    """local_params per pipeline rank equals the elements of the stage models that rank holds
+    (built on the meta device, counted by tensor: a tied model's last stage holds the copy), and
+    AdamW's moments leave the copy out (docs/parallelism.md §27)."""
+    from lctrain.models.llama import sdpa_attention
+    from lctrain.parallel.pipeline import stage_model
+    from lctrain.planning.memory import local_params, state_parts, tied_copy_params
+
+    virtual = SCHEDULES[schedule]
+    for tied in (False, True):
+        cfg = tiny_config(model={"n_layers": 4, "tie_embeddings": tied},
+                          parallel={"pp": 2, "pp_schedule": schedule,
+                                    "pp_virtual_stages": virtual})
+        for r in range(2):
+            held = sum(p.numel() for s in rank_stages(r, 2, virtual, schedule)
+                       for p in stage_model(cfg, sdpa_attention, s).parameters())
+            assert sum(local_params(cfg, r)) == held, (tied, r)
+            holds_last = 2 * virtual - 1 in rank_stages(r, 2, virtual, schedule)
+            copy = tied_copy_params(cfg, r)
+            assert copy == (cfg.model.vocab_size * cfg.model.dim if tied and holds_last else 0)
+            assert state_parts(cfg, 2, r)["optimizer_state"] == 8 * (held - copy)
 
 
 def test_balanced_split_counts_the_output_layer():

@@ -87,8 +87,6 @@ BAD = {
                         "model": {"n_layers": 4}, "train": {"global_batch": 4}}, 4,
                        ["parallel.pp_schedule=zero_bubble with dp x cp = 2", "DDP reduces them",
                         "use parallel.pp_schedule=interleaved_1f1b"]),
-    "pp_tied": ({"parallel": {"pp": 2}, "model": {"tie_embeddings": True}}, 2,
-                ["model.tie_embeddings=true with parallel.pp=2", "set parallel.pp=1"]),
     "global_batch": ({"train": {"global_batch": 10, "micro_batch": 2}}, 2,
                      ["train.global_batch=10 is not divisible by train.micro_batch=2 x dp=2 = 4",
                       "try train.global_batch=12"]),

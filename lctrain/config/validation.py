@@ -291,11 +291,6 @@ def _pipeline(cfg: LctrainConfig) -> list[str]:
         problems.append(f"model.n_layers={m.n_layers} cannot fill {stages} stages (parallel.pp="
                         f"{p.pp} x pp_virtual_stages={v}) with a layer each; try parallel.pp="
                         f"{max(1, m.n_layers // v)} or fewer virtual stages")
-    if m.tie_embeddings:
-        problems.append(f"model.tie_embeddings=true with parallel.pp={p.pp}: the embedding (first "
-                        "stage) and the output layer (last stage) would share one weight across "
-                        "ranks, which lctrain does not synchronise; set parallel.pp=1 (use "
-                        "parallel.tp or parallel.cp to split the model instead)")
     return problems
 
 

@@ -130,7 +130,9 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
         if id(param) in seen:  # tied output layer: loaded through the embedding
             continue
         seen.add(id(param))
-        hf_name = to_hf_name(name, model.cfg.family)
+        # a tied output layer without its embedding (a pipeline's last stage) reads the embedding
+        tied_copy = name == "output.weight" and model.cfg.tie_embeddings
+        hf_name = to_hf_name("tok_embeddings.weight" if tied_copy else name, model.cfg.family)
         if hf_name not in where:
             raise ValueError(f"{path} has no tensor {hf_name} (for {name}); is it a checkpoint "
                              "of this family and shape?")

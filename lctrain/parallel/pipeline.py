@@ -9,6 +9,11 @@ DDP over the dp x cp group of its pipeline coordinate). Every rank of a pipeline
 micro-batches; the first stage takes the tokens, every stage takes the RoPE positions and the
 document ids as keywords, and the last stage takes the labels and returns the sum of its token
 losses, scaled for the backward exactly as without pipelining (docs/parallelism.md §10, §13).
+
+A tied output layer (model.tie_embeddings) lives on two stages: the first stage's embedding is
+the weight, and the last stage's output layer a copy of it that the optimizer never sees. After
+the backward the copy's gradient is added to the embedding's; after every update, and whenever
+weights are loaded, the copy is refreshed from the embedding (docs/parallelism.md §27).
 """
 
 from __future__ import annotations
@@ -76,11 +81,13 @@ class PipelinedModel(nn.Module):
         self.n_stages = stage_count(cfg)
         self.layers = nn.ModuleDict()
         self.tok_embeddings = self.norm = self.output = None
+        self.tied = cfg.model.tie_embeddings
+        roots = ("tok_embeddings", "norm") if self.tied else ("tok_embeddings", "norm", "output")
         for stage in sorted(parts):
             model = unwrap(parts[stage])
             for key, layer in model.layers.items():
                 self.layers[key] = layer
-            for name in ("tok_embeddings", "norm", "output"):
+            for name in roots:
                 if getattr(model, name) is not None:
                     setattr(self, name, getattr(model, name))
         self.parts = parts  # a plain dict: the stage modules are reached through the names above
@@ -101,10 +108,21 @@ class PipelinedModel(nn.Module):
             schedule, PipelineScheduleMulti) else schedule(self.stages[0], **kwargs))
         self._loss_scale = 1.0
         self._loss_sums: list[Tensor] = []
+        # every load_state_dict (resume, checkpoint.load, load_model_only) ends by refreshing
+        self.register_load_state_dict_post_hook(lambda module, _keys: module.refresh_copy())
+        self.refresh_copy()  # initialised or loaded as the embedding's, its values from there
 
     @property
     def has_last_stage(self) -> bool:
         return self.n_stages - 1 in self.parts
+
+    @property
+    def copy(self) -> Tensor | None:
+        """The last stage's copy of the tied embedding, on its ranks: not among this module's
+        parameters, so the optimizer, clipping and checkpoints see the embedding alone."""
+        if not (self.tied and self.has_last_stage):
+            return None
+        return unwrap(self.parts[self.n_stages - 1]).output.weight
 
     def _scaled_loss(self, loss_sum: Tensor, _target: Tensor) -> Tensor:
         """The schedule's loss function: the last stage already returns the loss sum."""
@@ -132,7 +150,56 @@ class PipelinedModel(nn.Module):
         # inputs to learn the shapes between stages
         for s in self._loss_sums[len(self._loss_sums) - len(mbs):]:
             total += s.float()
+        self._add_copy_grad()
         return total
+
+    @torch.no_grad()
+    def refresh_copy(self) -> None:
+        """The last stage's copy of a tied embedding <- the first stage's weight: after the model
+        is built or loaded and after every optimizer step. Collective over the ranks of the first
+        and the last stage (a no-op without a tied embedding)."""
+        if not self.tied:
+            return
+        own = self.tok_embeddings.weight if self.tok_embeddings is not None else None
+        arrived = self._between_ends(own, self.copy, to_last=True)
+        if arrived is not None:
+            _local(self.copy).copy_(arrived)
+
+    @torch.no_grad()
+    def _add_copy_grad(self) -> None:
+        """The embedding's gradient += the copy's (the tied weight's two uses, each reduced over
+        dp x cp by its own stage); the copy's gradient is dropped."""
+        if not self.tied:
+            return
+        mine = _laid_out_like(self.copy.grad, self.copy) if self.copy is not None else None
+        own = self.tok_embeddings.weight if self.tok_embeddings is not None else None
+        arrived = self._between_ends(mine, own, to_last=False)
+        if arrived is not None:
+            own.grad = _laid_out_like(own.grad, own)
+            _local(own.grad).add_(arrived)
+        if self.copy is not None:
+            self.copy.grad = None
+
+    def _between_ends(self, source: Tensor | None, target: Tensor | None,
+                      to_last: bool) -> Tensor | None:
+        """The local part of `source` (a weight or gradient of one end stage, laid out like its
+        parameter) as it arrives at the other end stage's rank, whose `target` parameter has the
+        same local shape (the embedding and the output layer shard the [V, D] weight alike);
+        None on every other rank."""
+        first, last = self._peer(0), self._peer(self.n_stages - 1)
+        sender, receiver = (first, last) if to_last else (last, first)
+        rank = self.rt.rank
+        if rank == sender:
+            local = _local(source)
+            if sender == receiver:  # zbv: the first and the last stage share a rank
+                return local
+            dist.send(local.contiguous(), receiver)
+        elif rank == receiver:
+            local = _local(target)
+            buffer = torch.empty(local.shape, dtype=local.dtype, device=local.device)
+            dist.recv(buffer, sender)
+            return buffer
+        return None
 
     @torch.no_grad()
     def forward(self, x: Tensor, positions: Tensor, doc_ids: Tensor | None = None,
@@ -204,6 +271,19 @@ class PipelinedModel(nn.Module):
         out = torch.empty(header[1:].tolist(), dtype=_DTYPES[int(header[0])], device=device)
         dist.recv(out, peer)
         return out
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _laid_out_like(t: Tensor, param: Tensor) -> Tensor:
+    """`t` (a weight or gradient of `param`) in `param`'s placements: without a data-parallel
+    engine, TP's vocab-parallel embedding returns its gradient replicated (lctrain.planning.memory
+    counts it whole), while the output layer's is row-sharded like the weight."""
+    if isinstance(t, DTensor) and t.placements != param.placements:
+        return t.redistribute(placements=param.placements)
+    return t
 
 
 def _owners(cfg: LctrainConfig) -> Callable[[str], int]:

@@ -44,7 +44,7 @@ def local_params(cfg: LctrainConfig, pp_rank: int = 0) -> tuple[int, int]:
     """(block parameters, root parameters) pipeline rank `pp_rank` holds before FSDP: TP shards
     the matmuls, the embedding and the output layer and replicates the norms; the rank holds
     the blocks of its stages, the embedding if it runs the first stage, the final norm and an
-    untied output layer if it runs the last."""
+    untied output layer, or a tied one's copy under pp > 1, if it runs the last."""
     m, p = cfg.model, cfg.parallel
     sharded, replicated = block_split(m)
     stages, mine = split_layers(cfg), stages_of(cfg, pp_rank)
@@ -52,8 +52,19 @@ def local_params(cfg: LctrainConfig, pp_rank: int = 0) -> tuple[int, int]:
     vocab = m.vocab_size * m.dim // p.tp
     root = vocab if 0 in mine else 0
     if len(stages) - 1 in mine:
-        root += m.dim + (0 if m.tie_embeddings else vocab)
+        root += m.dim + (0 if m.tie_embeddings and p.pp == 1 else vocab)
     return blocks, root
+
+
+def tied_copy_params(cfg: LctrainConfig, pp_rank: int = 0) -> int:
+    """Elements of the tied embedding's copy that pipeline rank `pp_rank` holds in its last
+    stage's output layer (docs/parallelism.md §27), before FSDP: counted by `local_params`,
+    without AdamW moments."""
+    m, p = cfg.model, cfg.parallel
+    last = len(split_layers(cfg)) - 1
+    if not m.tie_embeddings or p.pp == 1 or last not in stages_of(cfg, pp_rank):
+        return 0
+    return m.vocab_size * m.dim // p.tp
 
 
 def stage_params(cfg: LctrainConfig, stage: int) -> int:
@@ -86,17 +97,18 @@ def state_parts(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[s
     would reshard it)."""
     d, p, m = derive(cfg, world_size), cfg.parallel, cfg.model
     params, n = sum(local_params(cfg, pp_rank)), d.dp * p.cp
+    optimized = params - tied_copy_params(cfg, pp_rank)  # what AdamW keeps moments for
     engine = data_parallel_engine_of(cfg, world_size)
     moments = 0.0 if p.offload_state == "optimizer" else 1.0  # HostAdamW keeps them
     if engine == "fsdp":
         on_device = 0.0 if p.offload_state == "optimizer+params" else 1.0
         return {"weights": on_device * 4 * params / n, "gradients": on_device * 4 * params / n,
-                "optimizer_state": on_device * moments * 8 * params / n}
+                "optimizer_state": on_device * moments * 8 * optimized / n}
     if engine != "deepspeed":  # DDP, or one rank of dp x cp
         whole_embedding = (n == 1 and p.tp > 1 and 0 in stages_of(cfg, pp_rank))
         extra = 4 * m.vocab_size * m.dim * (p.tp - 1) // p.tp if whole_embedding else 0
         return {"weights": 4 * params, "gradients": 4 * params + extra,
-                "optimizer_state": moments * 8 * params}
+                "optimizer_state": moments * 8 * optimized}
     ds, a = cfg.deepspeed, compute_bytes(cfg)
     offload = ds.offload_optimizer == "cpu"
     weights = 0 if ds.offload_param == "cpu" else a * params / (n if ds.zero_stage == 3 else 1)
@@ -128,6 +140,7 @@ def host_state_parts(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> d
         if ds.offload_param == "cpu":
             out["weights"] = out.get("weights", 0.0) + compute_bytes(cfg) * params / n
         return out
+    params -= tied_copy_params(cfg, pp_rank)  # on the device: the optimizer never sees it
     local = params / n if engine == "fsdp" else params
     return {"weights": 4 * local, "gradients": 4 * local, "optimizer_state": 8 * local}
 

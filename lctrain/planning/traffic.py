@@ -24,7 +24,7 @@ from lctrain.config.derived import (
     reduces_each_micro_step,
 )
 from lctrain.layout.halo import unit_halo
-from lctrain.layout.stages import split_layers, stages_of
+from lctrain.layout.stages import rank_of, split_layers, stage_count, stages_of
 from lctrain.planning.documents import travelling_share
 from lctrain.planning.memory import (
     compute_bytes,
@@ -152,9 +152,23 @@ def host_copy_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> di
     return out
 
 
+def tied_exchange_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int) -> float:
+    """Bytes pipeline rank `pp_rank` sends per step for a tied embedding split over the first
+    and last stage (docs/parallelism.md §27): the copy's fp32 gradient shard from the last
+    stage's rank, the updated weight shard back from the first's, 4 V D / (tp n) each (n = dp x
+    cp under FSDP, 1 otherwise); 0 where both ends share the rank (zbv) or nothing is tied."""
+    m, p = cfg.model, cfg.parallel
+    first, last = rank_of(cfg, 0), rank_of(cfg, stage_count(cfg) - 1)
+    if not m.tie_embeddings or first == last or pp_rank not in (first, last):
+        return 0.0
+    d = derive(cfg, world_size)
+    n = d.dp * p.cp if data_parallel_engine_of(cfg, world_size) == "fsdp" else 1
+    return 4 * m.vocab_size * m.dim / (p.tp * n)
+
+
 def step_traffic_bytes(cfg: LctrainConfig, world_size: int) -> dict[str, float]:
     """Bytes one rank sends in one optimizer step, by group, from the formulas above: "tp"
-    (DTensor's collectives), "pp" (the pipeline's sends), "dp" (FSDP/DDP over dp x cp); only
+    (DTensor's collectives), "pp" (the pipeline's sends and a tied embedding's exchange), "dp" (FSDP/DDP over dp x cp); only
     groups of more than one rank, each the largest over the pipeline ranks. "dp" is left out
     under pipelining (FSDP then keeps weights gathered across micro-batches, which
     `dp_step_traffic` does not model) and with DeepSpeed (its traffic is not modelled)
@@ -165,7 +179,7 @@ def step_traffic_bytes(cfg: LctrainConfig, world_size: int) -> dict[str, float]:
         out["tp"] = max(_tp_step_bytes(cfg, world_size, r) for r in range(p.pp))
     if p.pp > 1:
         out["pp"] = max(pipeline_buffer_bytes(cfg, world_size, cfg.train.micro_batch, r)
-                        for r in range(p.pp))
+                        + tied_exchange_bytes(cfg, world_size, r) for r in range(p.pp))
     if d.dp * p.cp > 1 and p.pp == 1 and p.dp_engine != "deepspeed":
         out["dp"] = dp_step_bytes(p.dp_engine, *local_params(cfg), d.dp * p.cp, d.grad_accum,
                                   compute_bytes(cfg), reduce_each=reduces_each_micro_step(cfg))

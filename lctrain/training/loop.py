@@ -114,6 +114,8 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[Micro
     if finite:  # a non-finite update would destroy the weights: never apply it
         optimizer.step()
         scheduler.step()
+        if isinstance(model, PipelinedModel):  # the tied embedding's copy, if any
+            model.refresh_copy()
     optimizer.zero_grad(set_to_none=True)
     return _step_metrics(loss, lr, grad_norm.item(), tokens, finite)
 
