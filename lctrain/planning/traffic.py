@@ -168,8 +168,9 @@ def tied_exchange_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int) -> fl
 
 def step_traffic_bytes(cfg: LctrainConfig, world_size: int) -> dict[str, float]:
     """Bytes one rank sends in one optimizer step, by group, from the formulas above: "tp"
-    (DTensor's collectives), "pp" (the pipeline's sends and a tied embedding's exchange), "dp" (FSDP/DDP over dp x cp); only
-    groups of more than one rank, each the largest over the pipeline ranks. "dp" is left out
+    (DTensor's collectives), "pp" (the pipeline's sends and a tied embedding's exchange), "dp"
+    (FSDP/DDP over dp x cp); only groups of more than one rank, each the largest over the
+    pipeline ranks. "dp" is left out
     under pipelining (FSDP then keeps weights gathered across micro-batches, which
     `dp_step_traffic` does not model) and with DeepSpeed (its traffic is not modelled)
     (docs/parallelism.md §14)."""
