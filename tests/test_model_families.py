@@ -1,5 +1,5 @@
-"""Every model family (Llama, Qwen2/Qwen2.5, Qwen3, Mistral, Gemma 3) through the model registry,
-against transformers.
+"""Every model family (Llama, Qwen2/Qwen2.5, Qwen3, Mistral, Gemma 3, Qwen3-MoE, Mixtral) through
+the model registry, against transformers.
 
 Each family's random model is built here from transformers' own config class (not from lctrain's
 export), with every feature that differs from Llama switched on and away from its initial value
@@ -44,10 +44,11 @@ from lctrain.models.hf import (
     load_hf_weights,
 )
 from lctrain.models.registry import FAMILY_CODE, new_model
+from lctrain.parallel.data_parallel import unwrap
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
-from lctrain.planning.memory import param_count
-from lctrain.training.loop import _micro_steps, _token_weighted_loss
+from lctrain.planning.memory import active_param_count, param_count
+from lctrain.training.loop import Routing, _micro_steps, _token_weighted_loss
 from tests.helpers import on_ranks, run_cli, single_process, train_each
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,7 +78,19 @@ FAMILIES = {  # model_type -> transformers config of a random model with the fam
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
                                             "rope_theta": 50000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}}),
+    # 4 experts, 2 per token, a load-balancing loss that moves the gradients: Qwen3-MoE with a
+    # dense layer (mlp_only_layers), narrower experts and unnormalised top-k weights
+    "qwen3_moe": transformers.Qwen3MoeConfig(
+        **SHAPE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        mlp_only_layers=[1], norm_topk_prob=False, router_aux_loss_coef=0.05,
+        output_router_logits=True, rms_norm_eps=1e-6),
+    "mixtral": transformers.MixtralConfig(**SHAPE, head_dim=16, num_local_experts=4,
+                                          num_experts_per_tok=2, router_aux_loss_coef=0.05,
+                                          output_router_logits=True),
 }
+MOE = ("qwen3_moe", "mixtral")
+"""The families with experts: refused under TP and PP (not laid out there yet); they train on
+cp2 with DDP, tiling and full recomputation instead (MOE_LAYOUT)."""
 WINDOW_OF = {"qwen2": WINDOW, "mistral": WINDOW, "gemma3_text": WINDOW}
 """The families whose random model has window layers (shorter than a packed row's documents'
 longest, and than train.seq_len)."""
@@ -92,6 +105,13 @@ LAYOUTS = {  # the 4-rank layouts every family trains on
     "pp2_dp2": ["parallel.cp=1", "parallel.dp=2", "parallel.pp=2",
                 "data.document_masking=false"],
 }
+MOE_LAYOUT = {"cp2_ulysses_ddp_tiled": ["parallel.cp=2", "parallel.dp=2",
+                                       "parallel.attention=ulysses", "parallel.dp_engine=ddp",
+                                       "train.mlp_chunk=8", "train.activation_checkpointing=full",
+                                       "data.document_masking=true"]}
+EXPORTED_BY = {"cp2_tp2_sp_ulysses": [f for f in FAMILIES if f not in MOE],
+               "cp2_ring_zigzag_docs": list(MOE)}
+"""The layout whose run exports each family."""
 USP_LAYOUT = {"usp2x2_documents": ["parallel.cp=4", "parallel.dp=1", "parallel.attention=usp",
                                    "parallel.ulysses_degree=2", "data.document_masking=true"]}
 """USP 2x2 with the per-row documents split: the window layers' halo inside ring groups after
@@ -147,6 +167,10 @@ def test_config_json_decides_the_family_and_one_rank_gives_transformers_logits(h
         assert m.d_head == (32 if family == "qwen3" else 16)
         assert m.head_dim == (32 if family == "qwen3" else None)  # 16 = dim / heads: derived
         assert m.sliding_window == WINDOW_OF.get(family)
+        assert (m.n_experts, m.experts_per_token, m.expert_dim, m.moe_layers, m.norm_topk_prob,
+                m.router_aux_loss_coef) == {
+            "qwen3_moe": (4, 2, 48, [0], False, 0.05),
+            "mixtral": (4, 2, 96, None, True, 0.05)}.get(family, (0, 2, 96, None, True, 0.0))
         assert [m.layer_window(i) for i in range(2)] == {
             "qwen2": [None, WINDOW], "mistral": [WINDOW, WINDOW],
             "gemma3_text": [WINDOW, None]}.get(family, [None, None]), family
@@ -161,35 +185,82 @@ def test_config_json_decides_the_family_and_one_rank_gives_transformers_logits(h
             want.flatten(0, 1), tokens[:, 1:].flatten())), rel=1e-5)
 
 
-def _hf_step(hf: transformers.PreTrainedModel, cfg) -> tuple[float, dict[str, torch.Tensor]]:
+def _hf_step(hf: transformers.PreTrainedModel, cfg) -> tuple[float, dict, "_Routing"]:
     """transformers' token-mean loss and gradients over the step's global batch, in lctrain's
-    parameter names. Packed documents are run one document at a time, at the positions lctrain
-    gives them (each document from 0), which is what document masking computes."""
+    parameter names, and its routing. Packed documents are run one document at a time, at the
+    positions lctrain gives them (each document from 0), which is what document masking
+    computes; a mixture of experts adds each micro-batch's load-balancing loss (over its rows'
+    documents) at router_aux_loss_coef, averaged over the micro-batches."""
     single = single_process(cfg)
     accum = single.train.global_batch // single.train.micro_batch
     loader = build_loader(single, Topology(), 0, accum)
     micro_batches = loader.next_step()
     tokens = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in micro_batches)
     hf.zero_grad()
-    total = 0.0
+    total, routing = 0.0, _Routing()
     for mb in micro_batches:
-        rows = []
+        rows, router_logits = [], []
         for row in range(mb.inputs.shape[0]):
             ids = (mb.doc_ids[row] if mb.doc_ids is not None
                    else torch.zeros(mb.inputs.shape[1], dtype=torch.long))
             pieces = torch.unique_consecutive(ids, return_counts=True)[1].tolist()
             positions = mb.positions[row if mb.positions.shape[0] > 1 else 0]
             starts = [sum(pieces[:i]) for i in range(len(pieces))]
-            rows.append(torch.cat([hf(input_ids=mb.inputs[row:row + 1, a:a + n],
-                                      position_ids=positions[None, a:a + n]).logits[0]
-                                   for a, n in zip(starts, pieces)]))
+            outs = [hf(input_ids=mb.inputs[row:row + 1, a:a + n],
+                       position_ids=positions[None, a:a + n]) for a, n in zip(starts, pieces)]
+            rows.append(torch.cat([out.logits[0] for out in outs]))
+            router_logits += [out.router_logits for out in outs if "router_logits" in out]
         loss = F.cross_entropy(torch.stack(rows).flatten(0, 1), mb.labels.flatten(),
                                ignore_index=IGNORE_INDEX, reduction="sum") / tokens
-        loss.backward()
         total += loss.item()
-    grads = from_hf_state_dict({name: p.grad.clone() for name, p in hf.named_parameters()},
-                               tie_embeddings=False, family=hf.config.model_type)
-    return total, grads  # tied: one tensor, listed once under its embedding's name
+        if router_logits:  # the micro-batch's load-balancing loss, as transformers computes it
+            loss = loss + hf.config.router_aux_loss_coef * routing.add(
+                hf, [torch.cat(layer) for layer in zip(*router_logits)]) / len(micro_batches)
+        loss.backward()
+    grads = {name: p.grad.clone() for name, p in hf.named_parameters()}
+    moe = {k: v for k, v in grads.items() if ".mlp.gate." in k or ".mlp.experts." in k}
+    grads = {**from_hf_state_dict({k: v for k, v in grads.items() if k not in moe}, False,
+                                  hf.config.model_type), **_moe_grads(moe)}
+    return total, grads, routing  # tied: one tensor, listed once under its embedding's name
+
+
+class _Routing:
+    """transformers' routing of a step: the load-balancing losses of its micro-batches, and
+    the top-k assignments counted per expert and MoE layer from the routers' logits."""
+
+    def __init__(self):
+        self.aux: list[float] = []
+        self.counts = None
+
+    def add(self, hf, layers: list[torch.Tensor]) -> torch.Tensor:
+        """layers: each MoE layer's router logits [tokens, E] of one micro-batch."""
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+        c = hf.config
+        experts, k = getattr(c, "num_experts", None) or c.num_local_experts, c.num_experts_per_tok
+        aux = load_balancing_loss_func(tuple(layers), experts, k)
+        counts = torch.stack([torch.bincount(torch.topk(logits, k, dim=-1).indices.flatten(),
+                                             minlength=experts) for logits in layers])
+        self.counts = counts if self.counts is None else self.counts + counts
+        self.aux.append(aux.item())
+        return aux
+
+
+def _moe_grads(grads: dict) -> dict:
+    """The gradients of transformers' MoE modules (in memory: the router `mlp.gate`, the
+    experts fused as gate_up_proj [E, 2F, D] and down_proj [E, D, F]) in lctrain's names."""
+    out = {}
+    for name, grad in grads.items():
+        layer, _, rest = name.removeprefix("model.layers.").partition(".mlp.")
+        ours = f"layers.{layer}.feed_forward"
+        if rest == "gate.weight":
+            out[f"{ours}.router.weight"] = grad
+        elif rest == "experts.gate_up_proj":
+            out[f"{ours}.w1"], out[f"{ours}.w3"] = grad.chunk(2, dim=1)
+        else:
+            assert rest == "experts.down_proj", name
+            out[f"{ours}.w2"] = grad
+    return out
 
 
 def _one_step(cfgs: dict, out_dir: str) -> dict:
@@ -201,42 +272,52 @@ def _one_step(cfgs: dict, out_dir: str) -> dict:
         model = build_model(cfg, rt)
         loader = build_loader(cfg, rt.topology, rt.rank, rt.derived.grad_accum)
         micro_batches = loader.next_step()
-        loss, _ = _token_weighted_loss(micro_batches, rt,
-                                       partial(_micro_steps, model, micro_batches, rt=rt))
+        routing = Routing()
+        loss, _ = _token_weighted_loss(micro_batches, rt, partial(
+            _micro_steps, model, micro_batches, rt=rt, routing=routing))
         grads = {}
-        for name, param in model.named_parameters():
+        for name, param in unwrap(model).named_parameters():  # (DDP's module.* names)
             grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
             grads[name] = grad.clone()
-        if key[1] == "cp2_tp2_sp_ulysses":
+        if key[0] in EXPORTED_BY.get(key[1], ()):
             export_hf(full_parameters(model), cfg.model, f"{out_dir}/{key[0]}", rt.rank)
-        out[key] = (float(loss), grads)
+        out[key] = (float(loss), grads, routing.metrics(rt))
     return out
 
 
-@pytest.mark.parametrize("layouts", [pytest.param(LAYOUTS, id="cp_tp_pp"),
+@pytest.mark.parametrize("layouts", [pytest.param({**LAYOUTS, **MOE_LAYOUT}, id="cp_tp_pp"),
                                      pytest.param(USP_LAYOUT, id="usp", marks=pytest.mark.slow)])
 def test_every_family_trains_on_every_layout_with_transformers_loss_and_gradients(
         hf_dirs, tmp_path, layouts):
     cfgs, wants = {}, {}
     for family, (path, hf) in hf_dirs.items():
         for layout, overrides in layouts.items():
+            if layout in MOE_LAYOUT and family not in MOE:
+                continue
             cfg = _resolved(path, *overrides).cfg
+            if family in MOE and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
+                assert any("with a mixture-of-experts model" in p for p in preflight(cfg, 4))
+                continue
             assert preflight(cfg, 4) == [], (family, layout)
             cfgs[family, layout] = cfg
             wants[family, layout] = _hf_step(hf, cfg)
     per_rank = on_ranks(_one_step, 4, cfgs, str(tmp_path), timeout_s=300)
-    for key, (want_loss, want_grads) in wants.items():
+    for key, (want_loss, want_grads, want_routing) in wants.items():
         grads = {}
         for rank in per_rank:  # under pp each rank holds its stage's parameters
-            loss, rank_grads = rank[key]
+            loss, rank_grads, routing = rank[key]
             assert loss == pytest.approx(want_loss, rel=1e-4), key
             grads.update(rank_grads)
+            if want_routing.aux:  # the step's mean load-balancing loss and expert load
+                assert routing["aux_loss"] == pytest.approx(np.mean(want_routing.aux),
+                                                            rel=1e-5), key
+                assert routing["expert_load"] == want_routing.counts.tolist(), key
         assert sorted(grads) == sorted(want_grads), key
         for name, want in want_grads.items():
             torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-6,
                                        msg=lambda m, k=key, n=name: f"{k} {n}: {m}")
-    if "cp2_tp2_sp_ulysses" not in layouts:
-        return  # the export is the cp2 x tp2 layout's
+    if not set(EXPORTED_BY) & set(layouts):
+        return  # the exports are the cp2 layouts'
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(2))
     for family, (_, hf) in hf_dirs.items():
         back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / family).eval()
@@ -342,8 +423,11 @@ def test_windows_shorter_than_the_sequence_train_and_layer_types_are_checked(hf_
 
 PUBLISHED = {"qwen2.5-0.5b": 0.49, "qwen2.5-7b": 7.62, "qwen3-0.6b": 0.60, "qwen3-8b": 8.19,
              "mistral-7b": 7.25, "llama3-8b": 8.03, "llama3-70b": 70.55, "llama3.2-1b": 1.24,
-             "llama3.2-3b": 3.21, "smollm2-135m": 0.13}
+             "llama3.2-3b": 3.21, "smollm2-135m": 0.13, "qwen3-30b-a3b": 30.53,
+             "qwen3-235b-a22b": 235.09, "mixtral-8x7b": 46.7}
 """preset -> its model card's size in billions of parameters"""
+ACTIVE = {"qwen3-30b-a3b": 3.3, "qwen3-235b-a22b": 22, "mixtral-8x7b": 12.9}
+"""preset -> its model card's active parameters per token, in billions"""
 GEMMA3_TEXT = ("gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b")
 """Presets whose model cards count a vision tower too: their text decoders are counted by
 transformers' own Gemma 3 model built from the preset's config (on the meta device)."""
@@ -361,6 +445,8 @@ def test_the_planner_counts_every_preset_as_the_built_model_holds_it():
                 assert held == sum(p.numel() for p in hf.parameters()), preset
         assert param_count(m) == held, preset
         assert preset in ("tiny", *GEMMA3_TEXT) or round(held / 1e9, 2) == PUBLISHED[preset]
+        if preset in ACTIVE:  # the card's figure rounded: to the billion
+            assert round(active_param_count(m) / 1e9) == round(ACTIVE[preset]), preset
 
 
 @pytest.mark.slow  # 6 s on 2 cores: `lctrain preprocess`, then a 4-rank `lctrain train` per family

@@ -45,6 +45,9 @@ class ModelFamily:
     """The gated MLP's activation: silu (SwiGLU) | gelu_tanh (GeGLU with tanh GELU, Gemma)."""
     embed_scale: bool = False
     """The embedding's output is multiplied by sqrt(dim) (Gemma)."""
+    moe: bool = False
+    """Its MLPs are mixtures of experts (model.n_experts, lctrain.models.moe); its checkpoints
+    name each expert's matrices apart."""
 
     def __post_init__(self):
         if not self.hf_config_class:
@@ -71,6 +74,9 @@ for _family in (
     ModelFamily("gemma3_text", "Gemma3ForCausalLM", "Gemma3TextConfig", qk_norm=True,
                 sliding_window=True, sandwich_norms=True, norm_offset=True,
                 mlp_activation="gelu_tanh", embed_scale=True),
+    ModelFamily("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, sliding_window=True,
+                moe=True),
+    ModelFamily("mixtral", "MixtralForCausalLM", sliding_window=True, moe=True),
 ):
     MODEL_FAMILIES.add(_family)
 

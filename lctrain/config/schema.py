@@ -29,7 +29,8 @@ class ModelConfig:
     family: str = one_of(registry=MODEL_FAMILIES, default="llama")
     """Model family (config.json's model_type): llama | qwen2 (Q/K/V biases) | qwen3 (RMSNorm
     of each Q and K head before RoPE) | mistral | gemma3_text (Gemma 3: window layers, sandwich
-    norms, GeGLU). The blocks differ; the layouts do not."""
+    norms, GeGLU) | qwen3_moe (Qwen3 with mixtures of experts) | mixtral (Mistral with
+    mixtures of experts). The blocks differ; the layouts do not."""
     vocab_size: int = at_least(1, 512)
     """Vocabulary size (rows of the embedding and of the output layer)."""
     dim: int = at_least(1, 128)
@@ -82,6 +83,24 @@ class ModelConfig:
     null: the full layers' RoPE."""
     query_pre_attn_scalar: int | None = at_least(1, None)
     """Attention scores scaled by query_pre_attn_scalar^-1/2 (Gemma); null: head_dim^-1/2."""
+    n_experts: int = at_least(0, 0)
+    """Experts of each mixture-of-experts layer, in a family that has them (qwen3_moe,
+    mixtral); 0: a dense model."""
+    experts_per_token: int = at_least(1, 2)
+    """Experts each token is routed to (top-k; config.json's num_experts_per_tok)."""
+    expert_ffn_dim: int | None = at_least(1, None)
+    """Hidden width of each expert's gated MLP (Qwen3-MoE's moe_intermediate_size); null:
+    model.ffn_dim (Mixtral's experts are as wide as its intermediate_size)."""
+    moe_layers: list[int] | None = None
+    """The layers whose MLP is a mixture of experts (from Qwen3-MoE's decoder_sparse_step and
+    mlp_only_layers); null: every layer when model.n_experts > 0. The others keep a dense MLP
+    of model.ffn_dim."""
+    norm_topk_prob: bool = True
+    """Renormalise each token's top-k routing probabilities to sum to 1 (Mixtral always;
+    Qwen3-MoE's norm_topk_prob)."""
+    router_aux_loss_coef: float = 0.0
+    """Weight of the load-balancing loss added to the training loss, defined as transformers
+    does (docs/parallelism.md §28); 0: none."""
     init_from: str | None = None
     """Hugging Face directory (config.json + *.safetensors) of a model of a registered family
     (model.family) to start from, in any layout. Its config.json decides every model field it
@@ -107,6 +126,17 @@ class ModelConfig:
     def kv_dim(self) -> int:
         """Width of the keys (and of the values), H_kv x d."""
         return self.n_kv_heads * self.d_head
+
+    @property
+    def expert_dim(self) -> int:
+        """Hidden width of one expert (expert_ffn_dim, or ffn_dim when it is null)."""
+        return self.expert_ffn_dim if self.expert_ffn_dim is not None else self.ffn_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block `layer`'s MLP is a mixture of experts (see moe_layers)."""
+        if self.n_experts == 0:
+            return False
+        return self.moe_layers is None or layer in self.moe_layers
 
     def layer_type(self, layer: int) -> str:
         """full_attention | sliding_attention of block `layer` (see layer_types)."""

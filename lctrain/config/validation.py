@@ -392,6 +392,38 @@ def _window(cfg: LctrainConfig) -> list[str]:
     return problems
 
 
+def _experts(cfg: LctrainConfig) -> list[str]:
+    """The mixture-of-experts fields: experts only in a family that has them (and then some),
+    k of them per token, MoE layers that exist; the layouts MoE layers do not run in yet."""
+    m, p = cfg.model, cfg.parallel
+    family = model_family(m.family)
+    if not family.moe:
+        return [] if m.n_experts == 0 else [
+            f"model.n_experts={m.n_experts} with model.family={m.family}, whose MLPs are dense; "
+            "set model.n_experts=0, or a family with experts (qwen3_moe, mixtral)"]
+    if m.n_experts == 0:
+        return [f"model.family={m.family} is a mixture of experts: set model.n_experts (e.g. "
+                "model.n_experts=8) or start from its config.json (model.init_from)"]
+    problems = []
+    if m.experts_per_token > m.n_experts:
+        problems.append(f"model.experts_per_token={m.experts_per_token} exceeds model.n_experts="
+                        f"{m.n_experts}; route each token to at most {m.n_experts}")
+    if m.moe_layers is not None:
+        bad = sorted({i for i in m.moe_layers if not 0 <= i < m.n_layers})
+        if bad or len(set(m.moe_layers)) != len(m.moe_layers):
+            problems.append(f"model.moe_layers={list(m.moe_layers)} must name distinct layers "
+                            f"0..{m.n_layers - 1}" + (f" (not {bad})" if bad else ""))
+    not_yet = [(f"parallel.tp={p.tp}", "parallel.tp=1 (FSDP shards the experts over dp x cp)",
+                p.tp > 1),
+               (f"parallel.pp={p.pp}", "parallel.pp=1", p.pp > 1),
+               ("parallel.dp_engine=deepspeed", "parallel.dp_engine=fsdp",
+                p.dp_engine == "deepspeed")]
+    problems += [f"{setting} with a mixture-of-experts model (model.n_experts={m.n_experts}): "
+                 f"lctrain does not lay experts out there yet; set {fix}"
+                 for setting, fix, refused in not_yet if refused]
+    return problems
+
+
 def _stages(cfg: LctrainConfig, world_size: int) -> list[str]:
     """train.stages: the schedule, then every stage's own layout, named by its stage."""
     problems = stage_problems(cfg)
@@ -425,7 +457,8 @@ def layout_problems(cfg: LctrainConfig, world_size: int, later: list[str] | None
     if later is None:
         later = _scalars(cfg) + _logging(cfg) + _length_mix(cfg)
     world = _world(cfg, world_size)
-    problems = (world + _heads(cfg) + _window(cfg) + _context(cfg) + _pipeline(cfg) + later
+    problems = (world + _heads(cfg) + _window(cfg) + _experts(cfg) + _context(cfg)
+                + _pipeline(cfg) + later
                 + eval_problems(cfg) + offload_problems(cfg))
     if cfg.train.device == "cuda":  # train.device=auto is resolved where the run starts
         problems += cuda_problems(cfg)

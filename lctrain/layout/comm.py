@@ -183,6 +183,26 @@ def all_to_all_autograd(x: Tensor, group: dist.ProcessGroup, scatter_dim: int,
     return _AllToAll.apply(x, group, scatter_dim, gather_dim)
 
 
+class _SumPassingGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        local, back = _staged(x.clone(), group, "all_reduce")
+        dist.all_reduce(local, group=group)
+        return back(local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def sum_passing_grad(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """The sum of every rank's x, whose gradient reaches x unchanged: for a value every rank of
+    the group computes alike from the sum, each rank back-propagating its own part (a mixture of
+    experts' router statistics under context parallelism, docs/parallelism.md §28). Not counted
+    as traffic (a few floats per micro-step)."""
+    return _SumPassingGrad.apply(x, group)
+
+
 def all_gather(x: Tensor, group: dist.ProcessGroup, dim: int) -> Tensor:
     """Concatenation along dim of every rank's x, in group-rank order."""
     p = dist.get_world_size(group)

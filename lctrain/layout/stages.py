@@ -23,34 +23,48 @@ MLP_MATRICES = 3
 """SwiGLU's gate, up and down projections, D x F each."""
 
 
-def block_split(m: ModelConfig) -> tuple[int, int]:
-    """(parameters TP shards, parameters TP replicates) of one transformer block: Q, K, V, O and
-    the MLP's matrices, plus the family's biases (`ModelFamily.block_extra_params`); the two
-    norms, plus the family's head norms."""
-    return _block_split(m.family, m.dim, m.d_head, m.n_heads, m.n_kv_heads, m.ffn_dim)
+def mlp_params(m: ModelConfig, layer: int, active: bool = False) -> int:
+    """Parameters of block `layer`'s MLP: the gated MLP's three D x F matrices; for a mixture of
+    experts the router (E x D) and every expert's three D x F_e, or with `active` the k experts
+    one token runs through."""
+    if not m.is_moe_layer(layer):
+        return MLP_MATRICES * m.dim * m.ffn_dim
+    experts = m.experts_per_token if active else m.n_experts
+    return m.n_experts * m.dim + experts * MLP_MATRICES * m.dim * m.expert_dim
+
+
+def block_split(m: ModelConfig, layer: int = 0) -> tuple[int, int]:
+    """(parameters TP shards, parameters TP replicates) of transformer block `layer`: Q, K, V, O
+    and the MLP's matrices (`mlp_params`), plus the family's biases
+    (`ModelFamily.block_extra_params`); the two norms, plus the family's head norms."""
+    return _block_split(m.family, m.dim, m.d_head, m.n_heads, m.n_kv_heads,
+                        mlp_params(m, layer))
 
 
 @cache  # pure in its arguments; a layout search asks for the same ones many times
 def _block_split(family: str, dim: int, d_head: int, heads: int, kv_heads: int,
-                 ffn_dim: int) -> tuple[int, int]:
+                 mlp: int) -> tuple[int, int]:
     attention = dim * (2 * heads * d_head + 2 * kv_heads * d_head)
     sharded, replicated = model_family(family).block_extra_params(dim, d_head, heads, kv_heads)
-    return attention + MLP_MATRICES * dim * ffn_dim + sharded, 2 * dim + replicated
+    return attention + mlp + sharded, 2 * dim + replicated
 
 
-def block_params(m: ModelConfig) -> int:
-    """Parameters of one transformer block, whole (`block_split`'s two parts)."""
-    return sum(block_split(m))
+def block_params(m: ModelConfig, layer: int = 0, active: bool = False) -> int:
+    """Parameters of transformer block `layer`, whole (`block_split`'s two parts); with
+    `active`, those one token's forward multiplies by (a mixture of experts' k experts)."""
+    whole = sum(block_split(m, layer))
+    return whole if not active else whole - mlp_params(m, layer) + mlp_params(m, layer, True)
 
 
 def layer_costs(m: ModelConfig, seq_len: int) -> tuple[float, list[float], float]:
     """(embedding, [each block], output layer + loss): forward + backward FLOPs per token, 3x the
-    forward's. A block's forward is 2 FLOPs per weight plus causal attention, 2 S d_model
+    forward's. A block's forward is 2 FLOPs per weight a token meets (a mixture of experts'
+    router and k experts) plus causal attention, 2 S d_model
     (QK^T and PV over S/2 keys on average; a window layer's over its window's keys); the
     output layer 2 D V plus the softmax (~5 V)."""
-    embedding, block, output = _unit_costs(m, seq_len)
-    weights = block - attention_flops(m, seq_len)
-    return embedding, [weights + attention_flops(m, seq_len, m.layer_window(i))
+    embedding, _, output = _unit_costs(m, seq_len)
+    return embedding, [TRAIN_OVER_FORWARD * FLOPS_PER_WEIGHT * block_params(m, i, active=True)
+                       + attention_flops(m, seq_len, m.layer_window(i))
                        for i in range(m.n_layers)], output
 
 

@@ -46,6 +46,17 @@ def to_hf_name(name: str, family: str) -> str:
     return f"{_TOP_MAP[name.removesuffix('.weight')]}.weight"
 
 
+def hf_names(name: str, family: str, n_experts: int) -> list[str]:
+    """The Hugging Face tensors of lctrain parameter `name`: its one tensor, or for a stacked
+    expert matrix ([E, ...], `FamilyCode.hf_experts`) one per expert, in expert order."""
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    experts = FAMILY_CODE[family].hf_experts
+    if m and m.group(2) in experts:
+        return [f"model.layers.{m.group(1)}.{experts[m.group(2)].format(e=e)}"
+                for e in range(n_experts)]
+    return [to_hf_name(name, family)]
+
+
 def to_hf_state_dict(state: dict[str, Tensor], tie_embeddings: bool,
                      family: str) -> dict[str, Tensor]:
     out = {to_hf_name(k, family): v for k, v in state.items()}
@@ -88,7 +99,7 @@ def hf_config(cfg: ModelConfig):
 _HF_SHAPE = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
              "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
              "intermediate_size": "ffn_dim", "tie_word_embeddings": "tie_embeddings",
-             "head_dim": "head_dim"}
+             "head_dim": "head_dim", "num_experts": "n_experts", "num_local_experts": "n_experts"}
 
 
 def check_hf_dir(path: str, cfg: ModelConfig) -> list[str]:
@@ -132,18 +143,32 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
         seen.add(id(param))
         # a tied output layer without its embedding (a pipeline's last stage) reads the embedding
         tied_copy = name == "output.weight" and model.cfg.tie_embeddings
-        hf_name = to_hf_name("tok_embeddings.weight" if tied_copy else name, model.cfg.family)
-        if hf_name not in where:
-            raise ValueError(f"{path} has no tensor {hf_name} (for {name}); is it a checkpoint "
-                             "of this family and shape?")
-        with safe_open(str(where[hf_name]), framework="pt") as f:
-            piece = f.get_slice(hf_name)
-            if tuple(piece.get_shape()) != tuple(param.shape):
-                raise ValueError(f"{hf_name} in {path} has shape {piece.get_shape()}, the model "
-                                 f"expects {tuple(param.shape)}")
-            local = piece[local_slices(param)]
+        names = hf_names("tok_embeddings.weight" if tied_copy else name, model.cfg.family,
+                         model.cfg.n_experts)
+        index = local_slices(param)
+        if len(names) == 1:
+            local = _read_slice(path, where, names[0], name, param.shape, index)
+        else:  # one tensor per expert: this rank's experts, stacked
+            local = torch.stack([_read_slice(path, where, names[e], name, param.shape[1:],
+                                             index[1:])
+                                 for e in range(*index[0].indices(param.shape[0])[:2])])
         target = param.to_local() if hasattr(param, "to_local") else param
         target.copy_(local.to(target.dtype))
+
+
+def _read_slice(path: str, where: dict[str, Path], hf_name: str, name: str, shape,
+                index: tuple) -> Tensor:
+    """`index` of tensor `hf_name` of the HF directory `path` (files by tensor: `where`),
+    checked to have `shape` (lctrain's `name`)."""
+    if hf_name not in where:
+        raise ValueError(f"{path} has no tensor {hf_name} (for {name}); is it a checkpoint "
+                         "of this family and shape?")
+    with safe_open(str(where[hf_name]), framework="pt") as f:
+        piece = f.get_slice(hf_name)
+        if tuple(piece.get_shape()) != tuple(shape):
+            raise ValueError(f"{hf_name} in {path} has shape {piece.get_shape()}, the model "
+                             f"expects {tuple(shape)}")
+        return piece[index]
 
 
 SHARD_BYTES = 2 * 2**30
@@ -177,9 +202,11 @@ def export_hf(parameters: Iterable[tuple[str, Tensor | None]], cfg: ModelConfig,
     for name, full in parameters:
         if rank != 0:
             continue
-        hf_name = to_hf_name(name, cfg.family)
-        current[hf_name] = full.detach().float().cpu().contiguous()
-        size += current[hf_name].nbytes
+        names = hf_names(name, cfg.family, cfg.n_experts)
+        pieces = full.unbind(0) if len(names) > 1 else (full,)  # one tensor per expert
+        for hf_name, piece in zip(names, pieces):
+            current[hf_name] = piece.detach().float().cpu().contiguous()
+            size += current[hf_name].nbytes
         if size >= shard_bytes:
             files.append(_write_shard(out, len(files), current))
             current, size = {}, 0

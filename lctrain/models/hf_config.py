@@ -28,7 +28,7 @@ _ROPE = {"rope_theta": "rope_theta", "rope_type": "rope_type", "factor": "rope_f
 _ACTIVATIONS = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}
 """`ModelFamily.mlp_activation` -> config.json's names for it."""
 SHAPE_FIELDS = ("family", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                "ffn_dim", "tie_embeddings")
+                "ffn_dim", "tie_embeddings", "n_experts", "expert_ffn_dim", "moe_layers")
 """Fields the weights fix: model.hf_overrides cannot change them."""
 
 
@@ -108,12 +108,34 @@ def model_fields(hf: dict) -> dict:
     out["rope_local_theta"] = _local_theta(hf)
     if hf.get("query_pre_attn_scalar") is not None:
         out["query_pre_attn_scalar"] = int(hf["query_pre_attn_scalar"])
+    out.update(_experts(hf))
     rope = _rope(hf)
     out.update({ours: rope[key] for key, ours in _ROPE.items() if key in rope})
     for name in ("rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                  "rope_beta_fast", "rope_beta_slow", "norm_eps"):
         if name in out:
             out[name] = float(out[name])
+    return out
+
+
+def _experts(hf: dict) -> dict:
+    """The mixture-of-experts fields of a family with experts: their number (Qwen3-MoE's
+    num_experts, Mixtral's num_local_experts), k, the experts' width (moe_intermediate_size, or
+    Mixtral's intermediate_size), which layers have them (every decoder_sparse_step-th one not
+    in mlp_only_layers, as transformers decides), the routing's renormalisation and the aux-loss
+    weight (applied as transformers applies it with output_router_logits)."""
+    kind = hf.get("model_type")
+    if kind not in MODEL_FAMILIES or not model_family(kind).moe:
+        return {}
+    n = hf.get("num_experts", hf.get("num_local_experts", 0))
+    out = {"n_experts": n, "experts_per_token": hf.get("num_experts_per_tok", 2),
+           "expert_ffn_dim": hf.get("moe_intermediate_size"),
+           "norm_topk_prob": hf.get("norm_topk_prob", True),
+           "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0))}
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+    layers = [i for i in range(hf.get("num_hidden_layers", 0))
+              if i not in dense and (i + 1) % step == 0]
+    out["moe_layers"] = None if len(layers) == hf.get("num_hidden_layers", 0) else layers
     return out
 
 
@@ -154,6 +176,9 @@ def unsupported(hf: dict, path: str) -> list[str]:
     if other_types:
         problems.append(f"{where} has layer_types {sorted(other_types)}; lctrain computes "
                         f"{FULL} and {SLIDING} layers only")
+    if hf.get("router_jitter_noise"):
+        problems.append(f"{where} sets router_jitter_noise={hf['router_jitter_noise']}; "
+                        "lctrain's routers take no noise (set it to 0.0)")
     rope = _rope(hf)
     if rope["rope_type"] not in choices_of(ModelConfig, "rope_type"):
         problems.append(f"{where} uses rope_type={rope['rope_type']!r}; lctrain implements "

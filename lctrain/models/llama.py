@@ -34,6 +34,7 @@ from lctrain.config import ModelConfig
 from lctrain.config.model_families import model_family
 from lctrain.data.batch import IGNORE_INDEX
 from lctrain.models.init import ZEROS, init_weights
+from lctrain.models.moe import MoE, RouterLog, load_balancing_loss
 from lctrain.models.rope import rope_frequencies
 
 AttentionCore = Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
@@ -50,6 +51,10 @@ def cross_entropy_sum(logits: Tensor, labels: Tensor) -> Tensor:
 def full_logits_loss(output: nn.Module, h: Tensor, labels: Tensor) -> Tensor:
     """The loss head that computes every logit at once."""
     return cross_entropy_sum(output(h), labels)
+
+
+def _same(x: Tensor) -> Tensor:
+    return x
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None,
@@ -178,22 +183,29 @@ class Attention(nn.Module):
         return rules
 
 
+def _gelu_tanh(x: Tensor) -> Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def mlp_activation(cfg: ModelConfig) -> Callable[[Tensor], Tensor]:
+    """The gated MLPs' activation of the family (`ModelFamily.mlp_activation`)."""
+    return _gelu_tanh if model_family(cfg.family).mlp_activation == "gelu_tanh" else F.silu
+
+
 class FeedForward(nn.Module):
     """The gated MLP: w2(act(w1 x) * w3 x), act silu (SwiGLU) or tanh GELU (GeGLU:
     `ModelFamily.mlp_activation`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gelu = model_family(cfg.family).mlp_activation == "gelu_tanh"
+        self.activation = mlp_activation(cfg)
         self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
         self.std, self.out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate = self.w1(x)
-        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.w2(gate * self.w3(x))
+        return self.w2(self.activation(self.w1(x)) * self.w3(x))
 
     def init_rules(self) -> dict[str, float | None]:
         # the down projection feeds the residual stream: scaled down by depth
@@ -201,11 +213,13 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Norm, attention, residual add; norm, MLP, residual add. A `sandwich_norms` family
-    normalises the attention's and the MLP's outputs too, before each add (Gemma)."""
+    """Norm, attention, residual add; norm, MLP (dense, or a mixture of experts recording its
+    routing in `router_log`), residual add. A `sandwich_norms` family normalises the
+    attention's and the MLP's outputs too, before each add (Gemma)."""
 
     def __init__(self, cfg: ModelConfig, core: AttentionCore = sdpa_attention,
-                 attention: Callable[..., Attention] = Attention, layer: int = 0):
+                 attention: Callable[..., Attention] = Attention, layer: int = 0,
+                 router_log: RouterLog | None = None):
         super().__init__()
         family = model_family(cfg.family)
         offset = family.norm_offset
@@ -213,7 +227,8 @@ class TransformerBlock(nn.Module):
         self.attention = attention(cfg, core)
         self.attention.window = cfg.layer_window(layer)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, offset)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = (MoE(cfg, layer, router_log, mlp_activation(cfg))
+                             if cfg.is_moe_layer(layer) else FeedForward(cfg))
         if family.sandwich_norms:
             self.attention_out_norm = RMSNorm(cfg.dim, cfg.norm_eps, offset)
             self.ffn_out_norm = RMSNorm(cfg.dim, cfg.norm_eps, offset)
@@ -245,8 +260,20 @@ class Llama(nn.Module):
         self.local_rope_layers = {str(i) for i in range(cfg.n_layers)
                                   if self.rope_local is not None and cfg.layer_window(i)}
         self.embed_scale = math.sqrt(cfg.dim) if family.embed_scale else None
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, core, attention, i)
+        self.router_log = RouterLog()
+        """The MoE layers' routing of the current forward (lctrain.models.moe)."""
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, core, attention, i,
+                                                              self.router_log)
                                      for i in range(cfg.n_layers)})
+        self.reduce_router_stats: Callable[[Tensor], Tensor] = _same
+        """Sum over the ranks that hold parts of the micro-batch's tokens (context parallelism
+        sets it), with the gradient passed through unchanged: each of those ranks adds the same
+        load-balancing loss, and its own tokens' part of the gradient."""
+        self.aux_loss: Tensor | None = None
+        """The load-balancing loss of the last forward with labels (MoE models; §28)."""
+        self.expert_counts: Tensor | None = None
+        """Tokens this rank routed to each expert in the last forward with labels, [MoE layers,
+        E] (float, no gradient)."""
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps, family.norm_offset)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -268,6 +295,7 @@ class Llama(nn.Module):
         if positions is None:  # from the input: with sequence parallelism h holds S/tp tokens
             positions = torch.arange(x.shape[1], device=x.device)[None]
         h = x
+        self.router_log.clear()
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(x)
             if self.embed_scale is not None:  # in the embedding's dtype, as HF Gemma rounds it
@@ -281,6 +309,8 @@ class Llama(nn.Module):
             h = layer(h, cos=c, sin=s, doc_ids=doc_ids)
         if self.norm is not None:
             h = self.norm(h)
+        if labels is not None and self.router_log.counts:
+            self._router_losses()
         if self.output is None:
             return h
         if labels is None:
@@ -288,6 +318,19 @@ class Llama(nn.Module):
         if labels.dim() == 3:  # several label sets over one forward: one loss sum each
             return torch.stack([self.loss_head(self.output, h, group) for group in labels])
         return self.loss_head(self.output, h, labels)
+
+    def _router_losses(self) -> None:
+        """`aux_loss` and `expert_counts` from the forward's routing (§28): counts,
+        probabilities and rows summed over the layers, then over the ranks of the tokens."""
+        log = self.router_log
+        self.expert_counts = torch.stack([log.counts[i] for i in sorted(log.counts)])
+        counts = self.expert_counts.sum(dim=0)
+        rows = torch.tensor([float(log.tokens)], device=counts.device)
+        totals = self.reduce_router_stats(torch.cat([counts, rows]))
+        prob_sums = self.reduce_router_stats(torch.stack(log.prob_sums).sum(dim=0))
+        self.aux_loss = load_balancing_loss(totals[:-1], prob_sums, totals[-1],
+                                            self.cfg.n_experts)
+        log.clear()
 
     def init_rules(self) -> dict[str, float | None]:
         rules = {}

@@ -12,11 +12,13 @@ from lctrain.models.families import LLAMA, FamilyCode
 from lctrain.models.gemma3 import GEMMA3
 from lctrain.models.llama import AttentionCore, Llama, sdpa_attention
 from lctrain.models.mistral import MISTRAL
+from lctrain.models.mixtral import MIXTRAL
 from lctrain.models.qwen2 import QWEN2
 from lctrain.models.qwen3 import QWEN3
+from lctrain.models.qwen3_moe import QWEN3_MOE
 
 FAMILY_CODE: Registry[FamilyCode] = Registry("model family's code")
-for _code in (LLAMA, QWEN2, QWEN3, MISTRAL, GEMMA3):
+for _code in (LLAMA, QWEN2, QWEN3, MISTRAL, GEMMA3, QWEN3_MOE, MIXTRAL):
     FAMILY_CODE.add(_code)
 
 

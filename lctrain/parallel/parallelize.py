@@ -19,6 +19,7 @@ from lctrain.attention.cuda_kernels import forward_ops
 from lctrain.attention.kernels import KernelOptions
 from lctrain.config import LctrainConfig
 from lctrain.config.derived import load_balance_of
+from lctrain.layout.comm import sum_passing_grad
 from lctrain.models.hf import load_hf_weights
 from lctrain.models.init import init_weights
 from lctrain.models.llama import AttentionCore, Llama, sdpa_attention
@@ -55,10 +56,12 @@ def build_attention_core(cfg: LctrainConfig, rt: Runtime) -> AttentionCore:
 def parallelize_model(model: Llama, cfg: LctrainConfig, rt: Runtime,
                       fill: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """Apply TP + SP, sequence tiling, activation checkpointing, then FSDP over dp x cp; then,
-    for a model
-    built on the meta device, materialise this rank's shards on the device and `fill` them;
-    then DDP (which needs real weights)."""
+    for a model built on the meta device, materialise this rank's shards on the device and
+    `fill` them; then DDP (which needs real weights). Under context parallelism a mixture of
+    experts sums its routing statistics over cp (lctrain.models.moe)."""
     p, t = cfg.parallel, cfg.train
+    if p.cp > 1:  # a mixture of experts' routing statistics cover the micro-batch's tokens
+        model.reduce_router_stats = partial(sum_passing_grad, group=rt.group("cp"))
     if p.tp > 1:
         model = apply_tensor_parallel(model, rt.mesh["tp"], p.sp)
     model = apply_mlp_tiling(apply_loss_tiling(model, t.loss_chunk), t.mlp_chunk, p.tp, p.sp)

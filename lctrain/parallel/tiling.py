@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
 from lctrain.models.llama import FeedForward, cross_entropy_sum
+from lctrain.models.moe import MoE
 
 
 class ChunkedLoss:
@@ -43,9 +44,10 @@ def _chunk_loss(output: nn.Module, h: Tensor, labels: Tensor) -> Tensor:
     return cross_entropy_sum(output(h), labels)
 
 
-class TiledFeedForward(FeedForward):
-    """FeedForward over sequence chunks of about `chunk` tokens, each in its own checkpoint
-    (installed on an existing FeedForward by `apply_mlp_tiling`; parameters unchanged)."""
+class _SequenceTiled(nn.Module):
+    """An MLP (the class after this one in a subclass's bases) over sequence chunks of about
+    `chunk` tokens, each in its own checkpoint (installed on an existing module by
+    `apply_mlp_tiling`; parameters unchanged)."""
 
     chunk: int
     shard_groups: int
@@ -72,6 +74,15 @@ class TiledFeedForward(FeedForward):
         return checkpoint(super().forward, piece, use_reentrant=False)
 
 
+class TiledFeedForward(_SequenceTiled, FeedForward):
+    """The dense gated MLP, tiled."""
+
+
+class TiledMoE(_SequenceTiled, MoE):
+    """A mixture of experts, tiled: each chunk routes its own tokens; the routing statistics
+    add up over the chunks (and are recorded once, not again when a chunk is recomputed)."""
+
+
 def compile_loss_head(head):
     """`head` compiled: a ChunkedLoss compiles its per-chunk loss, any other head as a whole."""
     if isinstance(head, ChunkedLoss):
@@ -88,11 +99,13 @@ def apply_loss_tiling(model: nn.Module, chunk: int) -> nn.Module:
 
 def apply_mlp_tiling(model: nn.Module, chunk: int, tp: int, sp: bool) -> nn.Module:
     """Every block's MLP over chunks of about `chunk` tokens (0: off). The module's class
-    becomes TiledFeedForward, as FSDP's fully_shard swaps classes: names and weights stay."""
+    becomes TiledFeedForward (TiledMoE), as FSDP's fully_shard swaps classes: names and weights
+    stay."""
     if not chunk:
         return model
     for layer in model.layers.values():
-        layer.feed_forward.__class__ = TiledFeedForward
+        moe = isinstance(layer.feed_forward, MoE)
+        layer.feed_forward.__class__ = TiledMoE if moe else TiledFeedForward
         layer.feed_forward.chunk = chunk
         layer.feed_forward.shard_groups = tp if (sp and tp > 1) else 1
     return model

@@ -11,7 +11,7 @@ arithmetic on a config: no process, device or tensor.
 from __future__ import annotations
 
 import dataclasses
-from functools import cache
+from functools import cache, partial
 
 from lctrain.config import LctrainConfig, ModelConfig, derive
 from lctrain.config.cp_algorithms import LayerShape, MemoryTerms, cp_algorithm
@@ -37,7 +37,15 @@ def compute_bytes(cfg: LctrainConfig) -> int:
 def param_count(m: ModelConfig) -> int:
     """Parameters of the model of `m` (a tied output layer counted once)."""
     head = 0 if m.tie_embeddings else m.vocab_size * m.dim
-    return m.vocab_size * m.dim + m.n_layers * block_params(m) + m.dim + head
+    blocks = sum(block_params(m, i) for i in range(m.n_layers))
+    return m.vocab_size * m.dim + blocks + m.dim + head
+
+
+def active_param_count(m: ModelConfig) -> int:
+    """Parameters one token's forward multiplies by: `param_count` with only k experts of each
+    mixture of experts (the same for a dense model)."""
+    return param_count(m) - sum(block_params(m, i) - block_params(m, i, active=True)
+                                for i in range(m.n_layers))
 
 
 def local_params(cfg: LctrainConfig, pp_rank: int = 0) -> tuple[int, int]:
@@ -46,9 +54,9 @@ def local_params(cfg: LctrainConfig, pp_rank: int = 0) -> tuple[int, int]:
     the blocks of its stages, the embedding if it runs the first stage, the final norm and an
     untied output layer, or a tied one's copy under pp > 1, if it runs the last."""
     m, p = cfg.model, cfg.parallel
-    sharded, replicated = block_split(m)
     stages, mine = split_layers(cfg), stages_of(cfg, pp_rank)
-    blocks = sum(len(stages[s]) for s in mine) * (sharded // p.tp + replicated)
+    blocks = sum(sharded // p.tp + replicated
+                 for s in mine for sharded, replicated in map(partial(block_split, m), stages[s]))
     vocab = m.vocab_size * m.dim // p.tp
     root = vocab if 0 in mine else 0
     if len(stages) - 1 in mine:
@@ -71,7 +79,7 @@ def stage_params(cfg: LctrainConfig, stage: int) -> int:
     """Parameters of pipeline stage `stage`, whole (all TP shards): summed over the stages,
     `param_count`."""
     m, stages = cfg.model, split_layers(cfg)
-    total = len(stages[stage]) * block_params(m)
+    total = sum(block_params(m, i) for i in stages[stage])
     if stage == 0:
         total += m.vocab_size * m.dim
     if stage == len(stages) - 1:

@@ -31,6 +31,7 @@ from lctrain.planning.documents import load_balance_table
 from lctrain.planning.memory import (
     ALLOCATOR_FIXED_GIB,
     ALLOCATOR_FRACTION,
+    active_param_count,
     allocator_allowance,
     attention_buffer_bytes,
     compute_bytes,
@@ -246,6 +247,8 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
                                  layer_windows(cfg, range(m.n_layers)).items()},
         },
         "memory_gib": {"params_total_billion": n_params / 1e9}
+                      | ({"params_active_billion": active_param_count(m) / 1e9}
+                         if m.n_experts else {})
                       | {k: v / GIB for k, v in worst["bytes"].items()},
         "memory_per_rank": worst["itemised"],
         "predicted": predicted_traffic(cfg, world_size),

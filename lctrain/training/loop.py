@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from lctrain.config import LctrainConfig
+from lctrain.config import LctrainConfig, ModelConfig
 from lctrain.config.derived import Stage, stages_of
 from lctrain.config.resolved import as_dict, to_yaml
 from lctrain.data.batch import IGNORE_INDEX, MicroBatch
@@ -52,14 +52,59 @@ class NonFiniteError(RuntimeError):
 
 
 def forward_backward(model: nn.Module, mb: MicroBatch, loss_scale: float,
-                     rt: Runtime) -> Tensor:
-    """Backward of (sum of this rank's token losses) * loss_scale; returns the detached sum."""
+                     rt: Runtime, routing: Routing | None = None) -> Tensor:
+    """Backward of (sum of this rank's token losses) * loss_scale, plus a mixture of experts'
+    load-balancing loss at its weight (`aux_weight`); returns the detached sum. `routing`
+    accumulates the micro-step's routing statistics (MoE models)."""
     mb = mb.to(rt.device)
     with vocab_parallel(rt.topology.tp):
         with rt.autocast(), rt.saved_activations():
             loss_sum = model(mb.inputs, mb.positions, mb.doc_ids, labels=mb.labels)
-        (loss_sum * loss_scale).backward()
+        objective = loss_sum * loss_scale
+        core = unwrap(model)
+        aux = getattr(core, "aux_loss", None)
+        if aux is not None:
+            objective = objective + aux_weight(core.cfg, rt) * aux
+            if routing is not None:
+                routing.add(aux.detach(), core.expert_counts)
+        objective.backward()
     return loss_value(loss_sum.detach())
+
+
+def aux_weight(m: ModelConfig, rt: Runtime) -> float:
+    """The load-balancing loss's weight in one micro-step's backward (docs/parallelism.md §28):
+    model.router_aux_loss_coef x cp / accumulation steps. Every cp rank of a micro-batch adds the
+    same loss and back-propagates its own tokens' part, the gradients are averaged over dp x cp,
+    and the step's loss is the mean over its dp x accumulation micro-batches."""
+    return m.router_aux_loss_coef * rt.topology.cp / rt.derived.grad_accum
+
+
+@dataclasses.dataclass
+class Routing:
+    """A step's routing on this rank: the load-balancing losses of its micro-steps (each the
+    micro-batch's, the same on its cp ranks) and the tokens it sent to each expert of each MoE
+    layer, summed."""
+
+    aux_sum: Tensor | None = None
+    counts: Tensor | None = None
+    micro_steps: int = 0
+
+    def add(self, aux: Tensor, counts: Tensor) -> None:
+        self.aux_sum = aux if self.aux_sum is None else self.aux_sum + aux
+        self.counts = counts if self.counts is None else self.counts + counts
+        self.micro_steps += 1
+
+    def metrics(self, rt: Runtime) -> dict:
+        """aux_loss (the mean over the step's micro-batches), expert_load (tokens per expert
+        over the step, per MoE layer) and its largest max/mean over the layers."""
+        if self.counts is None:
+            return {}
+        aux = _all_reduce(self.aux_sum.float().reshape(1), rt) / (
+            self.micro_steps * rt.topology.group_size("dp_cp"))
+        counts = _all_reduce(self.counts.clone(), rt)
+        imbalance = counts.max(dim=1).values / counts.mean(dim=1)
+        return {"aux_loss": aux.item(), "expert_load": counts.long().tolist(),
+                "expert_load_max_over_mean": imbalance.max().item()}
 
 
 def _all_reduce(x: Tensor, rt: Runtime) -> Tensor:
@@ -69,7 +114,7 @@ def _all_reduce(x: Tensor, rt: Runtime) -> Tensor:
 
 
 def _micro_steps(model: nn.Module, micro_batches: list[MicroBatch], loss_scale: float,
-                 rt: Runtime) -> Tensor:
+                 rt: Runtime, routing: Routing | None = None) -> Tensor:
     """Forward and backward of every micro-batch; the sum of this rank's token losses (with
     pipeline parallelism, summed over the pipeline: only the last stage computes losses)."""
     if isinstance(model, PipelinedModel):
@@ -80,7 +125,7 @@ def _micro_steps(model: nn.Module, micro_batches: list[MicroBatch], loss_scale: 
     for i, mb in enumerate(micro_batches):
         progress.mark(micro_step=i)
         with gradient_sync(model, sync=rt.sync_every_micro_step or i == len(micro_batches) - 1):
-            loss_sum += forward_backward(model, mb, loss_scale, rt)
+            loss_sum += forward_backward(model, mb, loss_scale, rt, routing)
     return loss_sum
 
 
@@ -104,8 +149,10 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[Micro
     """One optimizer step over this rank's accumulation micro-batches."""
     if deepspeed_engine.is_engine(model):
         return _deepspeed_step(model, scheduler, micro_batches, rt)
+    routing = Routing()
     loss, tokens = _token_weighted_loss(
-        micro_batches, rt, lambda loss_scale: _micro_steps(model, micro_batches, loss_scale, rt))
+        micro_batches, rt,
+        lambda loss_scale: _micro_steps(model, micro_batches, loss_scale, rt, routing))
     grad_norm = clip_grad_norm_(list(model.parameters()), cfg.optim.grad_clip,
                                 rt.group("pp") if rt.topology.pp > 1 else None)
     lr = scheduler.get_last_lr()[0]
@@ -117,7 +164,8 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[Micro
         if isinstance(model, PipelinedModel):  # the tied embedding's copy, if any
             model.refresh_copy()
     optimizer.zero_grad(set_to_none=True)
-    return _step_metrics(loss, lr, grad_norm.item(), tokens, finite)
+    return {**_step_metrics(loss, lr, grad_norm.item(), tokens, finite),
+            **routing.metrics(rt)}
 
 
 def _step_metrics(loss: Tensor, lr: float, grad_norm: float, tokens: Tensor,

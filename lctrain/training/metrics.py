@@ -301,6 +301,8 @@ class MetricsLogger:
         status = (f"step {step}/{self.total_steps}  loss {metrics['loss']:.4f}  "
                   f"lr {metrics['lr']:.2e}  gnorm {metrics['grad_norm']:.3f}  "
                   f"{metrics['tokens_per_sec']:,.0f} tok/s")
+        if "aux_loss" in metrics:
+            status += f"  aux {metrics['aux_loss']:.4f}"
         if metrics.get("mfu") is not None:
             status += f"  mfu {100 * metrics['mfu']:.3g}%"
         if "peak_mem_bytes" in metrics:
@@ -318,7 +320,8 @@ class MetricsLogger:
         row = {"step": step, **metrics, "time": time.time()}
         self._append(step, (json.dumps(row) + "\n").encode())
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+            self._wandb.log({k: v for k, v in metrics.items()
+                             if v is not None and not isinstance(v, list)}, step=step)
         if self._tensorboard is not None:
             for key, value in _scalars(metrics).items():
                 self._tensorboard.add_scalar(key, value, step)

@@ -1,0 +1,127 @@
+"""Mixture-of-experts MLPs (docs/parallelism.md §28): a router, top-k routing without capacity
+limits (every token reaches its k experts), the experts' gated MLPs computed expert by expert
+over the tokens sorted by expert (one grouped matmul per projection where torch has one for the
+device and dtype), and the router statistics the load-balancing loss and the expert-load
+metrics are made of.
+
+Routing, as transformers' Qwen3-MoE and Mixtral routers: probabilities p = softmax(router(x)) in
+float32, the k largest per token, renormalised to sum to 1 when `model.norm_topk_prob`; the
+token's output is the sum of its experts' outputs weighted by those probabilities.
+
+The load-balancing loss couples every MoE layer of the model (transformers' definition: counts
+and probabilities summed over all layers before their product), so each layer records its
+statistics in the model's `RouterLog` and the model computes the loss after its last block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lctrain.config import ModelConfig
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running this code: activation checkpointing recomputing a
+    block's forward, whose routing was recorded the first time."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class RouterLog:
+    """What the MoE layers of one forward recorded: per layer, the tokens sent to each expert
+    (float [E], no gradient); per call (a layer's, or a chunk's of a tiled layer), the routing
+    probabilities summed over its tokens (float32 [E], with gradient) and its tokens."""
+
+    def __init__(self):
+        self.clear()
+
+    def clear(self) -> None:
+        self.counts: dict[int, Tensor] = {}
+        self.prob_sums: list[Tensor] = []
+        self.tokens = 0
+
+    def record(self, layer: int, counts: Tensor, prob_sum: Tensor, tokens: int) -> None:
+        if not _in_backward():
+            before = self.counts.get(layer)
+            self.counts[layer] = counts.float() if before is None else before + counts
+            self.prob_sums.append(prob_sum)
+            self.tokens += tokens
+
+
+def load_balancing_loss(counts: Tensor, prob_sums: Tensor, rows: Tensor, n_experts: int
+                        ) -> Tensor:
+    """transformers' `load_balancing_loss_func`: E * sum_e f_e P_e, where f_e is the share of
+    top-k assignments to expert e and P_e the mean routing probability of e, both over every
+    (MoE layer, token) row: counts [E] and prob_sums [E] summed over the layers (and over the
+    ranks that hold the micro-batch's tokens), rows their number."""
+    return n_experts * torch.sum((counts / rows) * (prob_sums / rows))
+
+
+def _grouped_matmul(x: Tensor, w: Tensor, counts: Tensor, splits: list[int] | None) -> Tensor:
+    """x [N, in] (rows sorted by expert, counts [E] of them each) @ w[e]^T [E, out, in] for each
+    expert's rows: torch's grouped matmul on CUDA in bf16, else one matmul per expert."""
+    if splits is None:
+        offsets = counts.cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+    pieces = x.split(splits)
+    return torch.cat([piece @ w[e].T for e, piece in enumerate(pieces)])
+
+
+def uses_grouped_mm(x: Tensor) -> bool:
+    """Whether `_grouped_matmul` takes torch's grouped matmul for `x` (CUDA, bf16)."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP: `router` (Linear D -> E), and the experts' matrices stacked by
+    expert, w1 (gate) and w3 (up) [E, F, D], w2 (down) [E, D, F], each expert computing
+    w2 (act(w1 x) * w3 x) as the dense FeedForward does."""
+
+    def __init__(self, cfg: ModelConfig, layer: int = 0, log: RouterLog | None = None,
+                 activation: Callable[[Tensor], Tensor] = F.silu):
+        super().__init__()
+        self.layer = layer
+        e, d, f = cfg.n_experts, cfg.dim, cfg.expert_dim
+        self.n_experts, self.top_k, self.norm_topk = e, cfg.experts_per_token, cfg.norm_topk_prob
+        self.router = nn.Linear(d, e, bias=False)
+        self.w1 = nn.Parameter(torch.empty(e, f, d))
+        self.w3 = nn.Parameter(torch.empty(e, f, d))
+        self.w2 = nn.Parameter(torch.empty(e, d, f))
+        self.activation = activation
+        self.log = log if log is not None else RouterLog()
+        self.std, self.out_std = cfg.init_std, cfg.init_std / (2 * cfg.n_layers) ** 0.5
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x [N, D] -> (weights [N, k] in x's dtype, experts [N, k], tokens per expert [E]);
+        records the statistics."""
+        probs = F.softmax(self.router(x).float(), dim=-1)
+        top, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            top = top / top.sum(dim=-1, keepdim=True)
+        counts = torch.bincount(experts.reshape(-1), minlength=self.n_experts)
+        self.log.record(self.layer, counts, probs.sum(dim=0), x.shape[0])
+        return top.to(x.dtype), experts, counts
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, experts, counts = self.route(flat)
+        order = experts.reshape(-1).argsort(stable=True)
+        token = order // self.top_k
+        y = self.experts(flat[token], counts)
+        y = y * weights.reshape(-1)[order, None]
+        return torch.zeros_like(flat).index_add_(0, token, y).reshape(shape)
+
+    def experts(self, xs: Tensor, counts: Tensor) -> Tensor:
+        """Each expert's gated MLP over its rows of xs [N k, D] (sorted by expert, counts [E])."""
+        splits = None if uses_grouped_mm(xs) else counts.tolist()
+        gate = self.activation(_grouped_matmul(xs, self.w1, counts, splits))
+        up = _grouped_matmul(xs, self.w3, counts, splits)
+        return _grouped_matmul(gate * up, self.w2, counts, splits)
+
+    def init_rules(self) -> dict[str, float | None]:
+        # the down projections feed the residual stream: scaled down by depth, as dense MLPs'
+        return {"router.weight": self.std, "w1": self.std, "w3": self.std, "w2": self.out_std}

@@ -1,0 +1,38 @@
+"""Qwen3-MoE (config.json model_type qwen3_moe: Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's
+attention (QK-norm, explicit head_dim) and, in the layers `model.moe_layers` names (from
+decoder_sparse_step and mlp_only_layers), a mixture of experts (lctrain.models.moe): a router
+without bias, softmax then top-k with `norm_topk_prob`, experts of moe_intermediate_size. The
+other layers keep a dense MLP of intermediate_size.
+"""
+
+from __future__ import annotations
+
+from lctrain.config import ModelConfig
+from lctrain.models.families import FamilyCode
+from lctrain.models.qwen2 import windowed_hf_config
+from lctrain.models.qwen3 import QWEN3
+
+
+def moe_hf_config(cfg: ModelConfig, experts_key: str) -> dict:
+    """The config keys of an MoE family's transformers config: the experts (under
+    `experts_key`, num_experts or num_local_experts), k, the aux-loss weight."""
+    return {experts_key: cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
+            "router_aux_loss_coef": cfg.router_aux_loss_coef,
+            "output_router_logits": cfg.router_aux_loss_coef > 0}
+
+
+def _hf_config(cfg: ModelConfig) -> dict:
+    sparse = cfg.moe_layers if cfg.moe_layers is not None else range(cfg.n_layers)
+    return {"attention_bias": False, **windowed_hf_config(cfg),
+            **moe_hf_config(cfg, "num_experts"), "moe_intermediate_size": cfg.expert_dim,
+            "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(cfg.n_layers) if i not in sparse]}
+
+
+QWEN3_MOE = FamilyCode(
+    "qwen3_moe", attention=QWEN3.attention,
+    hf_names={**QWEN3.hf_names, "feed_forward.router": "mlp.gate"},
+    hf_experts={"feed_forward.w1": "mlp.experts.{e}.gate_proj.weight",
+                "feed_forward.w3": "mlp.experts.{e}.up_proj.weight",
+                "feed_forward.w2": "mlp.experts.{e}.down_proj.weight"},
+    tp_plan=QWEN3.tp_plan, hf_config=_hf_config)
