@@ -108,7 +108,12 @@ LAYOUTS = {  # the 4-rank layouts every family trains on
 MOE_LAYOUT = {"cp2_ulysses_ddp_tiled": ["parallel.cp=2", "parallel.dp=2",
                                        "parallel.attention=ulysses", "parallel.dp_engine=ddp",
                                        "train.mlp_chunk=8", "train.activation_checkpointing=full",
-                                       "data.document_masking=true"]}
+                                       "data.document_masking=true"],
+              "ep2_cp2_ring_docs": ["parallel.cp=2", "parallel.dp=2", "parallel.ep=2",
+                                    "parallel.attention=ring", "data.document_masking=true"],
+              "ep4_dp4_tiled": ["parallel.cp=1", "parallel.dp=4", "parallel.ep=4",
+                                "train.mlp_chunk=8", "train.activation_checkpointing=full",
+                                "data.document_masking=true"]}
 EXPORTED_BY = {"cp2_tp2_sp_ulysses": [f for f in FAMILIES if f not in MOE],
                "cp2_ring_zigzag_docs": list(MOE)}
 """The layout whose run exports each family."""
@@ -253,13 +258,14 @@ def _moe_grads(grads: dict) -> dict:
     for name, grad in grads.items():
         layer, _, rest = name.removeprefix("model.layers.").partition(".mlp.")
         ours = f"layers.{layer}.feed_forward"
+        experts = f"{ours}.experts"
         if rest == "gate.weight":
             out[f"{ours}.router.weight"] = grad
         elif rest == "experts.gate_up_proj":
-            out[f"{ours}.w1"], out[f"{ours}.w3"] = grad.chunk(2, dim=1)
+            out[f"{experts}.w1"], out[f"{experts}.w3"] = grad.chunk(2, dim=1)
         else:
             assert rest == "experts.down_proj", name
-            out[f"{ours}.w2"] = grad
+            out[f"{experts}.w2"] = grad
     return out
 
 

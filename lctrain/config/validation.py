@@ -392,11 +392,14 @@ def _window(cfg: LctrainConfig) -> list[str]:
     return problems
 
 
-def _experts(cfg: LctrainConfig) -> list[str]:
+def _experts(cfg: LctrainConfig, world_size: int) -> list[str]:
     """The mixture-of-experts fields: experts only in a family that has them (and then some),
     k of them per token, MoE layers that exist; the layouts MoE layers do not run in yet."""
     m, p = cfg.model, cfg.parallel
     family = model_family(m.family)
+    if p.ep > 1 and not (family.moe and m.n_experts):
+        return [f"parallel.ep={p.ep} splits a mixture of experts, but model.family={m.family} "
+                f"(model.n_experts={m.n_experts}) has none; set parallel.ep=1"]
     if not family.moe:
         return [] if m.n_experts == 0 else [
             f"model.n_experts={m.n_experts} with model.family={m.family}, whose MLPs are dense; "
@@ -413,6 +416,7 @@ def _experts(cfg: LctrainConfig) -> list[str]:
         if bad or len(set(m.moe_layers)) != len(m.moe_layers):
             problems.append(f"model.moe_layers={list(m.moe_layers)} must name distinct layers "
                             f"0..{m.n_layers - 1}" + (f" (not {bad})" if bad else ""))
+    problems += _expert_parallel(cfg, world_size)
     not_yet = [(f"parallel.tp={p.tp}", "parallel.tp=1 (FSDP shards the experts over dp x cp)",
                 p.tp > 1),
                (f"parallel.pp={p.pp}", "parallel.pp=1", p.pp > 1),
@@ -421,6 +425,27 @@ def _experts(cfg: LctrainConfig) -> list[str]:
     problems += [f"{setting} with a mixture-of-experts model (model.n_experts={m.n_experts}): "
                  f"lctrain does not lay experts out there yet; set {fix}"
                  for setting, fix, refused in not_yet if refused]
+    return problems
+
+
+def _expert_parallel(cfg: LctrainConfig, world_size: int) -> list[str]:
+    """parallel.ep: whole experts per rank, ep ranks inside dp x cp, FSDP over the rest."""
+    m, p = cfg.model, cfg.parallel
+    if p.ep == 1:
+        return []
+    problems = []
+    if m.n_experts % p.ep:
+        problems.append(f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts}; "
+                        f"try parallel.ep={math.gcd(m.n_experts, p.ep)}")
+    dp = p.dp if p.dp != -1 else world_size // (p.tp * p.cp * p.pp)
+    if dp >= 1 and (dp * p.cp) % p.ep:
+        problems.append(f"parallel.ep={p.ep} must divide dp x cp = {dp} x {p.cp}: the expert "
+                        f"ranks are data and context ranks; try parallel.ep="
+                        f"{math.gcd(dp * p.cp, p.ep)}")
+    if p.dp_engine != "fsdp":
+        problems.append(f"parallel.ep={p.ep} with parallel.dp_engine={p.dp_engine}: the ranks "
+                        "hold different experts, which only FSDP reduces apart (over the ranks "
+                        "holding the same ones); set parallel.dp_engine=fsdp")
     return problems
 
 
@@ -457,7 +482,7 @@ def layout_problems(cfg: LctrainConfig, world_size: int, later: list[str] | None
     if later is None:
         later = _scalars(cfg) + _logging(cfg) + _length_mix(cfg)
     world = _world(cfg, world_size)
-    problems = (world + _heads(cfg) + _window(cfg) + _experts(cfg) + _context(cfg)
+    problems = (world + _heads(cfg) + _window(cfg) + _experts(cfg, world_size) + _context(cfg)
                 + _pipeline(cfg) + later
                 + eval_problems(cfg) + offload_problems(cfg))
     if cfg.train.device == "cuda":  # train.device=auto is resolved where the run starts

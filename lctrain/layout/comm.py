@@ -183,6 +183,40 @@ def all_to_all_autograd(x: Tensor, group: dist.ProcessGroup, scatter_dim: int,
     return _AllToAll.apply(x, group, scatter_dim, gather_dim)
 
 
+def all_to_all_rows(x: Tensor, group: dist.ProcessGroup, send: list[int],
+                    receive: list[int]) -> Tensor:
+    """Rows of x [N, ...] in runs of `send[j]` rows sent to rank j of the group, in rank order;
+    returns the `receive[j]` rows from each rank j, concatenated in rank order (uneven splits:
+    the experts' dispatch and combine, docs/parallelism.md §28)."""
+    local, back = _staged(x.contiguous(), group, "all_to_all")
+    out = local.new_empty((sum(receive), *x.shape[1:]))
+    dist.all_to_all_single(out, local, output_split_sizes=receive, input_split_sizes=send,
+                           group=group)
+    me = dist.get_rank(group)
+    _count("all_to_all", (x.shape[0] - send[me]) * math.prod(x.shape[1:]), x)
+    return back(out)
+
+
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, send, receive):
+        ctx.group, ctx.splits, ctx.tag = group, (send, receive), current_tag()
+        return all_to_all_rows(x, group, send, receive)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send, receive = ctx.splits
+        with traffic_tag(ctx.tag):
+            grad = all_to_all_rows(grad, ctx.group, receive, send)
+        return grad, None, None, None
+
+
+def all_to_all_rows_autograd(x: Tensor, group: dist.ProcessGroup, send: list[int],
+                             receive: list[int]) -> Tensor:
+    """`all_to_all_rows` whose backward sends the gradients back the way the rows came."""
+    return _AllToAllRows.apply(x, group, send, receive)
+
+
 class _SumPassingGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):

@@ -38,7 +38,7 @@ class FamilyCode:
     """A block's norms beyond Llama's two (which sequence parallelism shards like them)."""
     hf_experts: dict[str, str] = field(default_factory=dict)
     """A mixture-of-experts block's stacked expert matrix (lctrain path inside a block, e.g.
-    feed_forward.w1, [E, ...]) -> the Hugging Face name of expert e's matrix, with "{e}" (its
+    feed_forward.experts.w1, [E, ...]) -> the Hugging Face name of expert e's matrix, with "{e}" (its
     checkpoints store one tensor per expert)."""
 
 

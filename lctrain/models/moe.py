@@ -18,10 +18,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lctrain.config import ModelConfig
+from lctrain.layout.comm import all_to_all_rows_autograd, traffic_tag
+
+EP_TAG = "ep"
+"""The traffic tag of the experts' all-to-all (metrics' traffic/ep)."""
 
 
 def _in_backward() -> bool:
@@ -75,24 +81,90 @@ def uses_grouped_mm(x: Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+class Experts(nn.Module):
+    """The experts of one MoE layer, their matrices stacked by expert: w1 (gate) and w3 (up)
+    [E, F, D], w2 (down) [E, D, F], expert e computing w2[e] (act(w1[e] x) * w3[e] x).
+
+    Under expert parallelism (`lctrain.parallel.experts` sets `group`) each rank of an ep group
+    holds E/ep consecutive experts (its matrices a DTensor sharded by expert): the rows go to
+    their experts' ranks and come back by all-to-all, counted under the traffic tag "ep"."""
+
+    def __init__(self, cfg: ModelConfig, activation: Callable[[Tensor], Tensor] = F.silu):
+        super().__init__()
+        e, d, f = cfg.n_experts, cfg.dim, cfg.expert_dim
+        self.n_experts = e
+        self.w1 = nn.Parameter(torch.empty(e, f, d))
+        self.w3 = nn.Parameter(torch.empty(e, f, d))
+        self.w2 = nn.Parameter(torch.empty(e, d, f))
+        self.activation = activation
+        self.std, self.out_std = cfg.init_std, cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        self.group: dist.ProcessGroup | None = None
+        """The ep group (None: every expert here)."""
+
+    def forward(self, xs: Tensor, counts: Tensor) -> Tensor:
+        """Each expert's MLP over its rows of xs [N k, D] (sorted by expert; counts [E])."""
+        weights = [w.to_local() if isinstance(w, DTensor) else w
+                   for w in (self.w1, self.w3, self.w2)]
+        if self.group is None:
+            return self._mlp(xs, counts, *weights)
+        ep = dist.get_world_size(self.group)
+        # each expert's gradient sums the rows of its whole ep group, whose ranks' losses the
+        # data-parallel reduction averages again over dp x cp: 1/ep makes it the mean (§28)
+        weights = [_ScaleGrad.apply(w, 1.0 / ep) for w in weights]
+        with traffic_tag(EP_TAG):
+            return self._dispatched(xs, counts, ep, weights)
+
+    def _dispatched(self, xs: Tensor, counts: Tensor, ep: int, weights: list[Tensor]
+                    ) -> Tensor:
+        local = self.n_experts // ep
+        sent = counts.reshape(ep, local)  # rows for each rank's experts
+        received = torch.empty_like(sent)  # [source rank, my expert]
+        dist.all_to_all_single(received, sent, group=self.group)
+        send, receive = sent.sum(dim=1).tolist(), received.sum(dim=1).tolist()
+        rows = all_to_all_rows_autograd(xs, self.group, send, receive)
+        # from (source, expert) order to (expert, source) order and back
+        segment = torch.repeat_interleave(torch.arange(ep * local, device=xs.device),
+                                          received.reshape(-1))
+        order = torch.argsort((segment % local) * ep + segment // local, stable=True)
+        out = self._mlp(rows[order], received.sum(dim=0), *weights)
+        out = torch.empty_like(out).index_copy_(0, order, out)
+        return all_to_all_rows_autograd(out, self.group, receive, send)
+
+    def _mlp(self, xs: Tensor, counts: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
+        splits = None if uses_grouped_mm(xs) else counts.tolist()
+        gate = self.activation(_grouped_matmul(xs, w1, counts, splits))
+        up = _grouped_matmul(xs, w3, counts, splits)
+        return _grouped_matmul(gate * up, w2, counts, splits)
+
+    def init_rules(self) -> dict[str, float | None]:
+        # the down projections feed the residual stream: scaled down by depth, as dense MLPs'
+        return {"w1": self.std, "w3": self.std, "w2": self.out_std}
+
+
 class MoE(nn.Module):
-    """A mixture-of-experts MLP: `router` (Linear D -> E), and the experts' matrices stacked by
-    expert, w1 (gate) and w3 (up) [E, F, D], w2 (down) [E, D, F], each expert computing
-    w2 (act(w1 x) * w3 x) as the dense FeedForward does."""
+    """A mixture-of-experts MLP: `router` (Linear D -> E) and `experts` (`Experts`)."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0, log: RouterLog | None = None,
                  activation: Callable[[Tensor], Tensor] = F.silu):
         super().__init__()
         self.layer = layer
-        e, d, f = cfg.n_experts, cfg.dim, cfg.expert_dim
-        self.n_experts, self.top_k, self.norm_topk = e, cfg.experts_per_token, cfg.norm_topk_prob
-        self.router = nn.Linear(d, e, bias=False)
-        self.w1 = nn.Parameter(torch.empty(e, f, d))
-        self.w3 = nn.Parameter(torch.empty(e, f, d))
-        self.w2 = nn.Parameter(torch.empty(e, d, f))
-        self.activation = activation
+        self.n_experts, self.top_k, self.norm_topk = (cfg.n_experts, cfg.experts_per_token,
+                                                      cfg.norm_topk_prob)
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = Experts(cfg, activation)
         self.log = log if log is not None else RouterLog()
-        self.std, self.out_std = cfg.init_std, cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        self.std = cfg.init_std
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [N, D] -> (weights [N, k] in x's dtype, experts [N, k], tokens per expert [E]);
@@ -115,13 +187,5 @@ class MoE(nn.Module):
         y = y * weights.reshape(-1)[order, None]
         return torch.zeros_like(flat).index_add_(0, token, y).reshape(shape)
 
-    def experts(self, xs: Tensor, counts: Tensor) -> Tensor:
-        """Each expert's gated MLP over its rows of xs [N k, D] (sorted by expert, counts [E])."""
-        splits = None if uses_grouped_mm(xs) else counts.tolist()
-        gate = self.activation(_grouped_matmul(xs, self.w1, counts, splits))
-        up = _grouped_matmul(xs, self.w3, counts, splits)
-        return _grouped_matmul(gate * up, self.w2, counts, splits)
-
     def init_rules(self) -> dict[str, float | None]:
-        # the down projections feed the residual stream: scaled down by depth, as dense MLPs'
-        return {"router.weight": self.std, "w1": self.std, "w3": self.std, "w2": self.out_std}
+        return {"router.weight": self.std}

@@ -12,6 +12,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from lctrain.config import LctrainConfig
 from lctrain.config.derived import data_parallel_engine_of
+from lctrain.parallel.experts import expert_modules
 from lctrain.parallel.runtime import Runtime
 
 
@@ -22,7 +23,8 @@ def data_parallel_engine(cfg: LctrainConfig, rt: Runtime) -> str | None:
 
 
 def apply_fsdp(model: nn.Module, rt: Runtime, offload: bool = False) -> nn.Module:
-    """FSDP2 over dp x cp: each block, then the root (on the meta device too: each rank then
+    """FSDP2 over dp x cp: each block (under expert parallelism its experts first, over the
+    edp ranks that hold the same ones), then the root (on the meta device too: each rank then
     materialises only its shards). Under train.dtype=bf16 the weights are gathered and computed
     with in bf16 while the fp32 shards stay the master weights and gradients are reduced in fp32
     (half the all-gather traffic and gathered-weight memory of fp32). With `offload`
@@ -34,6 +36,10 @@ def apply_fsdp(model: nn.Module, rt: Runtime, offload: bool = False) -> nn.Modul
     options = {"offload_policy": CPUOffloadPolicy(pin_memory=rt.device.type == "cuda")} \
         if offload else {}
     for layer in model.layers.values():
+        if rt.ep > 1:  # a rank's experts: over the ranks that hold the same ones
+            for experts in expert_modules(layer):
+                fully_shard(experts, mesh=rt.mesh.experts(rt.ep)["edp"], mp_policy=policy,
+                            **options)
         fully_shard(layer, mesh=dp_cp_mesh, mp_policy=policy, **options)
     fully_shard(model, mesh=dp_cp_mesh, mp_policy=policy, **options)
     return model

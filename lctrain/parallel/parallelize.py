@@ -26,6 +26,7 @@ from lctrain.models.llama import AttentionCore, Llama, sdpa_attention
 from lctrain.models.registry import new_model
 from lctrain.parallel.checkpointing import apply_activation_checkpointing
 from lctrain.parallel.data_parallel import apply_ddp, apply_fsdp, data_parallel_engine
+from lctrain.parallel.experts import apply_expert_parallel
 from lctrain.parallel.pipeline import PipelinedModel, my_stages, stage_model
 from lctrain.parallel.runtime import Runtime
 from lctrain.parallel.tensor import apply_tensor_parallel
@@ -55,7 +56,8 @@ def build_attention_core(cfg: LctrainConfig, rt: Runtime) -> AttentionCore:
 
 def parallelize_model(model: Llama, cfg: LctrainConfig, rt: Runtime,
                       fill: Callable[[nn.Module], None] | None = None) -> nn.Module:
-    """Apply TP + SP, sequence tiling, activation checkpointing, then FSDP over dp x cp; then,
+    """Apply TP + SP, expert parallelism, sequence tiling, activation checkpointing, then FSDP
+    over dp x cp (a rank's experts over the ranks holding the same ones); then,
     for a model built on the meta device, materialise this rank's shards on the device and
     `fill` them; then DDP (which needs real weights). Under context parallelism a mixture of
     experts sums its routing statistics over cp (lctrain.models.moe)."""
@@ -64,6 +66,8 @@ def parallelize_model(model: Llama, cfg: LctrainConfig, rt: Runtime,
         model.reduce_router_stats = partial(sum_passing_grad, group=rt.group("cp"))
     if p.tp > 1:
         model = apply_tensor_parallel(model, rt.mesh["tp"], p.sp)
+    if p.ep > 1:
+        model = apply_expert_parallel(model, rt.mesh.experts(p.ep)["ep"])
     model = apply_mlp_tiling(apply_loss_tiling(model, t.loss_chunk), t.mlp_chunk, p.tp, p.sp)
     model = apply_activation_checkpointing(
         model, t.activation_checkpointing, p.cp,

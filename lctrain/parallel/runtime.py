@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -27,9 +27,23 @@ class ParallelMesh:
 
     root: DeviceMesh
     meshes: dict[str, DeviceMesh]
+    expert_meshes: dict[int, DeviceMesh] = field(default_factory=dict)
+    """By ep: the dp x cp ranks as an (edp, ep) mesh (`experts`)."""
 
     def __getitem__(self, group: str) -> DeviceMesh:
         return self.meshes[group]
+
+    def experts(self, ep: int) -> DeviceMesh:
+        """The dp x cp group unflattened into (edp, ep): ep consecutive ranks of it hold the
+        experts of a layer between them, the edp ranks of one ep position the same ones
+        (collective the first time for each ep)."""
+        if ep not in self.expert_meshes:
+            dp_cp = self.meshes["dp_cp"]
+            options = group_options(dp_cp.device_type)
+            self.expert_meshes[ep] = dp_cp._unflatten(
+                0, (dp_cp.size() // ep, ep), ("edp", "ep"),
+                backend_override={"edp": options, "ep": options})
+        return self.expert_meshes[ep]
 
     def group(self, name: str) -> dist.ProcessGroup:
         """The ProcessGroup of the named group that contains this rank."""
@@ -116,6 +130,8 @@ class Runtime:
     """train.offload_activations: what the backward needs is kept in (pinned) host memory."""
     sync_every_micro_step: bool = False
     """Reduce gradients in every micro-step (`reduces_each_micro_step`)."""
+    ep: int = 1
+    """parallel.ep: ranks of dp x cp that split the experts between them."""
 
     def axis_rank(self, group: str) -> int:
         """This rank's index inside the named group."""
@@ -179,7 +195,7 @@ def setup_distributed(cfg: LctrainConfig) -> Runtime:
     topology = Topology.from_config(cfg, world)
     derived = derive(cfg, world)
     extra = {"dtype": cfg.train.dtype, "offload_activations": cfg.train.offload_activations,
-             "sync_every_micro_step": reduces_each_micro_step(cfg)}
+             "sync_every_micro_step": reduces_each_micro_step(cfg), "ep": cfg.parallel.ep}
     if world == 1 and data_parallel_engine_of(cfg, 1) is None:
         return Runtime(0, 1, device, topology, derived, None, **extra)
     if not dist.is_initialized():

@@ -31,6 +31,7 @@ from lctrain.data.loader import DataLoader, build_loader
 from lctrain.layout.comm import record_traffic
 from lctrain.layout.stages import split_layers
 from lctrain.models.hf import export_hf, full_parameters
+from lctrain.models.moe import EP_TAG
 from lctrain.parallel import deepspeed_engine, progress
 from lctrain.parallel.data_parallel import data_parallel_engine, gradient_sync, unwrap
 from lctrain.parallel.parallelize import build_model
@@ -207,16 +208,19 @@ def _agree_run_dir(run_dir: Path, rt: Runtime) -> Path:
 
 def _timed_step(model, optimizer, scheduler, loader: DataLoader, cfg: LctrainConfig,
                 rt: Runtime) -> dict:
-    """One step with its timings and the context-parallel traffic it sent."""
+    """One step with its timings and the context- and expert-parallel traffic it sent."""
     t0 = time.perf_counter()
     micro_batches = loader.next_step()
     data_time = time.perf_counter() - t0
     with record_traffic() as traffic:
         out = train_step(model, optimizer, scheduler, micro_batches, cfg, rt)
     elapsed = time.perf_counter() - t0
+    sent = {tag: 0 for tag in ("cp", EP_TAG)}  # the experts' all-to-all apart
+    for (tag, _), nbytes in traffic.bytes.items():
+        sent[EP_TAG if tag == EP_TAG else "cp"] += nbytes
     out.update(step_time=elapsed, data_time=data_time,
                tokens_per_sec=rt.derived.tokens_per_step / elapsed,
-               cp_bytes_sent=sum(traffic.bytes.values()))
+               cp_bytes_sent=sent["cp"], ep_bytes_sent=sent[EP_TAG])
     return out
 
 

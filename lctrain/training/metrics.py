@@ -14,7 +14,8 @@ Keys a logged step gets besides the loss and timings (docs/parallelism.md §14):
   water mark (VmHWM, reset through /proc/self/clear_refs; where that is not permitted, the
   lifetime peak, and the run says so once at the start).
 - `data_time`: the wait for the loader, the largest over the ranks at logged steps.
-- `traffic/{cp,tp,pp,dp}`: bytes one rank sent in the step, for groups of more than one rank.
+- `traffic/{cp,ep,tp,pp,dp}`: bytes one rank sent in the step, for groups of more than one
+  rank. `traffic/ep` is measured (the experts' all-to-all, docs/parallelism.md §28);
   `traffic/cp` is measured (`record_traffic` counts lctrain's own collectives, the
   context-parallel attention; also kept as `cp_bytes_sent`); `traffic/tp`, `traffic/pp` and
   `traffic/dp` (FSDP/DDP over dp x cp) are the formulas of `lctrain.planning.traffic` for
@@ -138,6 +139,7 @@ class StepMeter:
         self.traffic = {f"traffic/{group}": nbytes
                         for group, nbytes in step_traffic_bytes(cfg, rt.world_size).items()}
         self.measure_cp = cfg.parallel.cp > 1
+        self.measure_ep = cfg.parallel.ep > 1
         self.memory = PeakMemory(rt.device)
         peak = "unknown" if self.peak_tflops is None else f"{self.peak_tflops:.4g} TFLOP/s"
         info(f"lctrain: {self.flops_per_step:.3e} model FLOPs per step; MFU against {peak} per "
@@ -159,6 +161,8 @@ class StepMeter:
                            self.peak_tflops))
         if self.measure_cp:
             out["traffic/cp"] = out["cp_bytes_sent"]
+        if self.measure_ep:
+            out["traffic/ep"] = out["ep_bytes_sent"]
         out.update(self.traffic)
 
     def reduce(self, out: dict) -> None:

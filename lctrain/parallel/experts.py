@@ -1,0 +1,38 @@
+"""Expert parallelism (parallel.ep, docs/parallelism.md §28): every mixture-of-experts layer's
+experts split over the ep ranks of an (edp, ep) unflattening of the dp x cp group. A rank's
+experts are a DTensor sharded by expert (Shard(0) of the [E, ...] matrices) on the ep mesh, so
+initialisation, Hugging Face loading, checkpoints and export see the whole [E, ...] tensors;
+FSDP then shards them over edp (`lctrain.parallel.data_parallel.apply_fsdp`). The rows reach
+their experts and come back by all-to-all (`lctrain.models.moe.Experts`). The attention's layout
+is unchanged: each data and context rank routes its own tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from lctrain.models.llama import Llama
+from lctrain.models.moe import Experts
+
+
+def expert_modules(model: nn.Module) -> list[Experts]:
+    return [m for m in model.modules() if isinstance(m, Experts)]
+
+
+def apply_expert_parallel(model: Llama, ep_mesh: DeviceMesh) -> Llama:
+    """Each Experts module of `model` (on the meta device) keeps its 1/ep of the experts, as a
+    DTensor sharded by expert on `ep_mesh`, and dispatches over its group."""
+    ep = ep_mesh.size()
+    for experts in expert_modules(model):
+        for name in ("w1", "w3", "w2"):
+            whole = getattr(experts, name)
+            local = torch.empty((whole.shape[0] // ep, *whole.shape[1:]), dtype=whole.dtype,
+                                device=whole.device)
+            setattr(experts, name, nn.Parameter(DTensor.from_local(
+                local, ep_mesh, [Shard(0)], run_check=False, shape=whole.shape,
+                stride=whole.stride())))
+        experts.group = ep_mesh.get_group()
+    return model
