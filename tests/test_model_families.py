@@ -348,6 +348,31 @@ RESUMED_UNDER = {  # family -> the layout that loads the cp2 x tp2+sp Ulysses ch
 }
 
 
+@pytest.mark.slow  # 10 s on 2 cores: 3 runs on 4 ranks
+def test_a_moe_checkpoint_reshards_between_expert_parallel_sizes(hf_dirs, tmp_path):
+    """Qwen3-MoE from its HF weights, three steps at ep2 x cp2 ring (a checkpoint at step 2);
+    the step-2 checkpoint loaded at ep1 (cp2 x dp2) and at ep4 (dp4) continues with the same
+    loss, load-balancing loss and grad norm: the experts' DTensors reshard by expert."""
+    path = hf_dirs["qwen3_moe"][0]
+    steps = ["train.steps=3", "optim.warmup_steps=1"]
+    step2 = tmp_path / "saved" / "checkpoints" / "step-00000002"
+    loaded = [*steps, "checkpoint.every=0", f"checkpoint.load={step2}"]
+    runs = {"saved": _resolved(path, *MOE_LAYOUT["ep2_cp2_ring_docs"], *steps,
+                               "checkpoint.every=2").cfg,
+            "ep1": _resolved(path, "parallel.cp=2", "parallel.dp=2", "parallel.attention=ring",
+                             "data.document_masking=true", *loaded).cfg,
+            "ep4": _resolved(path, "parallel.cp=1", "parallel.dp=4", "parallel.ep=4",
+                             "data.document_masking=true", *loaded).cfg}
+    histories = on_ranks(train_each, 4, runs, str(tmp_path), timeout_s=300)[0]
+    want = histories["saved"][2]
+    assert want["step"] == 3 and want["aux_loss"] > 0
+    for name in ("ep1", "ep4"):
+        [got] = histories[name]
+        assert got["step"] == 3, name
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5), (name, key)
+
+
 DEEPSPEED = ["parallel.cp=2", "parallel.dp=2", "parallel.attention=ring",
              "parallel.dp_engine=deepspeed", "deepspeed.zero_stage=3",
              "data.document_masking=false"]
@@ -358,8 +383,8 @@ DEEPSPEED = ["parallel.cp=2", "parallel.dp=2", "parallel.attention=ring",
 def test_every_family_checkpoints_and_resumes_under_another_layout(hf_dirs, tmp_path):
     """Three steps from the HF weights on cp2 x tp2+sp (a checkpoint at step 2); the step-2
     checkpoint loaded under another layout (all-gather KV with DDP and tiling for Qwen2, ring
-    x pp2 with tiling for Qwen3, pp2 x dp2 for Gemma 3's tied embedding) continues with the same loss and grad norm; DeepSpeed ZeRO-3 trains
-    Qwen2's first steps alike. (Llama's reshards: tests/test_checkpoint.py and
+    x pp2 with tiling for Qwen3, pp2 x dp2 for Gemma 3's tied embedding) continues with the
+    same loss and grad norm; DeepSpeed ZeRO-3 trains Qwen2's first steps alike. (Llama's reshards: tests/test_checkpoint.py and
     test_pipeline.py; DeepSpeed's own: tests/test_deepspeed.py.)"""
     runs = {}
     for family in RESUMED_UNDER:

@@ -53,6 +53,7 @@ from lctrain.planning.traffic import (
     cp_step_bytes,
     dp_step_bytes,
     dp_step_traffic,
+    ep_step_bytes,
     host_copy_bytes,
     layer_windows,
     step_traffic_bytes,
@@ -84,7 +85,9 @@ def predicted_traffic(cfg: LctrainConfig, world_size: int) -> dict:
     """The traffic keys `lctrain train` logs for this layout, predicted (bytes per rank per
     optimizer step): `cp_bytes_sent` (always) and `traffic/cp` (cp > 1), rank 0's (the rank
     that logs); for groups of more than one rank `traffic/tp`, `traffic/pp`, `traffic/dp`
-    (`step_traffic_bytes`); "cp_collectives", `cp_step_bytes`' breakdown, and under pipelining "cp_first_step_extra":
+    (`step_traffic_bytes`); `traffic/ep` under expert parallelism (`ep_step_bytes`, uniform
+    routing); "cp_collectives", `cp_step_bytes`' breakdown, and under pipelining
+    "cp_first_step_extra":
     what the first step sends besides, in the forward on placeholders by which the schedule
     learns the stages' shapes (one micro-batch through the rank's stages)."""
     cp = cp_step_bytes(cfg, world_size)
@@ -92,6 +95,8 @@ def predicted_traffic(cfg: LctrainConfig, world_size: int) -> dict:
     if cp:
         out["traffic/cp"] = out["cp_bytes_sent"]
     out |= {f"traffic/{g}": v for g, v in step_traffic_bytes(cfg, world_size).items()}
+    if cfg.parallel.ep > 1:  # measured by the run (its routing); planned at uniform routing
+        out["traffic/ep"] = ep_step_bytes(cfg, world_size)
     if cp:
         out["cp_collectives"] = cp
     if cp and cfg.parallel.pp > 1:  # torch's schedule learns the stages' shapes by a forward

@@ -28,6 +28,7 @@ from lctrain.layout.stages import rank_of, split_layers, stage_count, stages_of
 from lctrain.planning.documents import travelling_share
 from lctrain.planning.memory import (
     compute_bytes,
+    dtype_bytes,
     local_params,
     pipeline_buffer_bytes,
     stage_activation_bytes,
@@ -164,6 +165,29 @@ def tied_exchange_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int) -> fl
     d = derive(cfg, world_size)
     n = d.dp * p.cp if data_parallel_engine_of(cfg, world_size) == "fsdp" else 1
     return 4 * m.vocab_size * m.dim / (p.tp * n)
+
+
+def expert_all_to_all_elements(sent_rows: int, received_rows: int, dim: int,
+                               forwards: int = 1) -> int:
+    """Elements one rank sends for one MoE layer under expert parallelism (docs/parallelism.md
+    §28): the dispatch sends its `sent_rows` (token-expert pairs routed to other ranks'
+    experts) and the combine sends back the `received_rows` it computed for other ranks, D
+    elements each; the backward sends the gradients of both the way back, so 2 (s + q) D.
+    `forwards` = 2 when activation checkpointing runs the layer's forward again."""
+    return (forwards + 1) * (sent_rows + received_rows) * dim
+
+
+def ep_step_bytes(cfg: LctrainConfig, world_size: int) -> float:
+    """Bytes one rank sends per step in the experts' all-to-alls, at uniform routing: each of
+    the n = micro_batch x S/cp tokens of a micro-step sends k (ep - 1)/ep of its k rows to other
+    ranks and receives as many (`expert_all_to_all_elements`), in each MoE layer."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    d = derive(cfg, world_size)
+    rows = t.micro_batch * t.seq_len // p.cp * m.experts_per_token * (p.ep - 1) / p.ep
+    forwards = 2 if t.activation_checkpointing == "full" else 1
+    layers = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    per_layer = expert_all_to_all_elements(rows, rows, m.dim, forwards)
+    return d.grad_accum * layers * per_layer * dtype_bytes(cfg, world_size)[0]
 
 
 def step_traffic_bytes(cfg: LctrainConfig, world_size: int) -> dict[str, float]:
