@@ -20,6 +20,7 @@ from lctrain.config.model_families import model_family
 from lctrain.layout.stages import (
     block_params,
     block_split,
+    mlp_params,
     rank_of,
     rank_stages,
     split_layers,
@@ -205,8 +206,17 @@ def gathered_weight_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0)
         return 0.0
     blocks, root = local_params(cfg, pp_rank)
     if cfg.parallel.pp == 1:
-        blocks = 2 * blocks // cfg.model.n_layers
+        blocks = 2 * max(_gathered_block(cfg, i) for i in range(cfg.model.n_layers))
     return (blocks + root) * compute_bytes(cfg)
+
+
+def _gathered_block(cfg: LctrainConfig, layer: int) -> int:
+    """Parameters FSDP gathers for block `layer` on one rank: its TP shard, and of a mixture of
+    experts' matrices the rank's E/ep experts only (docs/parallelism.md §28)."""
+    m, p = cfg.model, cfg.parallel
+    sharded, replicated = block_split(m, layer)
+    experts = mlp_params(m, layer) - m.n_experts * m.dim if m.is_moe_layer(layer) else 0
+    return (sharded - experts + experts // p.ep) // p.tp + replicated
 
 
 def dtype_bytes(cfg: LctrainConfig, world_size: int) -> tuple[int, int, bool]:
