@@ -46,8 +46,16 @@ class ModelFamily:
     embed_scale: bool = False
     """The embedding's output is multiplied by sqrt(dim) (Gemma)."""
     moe: bool = False
-    """Its MLPs are mixtures of experts (model.n_experts, lctrain.models.moe); its checkpoints
-    name each expert's matrices apart."""
+    """Its MLPs are mixtures of experts (model.n_experts, lctrain.models.moe)."""
+    out_bias: bool = False
+    """The attention's output projection carries a bias (GPT-OSS; replicated under TP)."""
+    sinks: bool = False
+    """Each attention layer has a learnable sink logit per query head (GPT-OSS;
+    docs/parallelism.md §26)."""
+    router_bias: bool = False
+    """The experts' router carries a bias (GPT-OSS)."""
+    expert_bias: bool = False
+    """Each expert's projections carry biases (GPT-OSS: 2 F_e + D per expert)."""
 
     def __post_init__(self):
         if not self.hf_config_class:
@@ -57,11 +65,14 @@ class ModelFamily:
     def block_extra_params(self, dim: int, head_dim: int, n_heads: int,
                            n_kv_heads: int) -> tuple[int, int]:
         """(parameters TP shards, parameters TP replicates) one block holds beyond a Llama
-        block's: the Q/K/V biases (one per output column), the two head norms and the two
-        sandwich norms."""
+        block's: the Q/K/V biases (one per output column), the sinks (one per query head), the
+        two head norms, the two sandwich norms and the output projection's bias (the MLP's
+        extras: `lctrain.layout.stages.mlp_params`)."""
         sharded = head_dim * (n_heads + 2 * n_kv_heads) if self.qkv_bias else 0
+        sharded += n_heads if self.sinks else 0
         replicated = QK_NORMS * head_dim if self.qk_norm else 0
         replicated += SANDWICH_NORMS * dim if self.sandwich_norms else 0
+        replicated += dim if self.out_bias else 0
         return sharded, replicated
 
 
@@ -77,6 +88,8 @@ for _family in (
     ModelFamily("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True, sliding_window=True,
                 moe=True),
     ModelFamily("mixtral", "MixtralForCausalLM", sliding_window=True, moe=True),
+    ModelFamily("gpt_oss", "GptOssForCausalLM", qkv_bias=True, sliding_window=True, moe=True,
+                out_bias=True, sinks=True, router_bias=True, expert_bias=True),
 ):
     MODEL_FAMILIES.add(_family)
 

@@ -30,7 +30,8 @@ class ModelConfig:
     """Model family (config.json's model_type): llama | qwen2 (Q/K/V biases) | qwen3 (RMSNorm
     of each Q and K head before RoPE) | mistral | gemma3_text (Gemma 3: window layers, sandwich
     norms, GeGLU) | qwen3_moe (Qwen3 with mixtures of experts) | mixtral (Mistral with
-    mixtures of experts). The blocks differ; the layouts do not."""
+    mixtures of experts) | gpt_oss (GPT-OSS: sinks, window layers, experts with biases). The
+    blocks differ; the layouts do not."""
     vocab_size: int = at_least(1, 512)
     """Vocabulary size (rows of the embedding and of the output layer)."""
     dim: int = at_least(1, 128)
@@ -63,6 +64,9 @@ class ModelConfig:
     """yarn: rotations bounding the extrapolated (kept) dimensions."""
     rope_beta_slow: float = 1.0
     """yarn: rotations bounding the interpolated dimensions."""
+    rope_truncate: bool = True
+    """yarn: round the range of partly interpolated dimensions out to whole dimensions
+    (transformers' default; GPT-OSS sets truncate false)."""
     tie_embeddings: bool = False
     """Share the input embedding with the output layer."""
     init_std: float = 0.02
@@ -101,6 +105,10 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.0
     """Weight of the load-balancing loss added to the training loss, defined as transformers
     does (docs/parallelism.md §28); 0: none."""
+    swiglu_limit: float = 7.0
+    """GPT-OSS experts: the gate clamped to at most this, the up projection to +-this."""
+    swiglu_alpha: float = 1.702
+    """GPT-OSS experts: the gate's activation g * sigmoid(alpha g)."""
     init_from: str | None = None
     """Hugging Face directory (config.json + *.safetensors) of a model of a registered family
     (model.family) to start from, in any layout. Its config.json decides every model field it

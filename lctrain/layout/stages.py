@@ -23,14 +23,25 @@ MLP_MATRICES = 3
 """SwiGLU's gate, up and down projections, D x F each."""
 
 
+def expert_params(m: ModelConfig, layer: int, experts: int | None = None) -> int:
+    """Parameters of `experts` experts (all of them by default) of block `layer`: each three
+    D x F_e matrices and, in a family with expert biases, 2 F_e + D biases; 0 for a dense
+    MLP."""
+    if not m.is_moe_layer(layer):
+        return 0
+    bias = 2 * m.expert_dim + m.dim if model_family(m.family).expert_bias else 0
+    count = m.n_experts if experts is None else experts
+    return count * (MLP_MATRICES * m.dim * m.expert_dim + bias)
+
+
 def mlp_params(m: ModelConfig, layer: int, active: bool = False) -> int:
     """Parameters of block `layer`'s MLP: the gated MLP's three D x F matrices; for a mixture of
-    experts the router (E x D) and every expert's three D x F_e, or with `active` the k experts
-    one token runs through."""
+    experts the router (E x D, and a bias) and its experts (`expert_params`), or with `active`
+    the k experts one token runs through."""
     if not m.is_moe_layer(layer):
         return MLP_MATRICES * m.dim * m.ffn_dim
-    experts = m.experts_per_token if active else m.n_experts
-    return m.n_experts * m.dim + experts * MLP_MATRICES * m.dim * m.expert_dim
+    router = m.n_experts * (m.dim + (1 if model_family(m.family).router_bias else 0))
+    return router + expert_params(m, layer, m.experts_per_token if active else None)
 
 
 def block_split(m: ModelConfig, layer: int = 0) -> tuple[int, int]:

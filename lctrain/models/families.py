@@ -16,6 +16,7 @@ from torch import nn
 
 from lctrain.config import ModelConfig
 from lctrain.models.llama import Attention
+from lctrain.models.moe import Experts
 
 
 @dataclass(frozen=True)
@@ -36,10 +37,14 @@ class FamilyCode:
     ones, for export."""
     block_norms: tuple[str, ...] = ()
     """A block's norms beyond Llama's two (which sequence parallelism shards like them)."""
-    hf_experts: dict[str, str] = field(default_factory=dict)
-    """A mixture-of-experts block's stacked expert matrix (lctrain path inside a block, e.g.
-    feed_forward.experts.w1, [E, ...]) -> the Hugging Face name of expert e's matrix, with "{e}" (its
-    checkpoints store one tensor per expert)."""
+    hf_params: dict[str, str] = field(default_factory=dict)
+    """Parameters (not weights or biases of a module) by their lctrain path inside a block ->
+    their Hugging Face name inside `model.layers.{i}`; a stacked expert matrix [E, ...] whose
+    checkpoints store one tensor per expert names expert e's with "{e}" (Qwen3-MoE's
+    `mlp.experts.{e}.gate_proj.weight`)."""
+    experts: Callable[..., nn.Module] = Experts
+    """Builds a mixture-of-experts layer's experts: (ModelConfig, activation) -> module
+    (`lctrain.models.moe.Experts` or a subclass)."""
 
 
 LLAMA = FamilyCode("llama", attention=Attention,

@@ -48,18 +48,22 @@ def to_hf_name(name: str, family: str) -> str:
 
 def hf_names(name: str, family: str, n_experts: int) -> list[str]:
     """The Hugging Face tensors of lctrain parameter `name`: its one tensor, or for a stacked
-    expert matrix ([E, ...], `FamilyCode.hf_experts`) one per expert, in expert order."""
+    expert matrix stored one tensor per expert (`FamilyCode.hf_params` with "{e}") one per
+    expert, in expert order."""
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    experts = FAMILY_CODE[family].hf_experts
-    if m and m.group(2) in experts:
-        return [f"model.layers.{m.group(1)}.{experts[m.group(2)].format(e=e)}"
-                for e in range(n_experts)]
+    named = FAMILY_CODE[family].hf_params
+    if m and m.group(2) in named:
+        template = f"model.layers.{m.group(1)}.{named[m.group(2)]}"
+        return ([template.format(e=e) for e in range(n_experts)] if "{e}" in template
+                else [template])
     return [to_hf_name(name, family)]
 
 
 def to_hf_state_dict(state: dict[str, Tensor], tie_embeddings: bool,
                      family: str) -> dict[str, Tensor]:
-    out = {to_hf_name(k, family): v for k, v in state.items()}
+    """lctrain's state dict in Hugging Face names (one tensor each: a family whose checkpoints
+    split experts apart is not mapped here, see `hf_names`)."""
+    out = {hf_names(k, family, 1)[0]: v for k, v in state.items()}
     if tie_embeddings:
         out.pop("lm_head.weight", None)
     return out
@@ -67,10 +71,15 @@ def to_hf_state_dict(state: dict[str, Tensor], tie_embeddings: bool,
 
 def from_hf_state_dict(hf_state: dict[str, Tensor], tie_embeddings: bool,
                        family: str) -> dict[str, Tensor]:
+    """The inverse of `to_hf_state_dict`."""
     inverse, ours_of = {}, {h: ours for ours, h in _layer_map(family).items()}
+    params_of = {h: ours for ours, h in FAMILY_CODE[family].hf_params.items() if "{e}" not in h}
     for k, v in hf_state.items():
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", k)
-        if m:
+        named = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", k)
+        if named and named.group(2) in params_of:
+            inverse[f"layers.{named.group(1)}.{params_of[named.group(2)]}"] = v
+        elif m:
             inverse[f"layers.{m.group(1)}.{ours_of[m.group(2)]}.{m.group(3)}"] = v
         else:
             inverse[{h: o for o, h in _TOP_MAP.items()}[k.removesuffix(".weight")] + ".weight"] = v

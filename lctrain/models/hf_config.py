@@ -24,7 +24,8 @@ _FIELDS = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers"
 _ROPE = {"rope_theta": "rope_theta", "rope_type": "rope_type", "factor": "rope_factor",
          "low_freq_factor": "rope_low_freq_factor", "high_freq_factor": "rope_high_freq_factor",
          "original_max_position_embeddings": "rope_original_max_position",
-         "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow"}
+         "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow",
+         "truncate": "rope_truncate"}
 _ACTIVATIONS = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}
 """`ModelFamily.mlp_activation` -> config.json's names for it."""
 SHAPE_FIELDS = ("family", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -136,6 +137,7 @@ def _experts(hf: dict) -> dict:
     layers = [i for i in range(hf.get("num_hidden_layers", 0))
               if i not in dense and (i + 1) % step == 0]
     out["moe_layers"] = None if len(layers) == hf.get("num_hidden_layers", 0) else layers
+    out.update({key: float(hf[key]) for key in ("swiglu_limit", "swiglu_alpha") if key in hf})
     return out
 
 
@@ -176,6 +178,11 @@ def unsupported(hf: dict, path: str) -> list[str]:
     if other_types:
         problems.append(f"{where} has layer_types {sorted(other_types)}; lctrain computes "
                         f"{FULL} and {SLIDING} layers only")
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "?")
+        problems.append(f"{where} has quantization_config (quant_method {method}); lctrain "
+                        "trains unquantized weights: start from a bf16/fp32 release or "
+                        "dequantize the checkpoint first")
     if hf.get("router_jitter_noise"):
         problems.append(f"{where} sets router_jitter_noise={hf['router_jitter_noise']}; "
                         "lctrain's routers take no noise (set it to 0.0)")

@@ -17,5 +17,6 @@ def rope_parameters(cfg: ModelConfig) -> dict:
                       original_max_position_embeddings=cfg.rope_original_max_position)
     if cfg.rope_type == "yarn":
         params.update(original_max_position_embeddings=cfg.rope_original_max_position,
-                      beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow)
+                      beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow,
+                      truncate=cfg.rope_truncate)
     return params

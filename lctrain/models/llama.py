@@ -34,7 +34,7 @@ from lctrain.config import ModelConfig
 from lctrain.config.model_families import model_family
 from lctrain.data.batch import IGNORE_INDEX
 from lctrain.models.init import ZEROS, init_weights
-from lctrain.models.moe import MoE, RouterLog, load_balancing_loss
+from lctrain.models.moe import Experts, MoE, RouterLog, load_balancing_loss
 from lctrain.models.rope import rope_frequencies
 
 AttentionCore = Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]
@@ -58,18 +58,18 @@ def _same(x: Tensor) -> Tensor:
 
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None,
-                   window: int | None = None) -> Tensor:
+                   window: int | None = None, sink: Tensor | None = None) -> Tensor:
     """Local causal attention. [B, S, H, d] x [B, S, H_kv, d] -> [B, S, H, d].
 
-    PyTorch SDPA without documents or window; with doc_ids or a window shorter than the
-    sequence, the position-aware kernels of lctrain.attention (they skip what the document
-    mask and the window hide).
+    PyTorch SDPA without documents, window or sinks; otherwise the position-aware kernels of
+    lctrain.attention (they skip what the document mask and the window hide, and merge the
+    sinks: docs/parallelism.md §26).
     """
     window = effective_window(window, q.shape[1])
-    if doc_ids is not None or window is not None:
+    if doc_ids is not None or window is not None or sink is not None:
         block = Block(torch.arange(q.shape[1]), doc_ids)
         return local_attention(q, k, v, block, block, causal=True, scale=q.shape[-1] ** -0.5,
-                               window=window)[0]
+                               window=window, sink=sink)[0]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
         enable_gqa=k.shape[2] != q.shape[2])
@@ -141,13 +141,16 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, core: AttentionCore = sdpa_attention):
         super().__init__()
-        qkv_bias = model_family(cfg.family).qkv_bias
+        family = model_family(cfg.family)
+        qkv_bias = family.qkv_bias
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.d_head
         self.wq = nn.Linear(cfg.dim, cfg.q_dim, bias=qkv_bias)
         self.wk = nn.Linear(cfg.dim, cfg.kv_dim, bias=qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.kv_dim, bias=qkv_bias)
-        self.wo = nn.Linear(cfg.q_dim, cfg.dim, bias=False)
+        self.wo = nn.Linear(cfg.q_dim, cfg.dim, bias=family.out_bias)
+        self.sinks = nn.Parameter(torch.empty(cfg.n_heads)) if family.sinks else None
+        """A sink logit per query head (`ModelFamily.sinks`), passed to the core."""
         self.std, self.out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
         self.core = core
         """The attention core (local SDPA or a context-parallel algorithm)."""
@@ -167,7 +170,8 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.q_scale is not None:
             q = q * self.q_scale
-        out = self.core(q, k, v, doc_ids, window=self.window)  # [B, S, H, d]
+        sink = {} if self.sinks is None else {"sink": self.sinks}
+        out = self.core(q, k, v, doc_ids, window=self.window, **sink)  # [B, S, H, d]
         return self.wo(out.reshape(b, s, -1))
 
     def head_norms(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
@@ -180,6 +184,10 @@ class Attention(nn.Module):
                  "wo.weight": self.out_std}
         if self.wq.bias is not None:
             rules.update({"wq.bias": ZEROS, "wk.bias": ZEROS, "wv.bias": ZEROS})
+        if self.wo.bias is not None:
+            rules["wo.bias"] = ZEROS
+        if self.sinks is not None:
+            rules["sinks"] = self.std
         return rules
 
 
@@ -219,7 +227,8 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, core: AttentionCore = sdpa_attention,
                  attention: Callable[..., Attention] = Attention, layer: int = 0,
-                 router_log: RouterLog | None = None):
+                 router_log: RouterLog | None = None,
+                 experts: Callable[..., Experts] = Experts):
         super().__init__()
         family = model_family(cfg.family)
         offset = family.norm_offset
@@ -227,7 +236,8 @@ class TransformerBlock(nn.Module):
         self.attention = attention(cfg, core)
         self.attention.window = cfg.layer_window(layer)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, offset)
-        self.feed_forward = (MoE(cfg, layer, router_log, mlp_activation(cfg))
+        self.feed_forward = (MoE(cfg, experts(cfg, mlp_activation(cfg)), layer, router_log,
+                                 family.router_bias)
                              if cfg.is_moe_layer(layer) else FeedForward(cfg))
         if family.sandwich_norms:
             self.attention_out_norm = RMSNorm(cfg.dim, cfg.norm_eps, offset)
@@ -244,11 +254,13 @@ class TransformerBlock(nn.Module):
 
 class Llama(nn.Module):
     """The decoder: embedding, blocks, final norm, output layer. `attention` builds each
-    block's attention (`Attention`, or a family's: `lctrain.models.families.new_model`)."""
+    block's attention (`Attention`, or a family's: `lctrain.models.registry.new_model`), and
+    `experts` each mixture-of-experts layer's experts (`Experts`, or a family's)."""
 
 
     def __init__(self, cfg: ModelConfig, core: AttentionCore = sdpa_attention,
-                 attention: Callable[..., Attention] = Attention):
+                 attention: Callable[..., Attention] = Attention,
+                 experts: Callable[..., Experts] = Experts):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -263,7 +275,7 @@ class Llama(nn.Module):
         self.router_log = RouterLog()
         """The MoE layers' routing of the current forward (lctrain.models.moe)."""
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, core, attention, i,
-                                                              self.router_log)
+                                                              self.router_log, experts)
                                      for i in range(cfg.n_layers)})
         self.reduce_router_stats: Callable[[Tensor], Tensor] = _same
         """Sum over the ranks that hold parts of the micro-batch's tokens (context parallelism

@@ -13,7 +13,7 @@ from lctrain.models.qwen3_moe import moe_hf_config
 MIXTRAL = FamilyCode(
     "mixtral", attention=Attention,
     hf_names={"feed_forward.router": "block_sparse_moe.gate"},
-    hf_experts={f"feed_forward.experts.{w}": f"block_sparse_moe.experts.{{e}}.{w}.weight"
+    hf_params={f"feed_forward.experts.{w}": f"block_sparse_moe.experts.{{e}}.{w}.weight"
                 for w in ("w1", "w2", "w3")},
     hf_config=lambda cfg: {"sliding_window": cfg.sliding_window,
                            **moe_hf_config(cfg, "num_local_experts")})

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from lctrain.config import ModelConfig
 from lctrain.layout.comm import all_to_all_rows_autograd, traffic_tag
+from lctrain.models.init import ZEROS
 
 EP_TAG = "ep"
 """The traffic tag of the experts' all-to-all (metrics' traffic/ep)."""
@@ -67,13 +68,14 @@ def load_balancing_loss(counts: Tensor, prob_sums: Tensor, rows: Tensor, n_exper
 
 
 def _grouped_matmul(x: Tensor, w: Tensor, counts: Tensor, splits: list[int] | None) -> Tensor:
-    """x [N, in] (rows sorted by expert, counts [E] of them each) @ w[e]^T [E, out, in] for each
-    expert's rows: torch's grouped matmul on CUDA in bf16, else one matmul per expert."""
+    """x [N, in] (rows sorted by expert, counts [E] of them each) @ w[e] [E, in, out] for each
+    expert's rows: torch's grouped matmul on CUDA in bf16 (`splits` None), else one matmul per
+    expert (`splits`: counts as a list)."""
     if splits is None:
         offsets = counts.cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+        return torch._grouped_mm(x, w, offs=offsets)
     pieces = x.split(splits)
-    return torch.cat([piece @ w[e].T for e, piece in enumerate(pieces)])
+    return torch.cat([piece @ w[e] for e, piece in enumerate(pieces)])
 
 
 def uses_grouped_mm(x: Tensor) -> bool:
@@ -96,9 +98,10 @@ class Experts(nn.Module):
     """The experts of one MoE layer, their matrices stacked by expert: w1 (gate) and w3 (up)
     [E, F, D], w2 (down) [E, D, F], expert e computing w2[e] (act(w1[e] x) * w3[e] x).
 
-    Under expert parallelism (`lctrain.parallel.experts` sets `group`) each rank of an ep group
-    holds E/ep consecutive experts (its matrices a DTensor sharded by expert): the rows go to
-    their experts' ranks and come back by all-to-all, counted under the traffic tag "ep"."""
+    Every parameter of an Experts module is stacked by expert (dim 0). Under expert parallelism
+    (`lctrain.parallel.experts` sets `group`) each rank of an ep group holds E/ep consecutive
+    experts (each parameter a DTensor sharded by expert): the rows go to their experts' ranks
+    and come back by all-to-all, counted under the traffic tag "ep"."""
 
     def __init__(self, cfg: ModelConfig, activation: Callable[[Tensor], Tensor] = F.silu):
         super().__init__()
@@ -115,9 +118,9 @@ class Experts(nn.Module):
     def forward(self, xs: Tensor, counts: Tensor) -> Tensor:
         """Each expert's MLP over its rows of xs [N k, D] (sorted by expert; counts [E])."""
         weights = [w.to_local() if isinstance(w, DTensor) else w
-                   for w in (self.w1, self.w3, self.w2)]
+                   for w in self.parameters(recurse=False)]
         if self.group is None:
-            return self._mlp(xs, counts, *weights)
+            return self.mlp(xs, counts, *weights)
         ep = dist.get_world_size(self.group)
         # each expert's gradient sums the rows of its whole ep group, whose ranks' losses the
         # data-parallel reduction averages again over dp x cp: 1/ep makes it the mean (§28)
@@ -137,32 +140,69 @@ class Experts(nn.Module):
         segment = torch.repeat_interleave(torch.arange(ep * local, device=xs.device),
                                           received.reshape(-1))
         order = torch.argsort((segment % local) * ep + segment // local, stable=True)
-        out = self._mlp(rows[order], received.sum(dim=0), *weights)
+        out = self.mlp(rows[order], received.sum(dim=0), *weights)
         out = torch.empty_like(out).index_copy_(0, order, out)
         return all_to_all_rows_autograd(out, self.group, receive, send)
 
-    def _mlp(self, xs: Tensor, counts: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
+    def mlp(self, xs: Tensor, counts: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
+        """The experts' MLPs over xs sorted by expert, given their (local) parameters in
+        registration order."""
         splits = None if uses_grouped_mm(xs) else counts.tolist()
-        gate = self.activation(_grouped_matmul(xs, w1, counts, splits))
-        up = _grouped_matmul(xs, w3, counts, splits)
-        return _grouped_matmul(gate * up, w2, counts, splits)
+        gate = self.activation(_grouped_matmul(xs, w1.transpose(-2, -1), counts, splits))
+        up = _grouped_matmul(xs, w3.transpose(-2, -1), counts, splits)
+        return _grouped_matmul(gate * up, w2.transpose(-2, -1), counts, splits)
 
     def init_rules(self) -> dict[str, float | None]:
         # the down projections feed the residual stream: scaled down by depth, as dense MLPs'
         return {"w1": self.std, "w3": self.std, "w2": self.out_std}
 
 
-class MoE(nn.Module):
-    """A mixture-of-experts MLP: `router` (Linear D -> E) and `experts` (`Experts`)."""
+class GptOssExperts(Experts):
+    """GPT-OSS's experts, in its checkpoints' layout: gate_up_proj [E, D, 2F] (x @ W, gate and
+    up interleaved column by column) with gate_up_proj_bias [E, 2F], down_proj [E, F, D] with
+    down_proj_bias [E, D]; the gate clamped to at most `model.swiglu_limit`, the up projection
+    to +-limit, out = (up + 1) * gate * sigmoid(alpha gate) (`model.swiglu_alpha`)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0, log: RouterLog | None = None,
-                 activation: Callable[[Tensor], Tensor] = F.silu):
+    def __init__(self, cfg: ModelConfig, activation: Callable[[Tensor], Tensor] = F.silu):
+        nn.Module.__init__(self)
+        e, d, f = cfg.n_experts, cfg.dim, cfg.expert_dim
+        self.n_experts = e
+        self.gate_up_proj = nn.Parameter(torch.empty(e, d, 2 * f))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * f))
+        self.down_proj = nn.Parameter(torch.empty(e, f, d))
+        self.down_proj_bias = nn.Parameter(torch.empty(e, d))
+        self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+        self.std, self.out_std = cfg.init_std, cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        self.group = None
+
+    def mlp(self, xs: Tensor, counts: Tensor, gate_up: Tensor, gate_up_bias: Tensor,
+            down: Tensor, down_bias: Tensor) -> Tensor:
+        splits = None if uses_grouped_mm(xs) else counts.tolist()
+        rows = torch.arange(counts.shape[0], device=xs.device).repeat_interleave(
+            counts, output_size=xs.shape[0])  # each row's expert, for its biases
+        h = _grouped_matmul(xs, gate_up, counts, splits) + gate_up_bias[rows]
+        gate = h[..., ::2].clamp(max=self.limit)
+        up = h[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        glu = (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+        return _grouped_matmul(glu, down, counts, splits) + down_bias[rows]
+
+    def init_rules(self) -> dict[str, float | None]:
+        return {"gate_up_proj": self.std, "gate_up_proj_bias": ZEROS,
+                "down_proj": self.out_std, "down_proj_bias": ZEROS}
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP: `router` (Linear D -> E, with a bias in GPT-OSS) and
+    `experts` (`Experts`, or a family's)."""
+
+    def __init__(self, cfg: ModelConfig, experts: Experts, layer: int = 0,
+                 log: RouterLog | None = None, router_bias: bool = False):
         super().__init__()
         self.layer = layer
         self.n_experts, self.top_k, self.norm_topk = (cfg.n_experts, cfg.experts_per_token,
                                                       cfg.norm_topk_prob)
-        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
-        self.experts = Experts(cfg, activation)
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=router_bias)
+        self.experts = experts
         self.log = log if log is not None else RouterLog()
         self.std = cfg.init_std
 
@@ -188,4 +228,7 @@ class MoE(nn.Module):
         return torch.zeros_like(flat).index_add_(0, token, y).reshape(shape)
 
     def init_rules(self) -> dict[str, float | None]:
-        return {"router.weight": self.std}
+        rules = {"router.weight": self.std}
+        if self.router.bias is not None:
+            rules["router.bias"] = ZEROS
+        return rules

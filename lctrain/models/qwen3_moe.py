@@ -32,7 +32,7 @@ def _hf_config(cfg: ModelConfig) -> dict:
 QWEN3_MOE = FamilyCode(
     "qwen3_moe", attention=QWEN3.attention,
     hf_names={**QWEN3.hf_names, "feed_forward.router": "mlp.gate"},
-    hf_experts={"feed_forward.experts.w1": "mlp.experts.{e}.gate_proj.weight",
+    hf_params={"feed_forward.experts.w1": "mlp.experts.{e}.gate_proj.weight",
                 "feed_forward.experts.w3": "mlp.experts.{e}.up_proj.weight",
                 "feed_forward.experts.w2": "mlp.experts.{e}.down_proj.weight"},
     tp_plan=QWEN3.tp_plan, hf_config=_hf_config)

@@ -10,6 +10,7 @@ from lctrain.config import ModelConfig
 from lctrain.config.registry import Registry
 from lctrain.models.families import LLAMA, FamilyCode
 from lctrain.models.gemma3 import GEMMA3
+from lctrain.models.gpt_oss import GPT_OSS
 from lctrain.models.llama import AttentionCore, Llama, sdpa_attention
 from lctrain.models.mistral import MISTRAL
 from lctrain.models.mixtral import MIXTRAL
@@ -18,7 +19,7 @@ from lctrain.models.qwen3 import QWEN3
 from lctrain.models.qwen3_moe import QWEN3_MOE
 
 FAMILY_CODE: Registry[FamilyCode] = Registry("model family's code")
-for _code in (LLAMA, QWEN2, QWEN3, MISTRAL, GEMMA3, QWEN3_MOE, MIXTRAL):
+for _code in (LLAMA, QWEN2, QWEN3, MISTRAL, GEMMA3, QWEN3_MOE, MIXTRAL, GPT_OSS):
     FAMILY_CODE.add(_code)
 
 
@@ -29,4 +30,5 @@ def family_code(cfg: ModelConfig) -> FamilyCode:
 def new_model(cfg: ModelConfig, core: AttentionCore = sdpa_attention) -> Llama:
     """The single-device model of `cfg` (on the current default device): the decoder with the
     family's attention in every block, calling `core`."""
-    return Llama(cfg, core, family_code(cfg).attention)
+    code = family_code(cfg)
+    return Llama(cfg, core, code.attention, code.experts)

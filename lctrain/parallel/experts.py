@@ -23,12 +23,12 @@ def expert_modules(model: nn.Module) -> list[Experts]:
 
 
 def apply_expert_parallel(model: Llama, ep_mesh: DeviceMesh) -> Llama:
-    """Each Experts module of `model` (on the meta device) keeps its 1/ep of the experts, as a
-    DTensor sharded by expert on `ep_mesh`, and dispatches over its group."""
+    """Each Experts module of `model` (on the meta device) keeps its 1/ep of the experts (every
+    parameter of the module is stacked by expert), as DTensors sharded by expert on `ep_mesh`,
+    and dispatches over its group."""
     ep = ep_mesh.size()
     for experts in expert_modules(model):
-        for name in ("w1", "w3", "w2"):
-            whole = getattr(experts, name)
+        for name, whole in list(experts.named_parameters(recurse=False)):
             local = torch.empty((whole.shape[0] // ep, *whole.shape[1:]), dtype=whole.dtype,
                                 device=whole.device)
             setattr(experts, name, nn.Parameter(DTensor.from_local(

@@ -20,7 +20,7 @@ from lctrain.config.model_families import model_family
 from lctrain.layout.stages import (
     block_params,
     block_split,
-    mlp_params,
+    expert_params,
     rank_of,
     rank_stages,
     split_layers,
@@ -215,7 +215,7 @@ def _gathered_block(cfg: LctrainConfig, layer: int) -> int:
     experts' matrices the rank's E/ep experts only (docs/parallelism.md §28)."""
     m, p = cfg.model, cfg.parallel
     sharded, replicated = block_split(m, layer)
-    experts = mlp_params(m, layer) - m.n_experts * m.dim if m.is_moe_layer(layer) else 0
+    experts = expert_params(m, layer)
     return (sharded - experts + experts // p.ep) // p.tp + replicated
 
 
