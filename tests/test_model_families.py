@@ -103,7 +103,7 @@ FUSED_IN_MEMORY = ("qwen3_moe", "mixtral")
 """Families whose checkpoints store each expert's matrices apart and transformers' modules fuse
 them in memory (gate_up_proj [E, 2F, D], down_proj [E, D, F]); GPT-OSS's are fused in both."""
 """The families with experts: refused under TP and PP (not laid out there yet); they train on
-cp2 with DDP, tiling and full recomputation instead (MOE_LAYOUT)."""
+their own layouts instead (MOE_LAYOUTS)."""
 WINDOW_OF = {"qwen2": WINDOW, "mistral": WINDOW, "gemma3_text": WINDOW, "gpt_oss": WINDOW}
 """The families whose random model has window layers (shorter than a packed row's documents'
 longest, and than train.seq_len)."""
@@ -118,15 +118,19 @@ LAYOUTS = {  # the 4-rank layouts every family trains on
     "pp2_dp2": ["parallel.cp=1", "parallel.dp=2", "parallel.pp=2",
                 "data.document_masking=false"],
 }
-MOE_LAYOUT = {"cp2_ulysses_ddp_tiled": ["parallel.cp=2", "parallel.dp=2",
-                                       "parallel.attention=ulysses", "parallel.dp_engine=ddp",
-                                       "train.mlp_chunk=8", "train.activation_checkpointing=full",
-                                       "data.document_masking=true"],
-              "ep2_cp2_ring_docs": ["parallel.cp=2", "parallel.dp=2", "parallel.ep=2",
-                                    "parallel.attention=ring", "data.document_masking=true"],
-              "ep4_dp4_tiled": ["parallel.cp=1", "parallel.dp=4", "parallel.ep=4",
-                                "train.mlp_chunk=8", "train.activation_checkpointing=full",
-                                "data.document_masking=true"]}
+MOE_LAYOUTS = {"ep2_cp2_ring_docs": ["parallel.cp=2", "parallel.dp=2", "parallel.ep=2",
+                                     "parallel.attention=ring", "data.document_masking=true"],
+               "cp2_ulysses_ddp_tiled": ["parallel.cp=2", "parallel.dp=2",
+                                         "parallel.attention=ulysses", "parallel.dp_engine=ddp",
+                                         "train.mlp_chunk=8",
+                                         "train.activation_checkpointing=full",
+                                         "data.document_masking=true"],
+               "ep4_dp4_tiled": ["parallel.cp=1", "parallel.dp=4", "parallel.ep=4",
+                                 "train.mlp_chunk=8", "train.activation_checkpointing=full",
+                                 "data.document_masking=true"]}
+"""The MoE families' own layouts (full suite, with USP): ep2 x cp2 ring, DDP with Ulysses, and
+ep4, the last two tiled and fully recomputed. In the fast tier they train on the cp2 ring
+layout above (and tests/test_moe.py trains ep2)."""
 EXPORTED_BY = {"cp2_tp2_sp_ulysses": [f for f in FAMILIES if f not in MOE],
                "cp2_ring_zigzag_docs": list(MOE)}
 """The layout whose run exports each family."""
@@ -306,14 +310,15 @@ def _one_step(cfgs: dict, out_dir: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("layouts", [pytest.param({**LAYOUTS, **MOE_LAYOUT}, id="cp_tp_pp"),
-                                     pytest.param(USP_LAYOUT, id="usp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("layouts", [
+    pytest.param(LAYOUTS, id="cp_tp_pp"),
+    pytest.param({**USP_LAYOUT, **MOE_LAYOUTS}, id="usp_moe", marks=pytest.mark.slow)])
 def test_every_family_trains_on_every_layout_with_transformers_loss_and_gradients(
         hf_dirs, tmp_path, layouts):
     cfgs, wants = {}, {}
     for family, (path, hf) in hf_dirs.items():
         for layout, overrides in layouts.items():
-            if layout in MOE_LAYOUT and family not in MOE:
+            if layout in MOE_LAYOUTS and family not in MOE:
                 continue
             cfg = _resolved(path, *overrides).cfg
             if family in MOE and (cfg.parallel.tp > 1 or cfg.parallel.pp > 1):
@@ -372,7 +377,7 @@ def test_a_moe_checkpoint_reshards_between_expert_parallel_sizes(hf_dirs, tmp_pa
     steps = ["train.steps=3", "optim.warmup_steps=1"]
     step2 = tmp_path / "saved" / "checkpoints" / "step-00000002"
     loaded = [*steps, "checkpoint.every=0", f"checkpoint.load={step2}"]
-    runs = {"saved": _resolved(path, *MOE_LAYOUT["ep2_cp2_ring_docs"], *steps,
+    runs = {"saved": _resolved(path, *MOE_LAYOUTS["ep2_cp2_ring_docs"], *steps,
                                "checkpoint.every=2").cfg,
             "ep1": _resolved(path, "parallel.cp=2", "parallel.dp=2", "parallel.attention=ring",
                              "data.document_masking=true", *loaded).cfg,
