@@ -139,3 +139,40 @@ def test_one_forward_measures_the_same_bytes_every_time():
             # the first forward also plans the attention calls, which later forwards reuse
             distinct = {tuple(sorted(r.items())) for r in runs[1:]}
             assert len(distinct) == 1, (rank, par, distinct)
+
+
+MOE_CASES = [  # (family, norm_topk_prob, checkpointing, dtype, tiling, ep) on 2 ranks (dp2)
+    ("qwen3_moe", True, "none", "fp32", 0, 1), ("mixtral", False, "none", "bf16", 0, 1),
+    ("qwen3_moe", True, "selective", "fp32", 0, 1), ("mixtral", True, "none", "fp32", 16, 1),
+    ("gpt_oss", True, "none", "fp32", 0, 1), ("mixtral", False, "none", "fp32", 0, 2)]
+
+
+def _moe_configs() -> list:
+    cfgs = []
+    for family, norm, mode, dtype, chunk, ep in MOE_CASES:
+        cfg = cfg_for({"dp": 2, "ep": ep}, mode, dtype, {"train": {"mlp_chunk": chunk}})
+        cfg.model = dataclasses.replace(cfg.model, family=family, n_experts=4,
+                                        experts_per_token=2, expert_ffn_dim=40,
+                                        norm_topk_prob=norm)
+        cfgs.append(cfg)
+    return cfgs
+
+
+def _measure_moe() -> list[dict]:
+    return [measure_activations(*build_measured_model(cfg, batch=2)) for cfg in _moe_configs()]
+
+
+def test_a_mixture_of_experts_keeps_the_formula_bytes():
+    """The MoE MLP's part of docs/parallelism.md §28 (`_moe_kept`) for Qwen3-MoE, Mixtral and
+    GPT-OSS (its experts, and its attention with sinks on the position-aware kernels), fp32
+    and bf16 (with the weights' bf16 copies), selective and tiled, byte for byte on each rank;
+    under ep2 the rows a rank's experts compute follow the routing, and the two ranks together
+    keep twice the formula."""
+    per_rank = on_ranks(_measure_moe, 2, timeout_s=300)
+    for i, (cfg, case) in enumerate(zip(_moe_configs(), MOE_CASES)):
+        block = activation_formula(cfg, 2, batch=2)
+        got = [rank[i]["1"] for rank in per_rank]
+        if case[-1] > 1:
+            assert sum(got) == 2 * block, (case, got)
+        else:
+            assert got == [block, block], (case, got)

@@ -21,6 +21,7 @@ from lctrain.layout.stages import (
     block_params,
     block_split,
     expert_params,
+    mlp_params,
     rank_of,
     rank_stages,
     split_layers,
@@ -247,7 +248,8 @@ def _head_norm_bytes(m: ModelConfig, a: int) -> float:
     return (4 + a) * (m.q_dim + m.kv_dim) + 4 * (m.n_heads + m.n_kv_heads)
 
 
-def activation_formula(cfg: LctrainConfig, world_size: int, batch: int) -> float:
+def activation_formula(cfg: LctrainConfig, world_size: int, batch: int,
+                       layer: int = 0) -> float:
     """Bytes one block keeps for the backward on one rank (its input included, wherever the
     backward keeps it: on the device, or on the host under train.offload_activations); derived
     op by op in docs/parallelism.md §11 and exact against `lctrain.parallel.memory`
@@ -273,6 +275,10 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int) -> float
                  plus (a D_q + 4 H)/t for the attention output and lse when cp = 1 (context-parallel
                  attention is recomputed instead).
       full:      r D/s (the block input only).
+    A mixture-of-experts layer (`layer`) keeps its own MLP part instead (`_moe_kept`); tiled,
+    the same as a tiled dense MLP. At cp = 1 without documents, a layer whose attention runs
+    the position-aware kernels (a window shorter than the sequence, or sinks) keeps their int64
+    positions, 8 S bytes per block.
     """
     m, p = cfg.model, cfg.parallel
     dv = derive(cfg, world_size)
@@ -283,24 +289,58 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int) -> float
     s = t if (p.sp and t > 1) else 1
     dkv = m.kv_dim
     mode = cfg.train.activation_checkpointing
+    moe = m.is_moe_layer(layer)
     if mode == "full":
         return n * r * D / s
     if mode == "selective":  # local attention: its output and lse are kept too
         attention = n * (a * Dq + 4 * H) / t if p.cp == 1 else 0.0
-        return n * (a * ((Dq + 2 * dkv + 2 * F) / t + 2 * D) + r * D / s) + attention
+        mlp = _moe_kept(cfg, n, a, mode) if moe else n * a * (2 * F / t + D)
+        return n * (a * ((Dq + 2 * dkv) / t + D) + r * D / s) + attention + mlp
     attention_weights = D * hd * (2 * H + 2 * m.n_kv_heads) // t
-    mlp_weights = 3 * D * F // t
+    mlp_weights = (mlp_params(m, layer) - expert_params(m, layer) + expert_params(m, layer) // p.ep
+                   if moe else 3 * D * F // t)
     per_token = 2 * _norm_bytes(D, s, a, r) + a * (2 * Dq + 2 * k * dkv) / t + 4 * H / t
     if model_family(m.family).qk_norm:
         per_token += _head_norm_bytes(m, a) / t
     if p.cp > 1:  # what the algorithm keeps besides (`MemoryTerms.kept_per_token`)
         per_token += cp_algorithm(p.attention).memory.kept_per_token(
             layer_shape(cfg, world_size, batch))
+    window = m.layer_window(layer)
+    positions = 8 * cfg.train.seq_len if (  # the position-aware kernel's int64 positions [S]
+        p.cp == 1 and not cfg.data.document_masking
+        and (model_family(m.family).sinks or (window is not None and window < cfg.train.seq_len))
+    ) else 0
     if cfg.train.mlp_chunk:
-        per_block = 8 * cfg.train.seq_len // p.cp + (a * attention_weights if casts else 0)
+        per_block = (8 * cfg.train.seq_len // p.cp + (a * attention_weights if casts else 0)
+                     + positions)
         return n * per_token + per_block
-    per_block = a * (attention_weights + mlp_weights) if casts else 0
-    return n * (per_token + a * 4 * F / t) + per_block
+    per_block = (a * (attention_weights + mlp_weights) if casts else 0) + positions
+    mlp = _moe_kept(cfg, n, a, mode) if moe else n * a * 4 * F / t
+    return n * per_token + mlp + per_block
+
+
+def _moe_kept(cfg: LctrainConfig, n: int, a: int, mode: str) -> float:
+    """Bytes a mixture-of-experts MLP keeps for the backward over n tokens (docs/parallelism.md
+    §28), its N k rows computed by experts (exact without expert parallelism; the mean over the
+    ep ranks with it: each rank computes the rows its experts received):
+      none:      per token, a (k D + k) (the weighted rows, their weights), a k D more under ep
+                 (the rows back from the combine), 4 E (the float32 probabilities), 24 k (the
+                 int64 top-k indices, sort order and row tokens) and, with norm_topk_prob,
+                 4 k + 4 (the top-k values and their sum); per row a (4 F_e + 2 D) (the
+                 expert's input and output, gate, activation, up and product; GPT-OSS's
+                 biased, clamped SwiGLU a (7 F_e + 2 D) and 8 for each row's expert) and 8
+                 under ep (the order of the received rows);
+      selective: the matmul outputs, a (2 F_e + D) per row and a E per token (the router)."""
+    m, ep = cfg.model, cfg.parallel.ep > 1
+    k, E, D, F = m.experts_per_token, m.n_experts, m.dim, m.expert_dim
+    rows = n * k
+    if mode == "selective":
+        return rows * a * (2 * F + D) + n * a * E
+    biased = model_family(m.family).expert_bias
+    token = (a * (k * D * (2 if ep else 1) + k) + 4 * E + 24 * k
+             + (4 * k + 4 if m.norm_topk_prob else 0))
+    row = a * ((7 if biased else 4) * F + 2 * D) + (8 if biased else 0) + (8 if ep else 0)
+    return n * token + rows * row
 
 
 def head_activation_formula(cfg: LctrainConfig, world_size: int, batch: int) -> float:
@@ -375,8 +415,9 @@ def working_bytes(cfg: LctrainConfig, world_size: int, batch: int,
     if t.activation_checkpointing != "none":
         plain = dataclasses.replace(cfg, train=dataclasses.replace(
             t, activation_checkpointing="none"))
-        recompute = (activation_formula(plain, world_size, batch)
-                     - activation_formula(cfg, world_size, batch))
+        recompute = max(activation_formula(plain, world_size, batch, i)
+                        - activation_formula(cfg, world_size, batch, i)
+                        for i in range(m.n_layers))
     block = recompute + 2 * 4 * n * m.dim / s
     rows = batch * min(t.loss_chunk, t.seq_len // p.cp) if t.loss_chunk else n
     head = rows * m.vocab_size / p.tp * ((4 + a) + ((4 + a) if t.loss_chunk else 0))
@@ -433,7 +474,7 @@ def stage_activation_bytes(cfg: LctrainConfig, world_size: int, batch: int, stag
     (`pipeline_buffer_bytes` counts those) and the first block keeps that very tensor: the fp32
     residual, or the input a checkpointed block keeps, on the device (docs/parallelism.md §13)."""
     stages, t = split_layers(cfg), cfg.train
-    total = len(stages[stage]) * activation_formula(cfg, world_size, batch)
+    total = sum(activation_formula(cfg, world_size, batch, i) for i in stages[stage])
     if stage == len(stages) - 1:
         total += head_activation_formula(cfg, world_size, batch)
     elif cfg.parallel.pp > 1:
