@@ -97,3 +97,29 @@ def test_what_experts_cannot_do_is_refused_with_its_fix(model, parallel, message
     cfg = tiny_config(model=model, parallel=parallel)
     world = parallel.get("tp", 1) * parallel.get("pp", 1) * parallel.get("dp", 1)
     assert any(message in p for p in validate(cfg, world)), validate(cfg, world)
+
+
+def test_the_search_finds_expert_parallel_layouts_for_qwen3_30b_a3b_at_128k():
+    """The issue's plan: Qwen3-30B-A3B at 131,072 tokens on one node of 8 GPUs. The search
+    tries every ep that divides dp x cp and the 128 experts (FSDP only); the fitting layouts
+    include ep ones, each of which validates, and FSDP moves 1/ep of the experts' weights."""
+    from lctrain.config.compose import compose
+    from lctrain.planning.hardware import hardware_from_plan
+    from lctrain.planning.search import search
+    from lctrain.planning.traffic import data_parallel_bytes
+
+    cfg = compose(["model=qwen3-30b-a3b", "train.seq_len=131072", "slurm.nodes=1",
+                   "slurm.gpus_per_node=8"]).cfg
+    result = search(cfg, 8, hardware_from_plan(cfg))
+    with_ep = [c for c in result.ranked if c.overrides.get("parallel.ep", 1) > 1]
+    assert with_ep and all(c.overrides["parallel.dp_engine"] == "fsdp" for c in with_ep)
+    assert {c.overrides["parallel.ep"] for c in with_ep} <= {2, 4, 8}
+    for candidate in with_ep[:3]:
+        chosen = compose(["model=qwen3-30b-a3b", "train.seq_len=131072",
+                          *candidate.command_line().split()]).cfg
+        assert validate(chosen, 8) == [], candidate.command_line()
+    ep8 = compose(["model=qwen3-30b-a3b", "train.seq_len=131072", "parallel.cp=8",
+                   "parallel.dp=1", "parallel.ep=8"]).cfg
+    ep1 = compose(["model=qwen3-30b-a3b", "train.seq_len=131072", "parallel.cp=8",
+                   "parallel.dp=1"]).cfg
+    assert data_parallel_bytes(ep8, 8, 0, 1) < data_parallel_bytes(ep1, 8, 0, 1) / 4

@@ -188,7 +188,7 @@ def plan_hardware(cfg: LctrainConfig) -> tuple[Hardware, list[str]]:
 
 def layout_label(o: dict[str, object]) -> str:
     """A search candidate's overrides in one short line (tp, cp and its algorithm, pp and its
-    schedule, dp and the engine, checkpointing, tiling, what lives on the host)."""
+    schedule, dp, ep and the engine, checkpointing, tiling, what lives on the host)."""
     cp = (f"cp{o['parallel.cp']} {o['parallel.attention']}"
           + (f"(u{o['parallel.ulysses_degree']})"
              if cp_algorithm(o["parallel.attention"]).heads_over == "ulysses_degree" else "")
@@ -198,8 +198,9 @@ def layout_label(o: dict[str, object]) -> str:
              else "") if o["parallel.pp"] > 1 else "pp1")
     engine = o["parallel.dp_engine"] + (f"-z{o['deepspeed.zero_stage']}"
                                         if "deepspeed.zero_stage" in o else "")
+    ep = f" ep{o['parallel.ep']}" if o.get("parallel.ep", 1) > 1 else ""
     return (f"tp{o['parallel.tp']}{'+sp' if o['parallel.sp'] else ''} {cp} {pp} "
-            f"dp{o['parallel.dp']} {engine} ac={o['train.activation_checkpointing']}"
+            f"dp{o['parallel.dp']}{ep} {engine} ac={o['train.activation_checkpointing']}"
             + (" tiled" if o["train.loss_chunk"] else "")
             + (" act->host" if o["train.offload_activations"] else "")
             + (f" host:{o['parallel.offload_state']}"

@@ -35,7 +35,7 @@ ENGINES = (("fsdp", None), ("ddp", None), ("deepspeed", 1), ("deepspeed", 2), ("
 SEARCHED_KEYS = frozenset({
     *(f"parallel.{k}" for k in ("tp", "sp", "cp", "attention", "ulysses_degree", "pp",
                                 "pp_schedule", "pp_virtual_stages", "pp_layers", "dp",
-                                "dp_engine", "offload_state")),
+                                "dp_engine", "offload_state", "ep")),
     "deepspeed.zero_stage",
     *(f"train.{k}" for k in ("activation_checkpointing", "offload_activations", "loss_chunk",
                              "mlp_chunk"))})
@@ -133,7 +133,18 @@ def layouts(cfg: LctrainConfig, world_size: int, ranks_per_node: int):
                                 "ulysses_degree": u, "pp": pp, "pp_schedule": schedule,
                                 "pp_virtual_stages": v, "pp_layers": None, "dp": dp,
                                 "dp_engine": engine}
-                    yield parallel, ({} if stage is None else {"zero_stage": stage})
+                    for ep in expert_degrees(cfg, dp * cp, engine):
+                        yield {**parallel, "ep": ep}, ({} if stage is None
+                                                       else {"zero_stage": stage})
+
+
+def expert_degrees(cfg: LctrainConfig, shards: int, engine: str) -> list[int]:
+    """parallel.ep values of a layout with `shards` = dp x cp ranks: 1, and for a mixture of
+    experts under FSDP every divisor of both the ranks and the experts."""
+    experts = cfg.model.n_experts
+    if not experts or engine != "fsdp":
+        return [1]
+    return [ep for ep in divisors(shards) if experts % ep == 0]
 
 
 def _with(cfg: LctrainConfig, parallel: dict, deepspeed: dict, train: dict) -> LctrainConfig:

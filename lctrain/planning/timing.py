@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from lctrain.config import Derived, LctrainConfig, derive
 from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm
-from lctrain.config.derived import data_parallel_engine_of, reduces_each_micro_step
+from lctrain.config.derived import data_parallel_engine_of
 from lctrain.layout.stages import (
     FLOPS_PER_WEIGHT,
     MLP_MATRICES,
@@ -33,12 +33,13 @@ from lctrain.layout.topology import Topology
 from lctrain.planning.documents import packed_documents
 from lctrain.planning.flops import train_flops_per_step
 from lctrain.planning.hardware import Hardware
-from lctrain.planning.memory import compute_bytes, local_params
+from lctrain.planning.memory import local_params
 from lctrain.planning.traffic import (
     cp_step_bytes,
     cp_step_groups,
     cp_transfers,
-    dp_step_bytes,
+    data_parallel_bytes,
+    ep_step_bytes,
     host_copy_bytes,
     layer_windows,
     step_traffic_bytes,
@@ -176,8 +177,8 @@ def dp_bytes(step: StepShape) -> float:
     if engine == "deepspeed":
         engine = "fsdp" if cfg.deepspeed.zero_stage == 3 else "ddp"
     gathers = 1 if p.pp > 1 else step.micro_batches
-    return max(dp_step_bytes(engine, *local_params(cfg, r), step.shards, gathers,
-                             compute_bytes(cfg), reduces_each_micro_step(cfg)) for r in range(p.pp))
+    return max(data_parallel_bytes(cfg, step.world_size, r, gathers, engine)
+               for r in range(p.pp))
 
 
 def step_bytes(step: StepShape) -> dict[str, float]:
@@ -186,6 +187,8 @@ def step_bytes(step: StepShape) -> dict[str, float]:
     nbytes.pop("dp", None)
     if step.shards > 1:
         nbytes["dp"] = dp_bytes(step)
+    if step.cfg.parallel.ep > 1:  # the experts' all-to-alls, at uniform routing
+        nbytes["ep"] = ep_step_bytes(step.cfg, step.world_size)
     return {group: b for group, b in nbytes.items() if b > 0}
 
 
@@ -207,6 +210,9 @@ def collective_calls(step: StepShape) -> dict[str, float]:
             per_block[x.group] = (per_block.get(x.group, 0)
                                   + times * x.calls * count / cfg.model.n_layers)
     out = {g: n * step.blocks * step.micro_batches for g, n in per_block.items()}
+    if p.ep > 1:  # per MoE layer: the row counts, dispatch and combine, forward and backward
+        moe = sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.n_layers))
+        out["ep"] = moe * step.micro_batches * (3 * (2 if again else 1) + 2)
     if p.pp > 1:
         out["pp"] = PP_CALLS_PER_STAGE * len(stages_of(cfg, 0)) * step.micro_batches
     return out
@@ -215,8 +221,10 @@ def collective_calls(step: StepShape) -> dict[str, float]:
 def comm_seconds(step: StepShape, hw: Hardware) -> dict[str, float]:
     """Per group: its bytes over its bandwidth, plus its calls x the latency."""
     calls = collective_calls(step)
+    # the ep ranks are consecutive ranks of dp x cp: its bandwidth bounds theirs
+    mesh_group = {"dp": "dp_cp", "ep": "dp_cp"}
     return {group: nbytes / (group_bandwidth_gbps(
-                step.topology, "dp_cp" if group == "dp" else group, hw) * 1e9)
+                step.topology, mesh_group.get(group, group), hw) * 1e9)
             + calls.get(group, 0) * hw.latency_s
             for group, nbytes in step_bytes(step).items()}
 

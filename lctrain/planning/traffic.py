@@ -24,7 +24,7 @@ from lctrain.config.derived import (
     reduces_each_micro_step,
 )
 from lctrain.layout.halo import unit_halo
-from lctrain.layout.stages import rank_of, split_layers, stage_count, stages_of
+from lctrain.layout.stages import expert_params, rank_of, split_layers, stage_count, stages_of
 from lctrain.planning.documents import travelling_share
 from lctrain.planning.memory import (
     compute_bytes,
@@ -126,6 +126,25 @@ def dp_step_bytes(engine: str, blocks: int, root: int, shards: int, accum: int,
     return gathered * compute_bytes + reduced * 4
 
 
+def data_parallel_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int, gathers: int,
+                        engine: str | None = None) -> float:
+    """`dp_step_bytes` of pipeline rank `pp_rank`'s parameters over the n = dp x cp ranks, FSDP
+    gathering weights in `gathers` micro-steps (`engine`: parallel.dp_engine unless given);
+    under expert parallelism its experts' apart: 1/ep of them, over the n/ep ranks that hold
+    the same ones (docs/parallelism.md §28)."""
+    m, p = cfg.model, cfg.parallel
+    shards = derive(cfg, world_size).dp * p.cp
+    blocks, root = local_params(cfg, pp_rank)
+    layers = [i for s in stages_of(cfg, pp_rank) for i in split_layers(cfg)[s]]
+    experts = sum(expert_params(m, i) for i in layers) if p.ep > 1 else 0
+    args = (compute_bytes(cfg), reduces_each_micro_step(cfg))
+    engine = engine or p.dp_engine
+    total = dp_step_bytes(engine, blocks - experts, root, shards, gathers, *args)
+    if experts:
+        total += dp_step_bytes(engine, experts // p.ep, 0, shards // p.ep, gathers, *args)
+    return total
+
+
 def host_copy_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[str, float]:
     """Bytes one rank of pipeline rank `pp_rank` copies per step between host and device
     (docs/parallelism.md §22), {"to_device", "to_host"}: under parallel.offload_state=
@@ -206,8 +225,7 @@ def step_traffic_bytes(cfg: LctrainConfig, world_size: int) -> dict[str, float]:
         out["pp"] = max(pipeline_buffer_bytes(cfg, world_size, cfg.train.micro_batch, r)
                         + tied_exchange_bytes(cfg, world_size, r) for r in range(p.pp))
     if d.dp * p.cp > 1 and p.pp == 1 and p.dp_engine != "deepspeed":
-        out["dp"] = dp_step_bytes(p.dp_engine, *local_params(cfg), d.dp * p.cp, d.grad_accum,
-                                  compute_bytes(cfg), reduce_each=reduces_each_micro_step(cfg))
+        out["dp"] = data_parallel_bytes(cfg, world_size, 0, d.grad_accum)
     return out
 
 
