@@ -524,10 +524,11 @@ def test_each_family_continues_pretraining_as_the_readme_says(tmp_path, capsys):
                                     f"data.path={tmp_path / 'corpus.jsonl'}",
                                     f"preprocess.output={tmp_path / 'shards'}"], capsys)
             assert code == 0, err[-2000:]
+        experts = ["parallel.ep=2"] if family in MOE else []  # the command
         code, _, err = run_cli(["train", "+recipe=tiny", f"model.init_from={model_dir}",
                                 "data.source=tokens", f"data.path={tmp_path / 'shards'}",
                                 "data.val_fraction=0.05", "eval.tasks=[]", "eval.every=2",
-                                "eval.val_sequences=8", "train.steps=2",
+                                "eval.val_sequences=8", "train.steps=2", *experts,
                                 f"hydra.run.dir={tmp_path / 'run' / family}"], capsys)
         assert code == 0, err[-3000:]
         assert family == "llama" or \

@@ -20,7 +20,6 @@ from lctrain.config import LctrainConfig, derive
 from lctrain.config.cp_algorithms import cp_algorithm
 from lctrain.config.derived import (
     load_balance_of,
-    reduces_each_micro_step,
     slurm_ranks_per_node,
 )
 from lctrain.config.validation import warnings_for
@@ -34,11 +33,9 @@ from lctrain.planning.memory import (
     active_param_count,
     allocator_allowance,
     attention_buffer_bytes,
-    compute_bytes,
     gathered_weight_bytes,
     host_state_parts,
     in_flight_moments,
-    local_params,
     param_count,
     peak_in_flight,
     pipeline_buffer_bytes,
@@ -51,8 +48,7 @@ from lctrain.planning.memory import (
 from lctrain.planning.traffic import (
     attention_traffic,
     cp_step_bytes,
-    dp_step_bytes,
-    dp_step_traffic,
+    data_parallel_traffic,
     ep_step_bytes,
     host_copy_bytes,
     layer_windows,
@@ -199,18 +195,13 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
     topo = Topology.from_config(cfg, world_size)
     m, p, t = cfg.model, cfg.parallel, cfg.train
     head_dim = m.d_head
-    bytes_act = compute_bytes(cfg)
     n_params = param_count(m)
     tokens = t.micro_batch * d.local_seq_len         # per cp rank
     seq_div = p.tp if (p.sp and p.tp > 1) else 1
     ranks = [rank_memory(cfg, world_size, r) for r in range(p.pp)]
     worst = max(ranks, key=lambda mem: mem["bytes"]["total_estimate"])
-    shards, each = d.dp * p.cp, reduces_each_micro_step(cfg)
     dp_traffic = max(  # of the pipeline rank that sends the most
-        (dp_step_traffic(p.dp_engine, *local_params(cfg, r), shards, d.grad_accum, each),
-         dp_step_bytes(p.dp_engine, *local_params(cfg, r), shards, d.grad_accum, bytes_act,
-                       each))
-        for r in range(p.pp))
+        data_parallel_traffic(cfg, world_size, r, d.grad_accum) for r in range(p.pp))
     traffic = attention_traffic_per_layer(cfg, world_size) if p.cp > 1 else {}
     notes = list(warnings_for(cfg))
     if d.kv_replication > 1:

@@ -126,23 +126,30 @@ def dp_step_bytes(engine: str, blocks: int, root: int, shards: int, accum: int,
     return gathered * compute_bytes + reduced * 4
 
 
-def data_parallel_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int, gathers: int,
-                        engine: str | None = None) -> float:
-    """`dp_step_bytes` of pipeline rank `pp_rank`'s parameters over the n = dp x cp ranks, FSDP
-    gathering weights in `gathers` micro-steps (`engine`: parallel.dp_engine unless given);
-    under expert parallelism its experts' apart: 1/ep of them, over the n/ep ranks that hold
-    the same ones (docs/parallelism.md §28)."""
+def data_parallel_traffic(cfg: LctrainConfig, world_size: int, pp_rank: int, gathers: int,
+                          engine: str | None = None) -> tuple[float, float]:
+    """(elements, bytes) one rank of pipeline rank `pp_rank` sends per step over the n = dp x cp
+    ranks (`dp_step_traffic`, `dp_step_bytes`), FSDP gathering weights in `gathers` micro-steps
+    (`engine`: parallel.dp_engine unless given); under expert parallelism its experts apart:
+    1/ep of them, over the n/ep ranks that hold the same ones (docs/parallelism.md §28)."""
     m, p = cfg.model, cfg.parallel
     shards = derive(cfg, world_size).dp * p.cp
     blocks, root = local_params(cfg, pp_rank)
     layers = [i for s in stages_of(cfg, pp_rank) for i in split_layers(cfg)[s]]
     experts = sum(expert_params(m, i) for i in layers) if p.ep > 1 else 0
-    args = (compute_bytes(cfg), reduces_each_micro_step(cfg))
-    engine = engine or p.dp_engine
-    total = dp_step_bytes(engine, blocks - experts, root, shards, gathers, *args)
+    engine, each = engine or p.dp_engine, reduces_each_micro_step(cfg)
+    parts = [(blocks - experts, root, shards)]
     if experts:
-        total += dp_step_bytes(engine, experts // p.ep, 0, shards // p.ep, gathers, *args)
-    return total
+        parts.append((experts // p.ep, 0, shards // p.ep))
+    return (sum(dp_step_traffic(engine, b, r, n, gathers, each) for b, r, n in parts),
+            sum(dp_step_bytes(engine, b, r, n, gathers, compute_bytes(cfg), each)
+                for b, r, n in parts))
+
+
+def data_parallel_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int, gathers: int,
+                        engine: str | None = None) -> float:
+    """The bytes of `data_parallel_traffic`."""
+    return data_parallel_traffic(cfg, world_size, pp_rank, gathers, engine)[1]
 
 
 def host_copy_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[str, float]:
