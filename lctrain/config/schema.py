@@ -190,10 +190,11 @@ class ParallelConfig:
     documents (each packed row split by its own documents: S/cp tokens per rank, causal work
     balanced, short documents kept whole; needs data.document_masking)."""
     ep: int = at_least(1, 1)
-    """Expert parallelism: the experts of every mixture-of-experts layer split over ep ranks of
-    the dp x cp group (ep divides dp x cp and model.n_experts; the attention's layout is
-    unchanged), the tokens carried to their experts and back by all-to-all; FSDP shards each
-    rank's experts over the dp x cp / ep ranks holding the same ones."""
+    """Expert parallelism: the experts of every mixture-of-experts layer split over ep of the
+    dp x cp x tp ranks (ep divides dp x cp x tp and model.n_experts; the attention's layout is
+    unchanged; under TP+SP each TP rank routes its own sequence shard), the tokens carried to
+    their experts and back by all-to-all; FSDP shards each rank's experts over the
+    dp x cp x tp / ep ranks holding the same ones."""
     dp_engine: str = one_of("fsdp", "ddp", "deepspeed")
     """Data-parallel engine over dp x cp: fsdp (FSDP2, parameters sharded) | ddp | deepspeed
     (a ZeRO engine: deepspeed.*)."""

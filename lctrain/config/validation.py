@@ -417,8 +417,8 @@ def _experts(cfg: LctrainConfig, world_size: int) -> list[str]:
             problems.append(f"model.moe_layers={list(m.moe_layers)} must name distinct layers "
                             f"0..{m.n_layers - 1}" + (f" (not {bad})" if bad else ""))
     problems += _expert_parallel(cfg, world_size)
-    not_yet = [(f"parallel.tp={p.tp}", "parallel.tp=1 (FSDP shards the experts over dp x cp)",
-                p.tp > 1),
+    not_yet = [(f"parallel.tp={p.tp} without parallel.sp", "parallel.sp=true (each TP rank "
+                "then routes its own sequence shard) or parallel.tp=1", p.tp > 1 and not p.sp),
                (f"parallel.pp={p.pp}", "parallel.pp=1", p.pp > 1),
                ("parallel.dp_engine=deepspeed", "parallel.dp_engine=fsdp",
                 p.dp_engine == "deepspeed")]
@@ -429,7 +429,7 @@ def _experts(cfg: LctrainConfig, world_size: int) -> list[str]:
 
 
 def _expert_parallel(cfg: LctrainConfig, world_size: int) -> list[str]:
-    """parallel.ep: whole experts per rank, ep ranks inside dp x cp, FSDP over the rest."""
+    """parallel.ep: whole experts per rank, ep ranks inside dp x cp x tp, FSDP over the rest."""
     m, p = cfg.model, cfg.parallel
     if p.ep == 1:
         return []
@@ -438,10 +438,10 @@ def _expert_parallel(cfg: LctrainConfig, world_size: int) -> list[str]:
         problems.append(f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts}; "
                         f"try parallel.ep={math.gcd(m.n_experts, p.ep)}")
     dp = p.dp if p.dp != -1 else world_size // (p.tp * p.cp * p.pp)
-    if dp >= 1 and (dp * p.cp) % p.ep:
-        problems.append(f"parallel.ep={p.ep} must divide dp x cp = {dp} x {p.cp}: the expert "
-                        f"ranks are data and context ranks; try parallel.ep="
-                        f"{math.gcd(dp * p.cp, p.ep)}")
+    if dp >= 1 and (dp * p.cp * p.tp) % p.ep:
+        problems.append(f"parallel.ep={p.ep} must divide dp x cp x tp = {dp} x {p.cp} x {p.tp}: "
+                        "the expert ranks are data, context and tensor ranks; try parallel.ep="
+                        f"{math.gcd(dp * p.cp * p.tp, p.ep)}")
     if p.dp_engine != "fsdp":
         problems.append(f"parallel.ep={p.ep} with parallel.dp_engine={p.dp_engine}: the ranks "
                         "hold different experts, which only FSDP reduces apart (over the ranks "

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lctrain.attention.calls import Block, effective_window
 from lctrain.attention.local import local_attention
@@ -170,7 +171,8 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.q_scale is not None:
             q = q * self.q_scale
-        sink = {} if self.sinks is None else {"sink": self.sinks}
+        sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
+        sink = {} if sinks is None else {"sink": sinks}  # this rank's heads' under TP
         out = self.core(q, k, v, doc_ids, window=self.window, **sink)  # [B, S, H, d]
         return self.wo(out.reshape(b, s, -1))
 

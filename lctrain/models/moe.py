@@ -114,19 +114,19 @@ class Experts(nn.Module):
         self.std, self.out_std = cfg.init_std, cfg.init_std / (2 * cfg.n_layers) ** 0.5
         self.group: dist.ProcessGroup | None = None
         """The ep group (None: every expert here)."""
+        self.grad_scale = 1.0
+        """Factor on the experts' gradients (tp/ep: `lctrain.parallel.experts`, §28)."""
 
     def forward(self, xs: Tensor, counts: Tensor) -> Tensor:
         """Each expert's MLP over its rows of xs [N k, D] (sorted by expert; counts [E])."""
         weights = [w.to_local() if isinstance(w, DTensor) else w
                    for w in self.parameters(recurse=False)]
+        if self.grad_scale != 1.0:
+            weights = [_ScaleGrad.apply(w, self.grad_scale) for w in weights]
         if self.group is None:
             return self.mlp(xs, counts, *weights)
-        ep = dist.get_world_size(self.group)
-        # each expert's gradient sums the rows of its whole ep group, whose ranks' losses the
-        # data-parallel reduction averages again over dp x cp: 1/ep makes it the mean (§28)
-        weights = [_ScaleGrad.apply(w, 1.0 / ep) for w in weights]
         with traffic_tag(EP_TAG):
-            return self._dispatched(xs, counts, ep, weights)
+            return self._dispatched(xs, counts, dist.get_world_size(self.group), weights)
 
     def _dispatched(self, xs: Tensor, counts: Tensor, ep: int, weights: list[Tensor]
                     ) -> Tensor:
@@ -173,7 +173,7 @@ class GptOssExperts(Experts):
         self.down_proj_bias = nn.Parameter(torch.empty(e, d))
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
         self.std, self.out_std = cfg.init_std, cfg.init_std / (2 * cfg.n_layers) ** 0.5
-        self.group = None
+        self.group, self.grad_scale = None, 1.0
 
     def mlp(self, xs: Tensor, counts: Tensor, gate_up: Tensor, gate_up_bias: Tensor,
             down: Tensor, down_bias: Tensor) -> Tensor:
@@ -207,20 +207,21 @@ class MoE(nn.Module):
         self.std = cfg.init_std
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """x [N, D] -> (weights [N, k] in x's dtype, experts [N, k], tokens per expert [E]);
-        records the statistics."""
-        probs = F.softmax(self.router(x).float(), dim=-1)
+        """x [B, S, D] (its router sees the sequence dim: sequence parallelism's layout) ->
+        (weights [N, k] in x's dtype, experts [N, k], tokens per expert [E]) for its N = B S
+        tokens; records the statistics."""
+        probs = F.softmax(self.router(x).float(), dim=-1).reshape(-1, self.n_experts)
         top, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
         counts = torch.bincount(experts.reshape(-1), minlength=self.n_experts)
-        self.log.record(self.layer, counts, probs.sum(dim=0), x.shape[0])
+        self.log.record(self.layer, counts, probs.sum(dim=0), probs.shape[0])
         return top.to(x.dtype), experts, counts
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, experts, counts = self.route(flat)
+        weights, experts, counts = self.route(x)
         order = experts.reshape(-1).argsort(stable=True)
         token = order // self.top_k
         y = self.experts(flat[token], counts)

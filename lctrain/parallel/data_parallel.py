@@ -23,8 +23,8 @@ def data_parallel_engine(cfg: LctrainConfig, rt: Runtime) -> str | None:
 
 
 def apply_fsdp(model: nn.Module, rt: Runtime, offload: bool = False) -> nn.Module:
-    """FSDP2 over dp x cp: each block (under expert parallelism its experts first, over the
-    edp ranks that hold the same ones), then the root (on the meta device too: each rank then
+    """FSDP2 over dp x cp: each block (under expert or tensor parallelism its experts first,
+    over the dp x cp x tp / ep ranks that hold the same ones), then the root (on the meta device too: each rank then
     materialises only its shards). Under train.dtype=bf16 the weights are gathered and computed
     with in bf16 while the fp32 shards stay the master weights and gradients are reduced in fp32
     (half the all-gather traffic and gathered-weight memory of fp32). With `offload`
@@ -36,7 +36,7 @@ def apply_fsdp(model: nn.Module, rt: Runtime, offload: bool = False) -> nn.Modul
     options = {"offload_policy": CPUOffloadPolicy(pin_memory=rt.device.type == "cuda")} \
         if offload else {}
     for layer in model.layers.values():
-        if rt.ep > 1:  # a rank's experts: over the ranks that hold the same ones
+        if rt.ep > 1 or rt.topology.tp > 1:  # experts: over the ranks holding the same ones
             for experts in expert_modules(layer):
                 fully_shard(experts, mesh=rt.mesh.experts(rt.ep)["edp"], mp_policy=policy,
                             **options)

@@ -62,12 +62,15 @@ def parallelize_model(model: Llama, cfg: LctrainConfig, rt: Runtime,
     `fill` them; then DDP (which needs real weights). Under context parallelism a mixture of
     experts sums its routing statistics over cp (lctrain.models.moe)."""
     p, t = cfg.parallel, cfg.train
-    if p.cp > 1:  # a mixture of experts' routing statistics cover the micro-batch's tokens
-        model.reduce_router_stats = partial(sum_passing_grad, group=rt.group("cp"))
+    # a mixture of experts' routing statistics cover the micro-batch's tokens: over cp, and
+    # over tp under SP (each TP rank then routes its own sequence shard)
+    groups = [rt.group(axis) for axis, size in (("cp", p.cp), ("tp", p.tp)) if size > 1]
+    if groups:
+        model.reduce_router_stats = partial(_sum_over, groups=groups)
     if p.tp > 1:
         model = apply_tensor_parallel(model, rt.mesh["tp"], p.sp)
-    if p.ep > 1:
-        model = apply_expert_parallel(model, rt.mesh.experts(p.ep)["ep"])
+    if p.ep > 1 or (p.tp > 1 and cfg.model.n_experts):
+        model = apply_expert_parallel(model, rt.mesh.experts(p.ep), p.tp)
     model = apply_mlp_tiling(apply_loss_tiling(model, t.loss_chunk), t.mlp_chunk, p.tp, p.sp)
     model = apply_activation_checkpointing(
         model, t.activation_checkpointing, p.cp,
@@ -80,6 +83,12 @@ def parallelize_model(model: Llama, cfg: LctrainConfig, rt: Runtime,
     if fill is not None:
         _materialize(model, rt.device, fill)
     return apply_ddp(model, rt) if engine == "ddp" else model
+
+
+def _sum_over(x: torch.Tensor, groups: list) -> torch.Tensor:
+    for group in groups:
+        x = sum_passing_grad(x, group)
+    return x
 
 
 def apply_compile(model: Llama, tp: int) -> Llama:

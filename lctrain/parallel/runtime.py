@@ -28,20 +28,23 @@ class ParallelMesh:
     root: DeviceMesh
     meshes: dict[str, DeviceMesh]
     expert_meshes: dict[int, DeviceMesh] = field(default_factory=dict)
-    """By ep: the dp x cp ranks as an (edp, ep) mesh (`experts`)."""
+    """By ep: the dp x cp x tp ranks as an (edp, ep) mesh (`experts`)."""
 
     def __getitem__(self, group: str) -> DeviceMesh:
         return self.meshes[group]
 
     def experts(self, ep: int) -> DeviceMesh:
-        """The dp x cp group unflattened into (edp, ep): ep consecutive ranks of it hold the
+        """The dp x cp x tp ranks unflattened into (edp, ep): ep consecutive ranks hold the
         experts of a layer between them, the edp ranks of one ep position the same ones
-        (collective the first time for each ep)."""
-        if ep not in self.expert_meshes:
-            dp_cp = self.meshes["dp_cp"]
-            options = group_options(dp_cp.device_type)
-            self.expert_meshes[ep] = dp_cp._unflatten(
-                0, (dp_cp.size() // ep, ep), ("edp", "ep"),
+        (collective the first time for each ep). With tensor parallelism the experts are not
+        split by TP: the TP ranks, which hold different tokens under SP, are expert ranks
+        (docs/parallelism.md §28)."""
+        if ep not in self.expert_meshes:  # built on demand: dense models need no such groups
+            options = group_options(self.root.device_type)
+            ranks = self.root[("dp", "cp_ring", "cp_ulysses", "tp")]._flatten(
+                "dp_cp_tp", backend_override=options)
+            self.expert_meshes[ep] = ranks._unflatten(
+                0, (ranks.size() // ep, ep), ("edp", "ep"),
                 backend_override={"edp": options, "ep": options})
         return self.expert_meshes[ep]
 
@@ -131,7 +134,7 @@ class Runtime:
     sync_every_micro_step: bool = False
     """Reduce gradients in every micro-step (`reduces_each_micro_step`)."""
     ep: int = 1
-    """parallel.ep: ranks of dp x cp that split the experts between them."""
+    """parallel.ep: ranks of dp x cp x tp that split the experts between them."""
 
     def axis_rank(self, group: str) -> int:
         """This rank's index inside the named group."""

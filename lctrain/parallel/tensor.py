@@ -6,13 +6,16 @@ regions (norms, residual adds) hold [B, S/(cp*tp), D]: the row-parallel outputs 
 along the sequence and the column-parallel inputs all-gather it, so no all-reduce is left in a
 block. Without SP the row-parallel outputs all-reduce. The embedding is vocab-parallel (row-wise),
 the output layer column-parallel over the vocabulary; the loss then runs vocab-parallel
-(`loss_parallel`), so no rank materialises full-vocabulary logits.
+(`loss_parallel`), so no rank materialises full-vocabulary logits. A mixture-of-experts block
+(with SP) routes each rank's sequence shard itself (`moe_block_plan`); attention sinks shard by
+heads.
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -26,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lctrain.models.families import LLAMA, FamilyCode
+from lctrain.models.moe import MoE
 from lctrain.models.registry import family_code
 
 
@@ -70,12 +74,37 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> nn
     tied = (model.tok_embeddings is not None and model.output is not None
             and model.output.weight is model.tok_embeddings.weight)
     for layer in model.layers.values():
-        parallelize_module(layer, tp_mesh, block)
+        moe = isinstance(layer.feed_forward, MoE)
+        parallelize_module(layer, tp_mesh, moe_block_plan(block) if moe else block)
+        if layer.attention.sinks is not None:
+            layer.attention.sinks = _heads_sharded(layer.attention.sinks, tp_mesh)
     parallelize_module(model, tp_mesh, {k: v for k, v in top.items()
                                         if getattr(model, k.split(".")[0], None) is not None})
     if tied:  # both shard the [V, D] weight's rows (Shard(0)): one vocab-sharded weight again
         model.output.weight = model.tok_embeddings.weight
     return model
+
+
+def moe_block_plan(block: dict) -> dict:
+    """A block plan whose MLP is a mixture of experts (with SP, which validation requires): the
+    MoE takes this rank's sequence shard as a local tensor and routes its own tokens; the
+    router's weight is replicated, its gradient summed over the TP ranks (SequenceParallel,
+    as the norms'); the experts are not TP-sharded (`lctrain.parallel.experts` lays them out
+    over dp x cp x tp)."""
+    plan = {k: v for k, v in block.items() if not k.startswith("feed_forward")}
+    plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                              desired_input_layouts=(Shard(1),),
+                                              use_local_output=True)
+    plan["feed_forward.router"] = SequenceParallel(use_local_output=True)
+    return plan
+
+
+def _heads_sharded(sinks: nn.Parameter, tp_mesh: DeviceMesh) -> nn.Parameter:
+    """A per-head parameter [H] (attention sinks) sharded by heads like the queries."""
+    tp = tp_mesh.size()
+    local = torch.empty(sinks.shape[0] // tp, dtype=sinks.dtype, device=sinks.device)
+    return nn.Parameter(DTensor.from_local(local, tp_mesh, [Shard(0)], run_check=False,
+                                           shape=sinks.shape, stride=sinks.stride()))
 
 
 def vocab_parallel(tp: int) -> contextlib.AbstractContextManager:

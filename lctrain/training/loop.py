@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.lr_scheduler import LambdaLR
 
 from lctrain.config import LctrainConfig, ModelConfig
@@ -65,7 +66,10 @@ def forward_backward(model: nn.Module, mb: MicroBatch, loss_scale: float,
         core = unwrap(model)
         aux = getattr(core, "aux_loss", None)
         if aux is not None:
-            objective = objective + aux_weight(core.cfg, rt) * aux
+            weighted = aux_weight(core.cfg, rt) * aux
+            if isinstance(objective, DTensor):  # the vocab-parallel loss, replicated over tp
+                weighted = DTensor.from_local(weighted, objective.device_mesh, [Replicate()])
+            objective = objective + weighted
             if routing is not None:
                 routing.add(aux.detach(), core.expert_counts)
         objective.backward()
@@ -103,6 +107,8 @@ class Routing:
         aux = _all_reduce(self.aux_sum.float().reshape(1), rt) / (
             self.micro_steps * rt.topology.group_size("dp_cp"))
         counts = _all_reduce(self.counts.clone(), rt)
+        if rt.topology.tp > 1:  # under TP (always with SP here) each TP rank routes its own
+            dist.all_reduce(counts, group=rt.group("tp"))
         imbalance = counts.max(dim=1).values / counts.mean(dim=1)
         return {"aux_loss": aux.item(), "expert_load": counts.long().tolist(),
                 "expert_load_max_over_mean": imbalance.max().item()}
