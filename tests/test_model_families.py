@@ -99,13 +99,12 @@ FAMILIES = {  # model_type -> transformers config of a random model with the fam
         router_aux_loss_coef=0.05, output_router_logits=True),
 }
 MOE = ("qwen3_moe", "mixtral", "gpt_oss")
-LAYOUTS_OF_ALL = ("cp2_ring_zigzag_docs", "pp2_dp2", "usp2x2_documents")
+LAYOUTS_OF_ALL = ("cp2_ring_zigzag_docs", "usp2x2_documents")
 """The layouts every family runs (an MoE family runs the rest of LAYOUTS as MOE_LAYOUTS)."""
 FUSED_IN_MEMORY = ("qwen3_moe", "mixtral")
 """Families whose checkpoints store each expert's matrices apart and transformers' modules fuse
 them in memory (gate_up_proj [E, 2F, D], down_proj [E, D, F]); GPT-OSS's are fused in both."""
-"""The families with experts: refused under PP (not laid out there yet); they train on their
-own layouts too (MOE_LAYOUTS)."""
+"""The families with experts: they train on their own layouts too (MOE_LAYOUTS)."""
 WINDOW_OF = {"qwen2": WINDOW, "mistral": WINDOW, "gemma3_text": WINDOW, "gpt_oss": WINDOW}
 """The families whose random model has window layers (shorter than a packed row's documents'
 longest, and than train.seq_len)."""
@@ -123,6 +122,9 @@ LAYOUTS = {  # the 4-rank layouts every family trains on
 MOE_LAYOUTS = {"ep2_cp2_ring_docs": ["parallel.cp=2", "parallel.dp=2", "parallel.ep=2",
                                      "parallel.attention=ring", "data.document_masking=true"],
                "moe_cp2_tp2_sp_ulysses": LAYOUTS["cp2_tp2_sp_ulysses"],
+               "moe_pp2_dp2": LAYOUTS["pp2_dp2"],
+               "ep2_pp2_dp2": ["parallel.cp=1", "parallel.dp=2", "parallel.pp=2",
+                               "parallel.ep=2", "data.document_masking=false"],
                "ep2_tp2_sp_cp2_ring": ["parallel.cp=2", "parallel.dp=1", "parallel.tp=2",
                                        "parallel.sp=true", "parallel.ep=2",
                                        "parallel.attention=ring",
@@ -136,8 +138,9 @@ MOE_LAYOUTS = {"ep2_cp2_ring_docs": ["parallel.cp=2", "parallel.dp=2", "parallel
                                  "train.mlp_chunk=8", "train.activation_checkpointing=full",
                                  "data.document_masking=true"]}
 """The MoE families' own layouts (full suite, with USP): ep2 x cp2 ring, cp2 x tp2+sp Ulysses,
-ep2 x tp2+sp x cp2 ring, DDP with Ulysses, and ep4, the last two tiled and fully recomputed.
-In the fast tier they train on the cp2 ring layout above (and tests/test_moe.py trains ep2)."""
+ep2 x tp2+sp x cp2 ring, pp2 (the routing totals passed along the stages), ep2 x pp2, DDP with
+Ulysses, and ep4, the last two tiled and fully recomputed. In the fast tier they train on the
+cp2 ring layout above (and tests/test_moe.py trains ep2)."""
 EXPORTED_BY = {"cp2_tp2_sp_ulysses": [f for f in FAMILIES if f not in MOE],
                "cp2_ring_zigzag_docs": list(MOE)}
 """The layout whose run exports each family."""
@@ -334,9 +337,6 @@ def test_every_family_trains_on_every_layout_with_transformers_loss_and_gradient
             if not _trains_on(family, layout):
                 continue
             cfg = _resolved(path, *overrides).cfg
-            if family in MOE and cfg.parallel.pp > 1:
-                assert any("with a mixture-of-experts model" in p for p in preflight(cfg, 4))
-                continue
             assert preflight(cfg, 4) == [], (family, layout)
             cfgs[family, layout] = cfg
             wants[family, layout] = _hf_step(hf, cfg)

@@ -91,7 +91,6 @@ def test_expert_parallel_traffic_is_the_formula_of_the_routing_that_happened():
     (MOE, {"ep": 4, "dp": 2}, "parallel.ep=4 must divide dp x cp x tp = 2 x 1 x 1"),
     (MOE, {"ep": 2, "dp": 2, "dp_engine": "ddp"}, "only FSDP reduces apart"),
     (MOE, {"tp": 2}, "parallel.tp=2 without parallel.sp with a mixture-of-experts model"),
-    (MOE, {"pp": 2}, "parallel.pp=2 with a mixture-of-experts model"),
 ])
 def test_what_experts_cannot_do_is_refused_with_its_fix(model, parallel, message):
     cfg = tiny_config(model=model, parallel=parallel)

@@ -419,7 +419,6 @@ def _experts(cfg: LctrainConfig, world_size: int) -> list[str]:
     problems += _expert_parallel(cfg, world_size)
     not_yet = [(f"parallel.tp={p.tp} without parallel.sp", "parallel.sp=true (each TP rank "
                 "then routes its own sequence shard) or parallel.tp=1", p.tp > 1 and not p.sp),
-               (f"parallel.pp={p.pp}", "parallel.pp=1", p.pp > 1),
                ("parallel.dp_engine=deepspeed", "parallel.dp_engine=fsdp",
                 p.dp_engine == "deepspeed")]
     problems += [f"{setting} with a mixture-of-experts model (model.n_experts={m.n_experts}): "

@@ -334,17 +334,28 @@ class Llama(nn.Module):
         return self.loss_head(self.output, h, labels)
 
     def _router_losses(self) -> None:
-        """`aux_loss` and `expert_counts` from the forward's routing (§28): counts,
-        probabilities and rows summed over the layers, then over the ranks of the tokens."""
+        """`aux_loss` and `expert_counts` from the forward's routing (§28)."""
+        self.aux_loss = self.aux_from_totals(self.router_totals())
+
+    def router_totals(self) -> Tensor:
+        """The forward's routing summed over its MoE layers, [2 E + 1]: the tokens sent to each
+        expert and the routing probabilities of each (with their gradient), then the rows;
+        sets `expert_counts` and clears the log."""
         log = self.router_log
         self.expert_counts = torch.stack([log.counts[i] for i in sorted(log.counts)])
-        counts = self.expert_counts.sum(dim=0)
-        rows = torch.tensor([float(log.tokens)], device=counts.device)
-        totals = self.reduce_router_stats(torch.cat([counts, rows]))
-        prob_sums = self.reduce_router_stats(torch.stack(log.prob_sums).sum(dim=0))
-        self.aux_loss = load_balancing_loss(totals[:-1], prob_sums, totals[-1],
-                                            self.cfg.n_experts)
+        rows = torch.tensor([float(log.tokens)], device=self.expert_counts.device)
+        totals = torch.cat([self.expert_counts.sum(dim=0), torch.stack(log.prob_sums).sum(dim=0),
+                            rows])
         log.clear()
+        return totals
+
+    def aux_from_totals(self, totals: Tensor) -> Tensor:
+        """The load-balancing loss of `router_totals` (summed over the layers of every pipeline
+        stage), once they are summed over the ranks that hold the micro-batch's tokens; the
+        gradient reaches the probabilities only."""
+        e = self.cfg.n_experts
+        totals = self.reduce_router_stats(totals)
+        return load_balancing_loss(totals[:e].detach(), totals[e:2 * e], totals[-1].detach(), e)
 
     def init_rules(self) -> dict[str, float | None]:
         rules = {}

@@ -32,7 +32,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from lctrain.config import LctrainConfig
 from lctrain.data.batch import MicroBatch
@@ -55,7 +55,8 @@ def my_stages(cfg: LctrainConfig, rt: Runtime) -> list[int]:
 
 def stage_model(cfg: LctrainConfig, core: AttentionCore, stage: int) -> Llama:
     """Stage `stage` of the model on the meta device: its layers under their global ids, the
-    embedding if it is the first stage, the final norm and output layer if it is the last."""
+    embedding if it is the first stage, the final norm and output layer if it is the last. A
+    mixture of experts' stage is a `RoutedStage`."""
     layers = set(split_layers(cfg)[stage])
     with torch.device("meta"):
         model = new_model(cfg.model, core)
@@ -65,7 +66,43 @@ def stage_model(cfg: LctrainConfig, core: AttentionCore, stage: int) -> Llama:
         model.tok_embeddings = None
     if stage < stage_count(cfg) - 1:
         model.norm = model.output = None
+    if cfg.model.n_experts:  # the class only: names and weights stay (as tiling does)
+        model.__class__ = RoutedStage
+        model.routing_counts = []
     return model
+
+
+class RoutedStage(Llama):
+    """A pipeline stage of a mixture-of-experts model. transformers' load-balancing loss pools
+    the routing of every MoE layer of the model (docs/parallelism.md §28), which the stages
+    hold apart: each stage adds its layers' routing totals ([2 E + 1]: tokens per expert,
+    probabilities with their gradient, rows) to those of the stages before it and passes them
+    on beside the hidden state; the last stage returns (loss sum, load-balancing loss), and the
+    probabilities' gradient goes back through the stages with the hidden state's."""
+
+    routing_counts: list[Tensor]
+    """Tokens sent to each expert of each of this stage's MoE layers, per forward of the step
+    (`PipelinedModel` empties it at each step's start)."""
+
+    def forward(self, x: Tensor, totals: Tensor | None = None, positions: Tensor | None = None,
+                doc_ids: Tensor | None = None, labels: Tensor | None = None
+                ) -> Tensor | tuple[Tensor, Tensor]:
+        out = super().forward(x, positions, doc_ids, labels)
+        if self.router_log.counts:
+            mine = self.router_totals()
+            self.routing_counts.append(self.expert_counts)
+        else:  # no MoE layer here (mlp_only_layers): the totals pass through
+            mine = torch.zeros(2 * self.cfg.n_experts + 1, device=out.device,
+                               requires_grad=True)
+        totals = mine if totals is None else totals + mine
+        if self.output is None:
+            return out, totals
+        if labels is None:
+            return out
+        return out, self.aux_from_totals(totals)
+
+    def _router_losses(self) -> None:
+        """Computed by `forward` over every stage's totals instead."""
 
 
 class PipelinedModel(nn.Module):
@@ -106,8 +143,9 @@ class PipelinedModel(nn.Module):
                       scale_grads=False)
         self.schedule = (schedule(self.stages, **kwargs) if issubclass(
             schedule, PipelineScheduleMulti) else schedule(self.stages[0], **kwargs))
-        self._loss_scale = 1.0
+        self._loss_scale, self._aux_weight = 1.0, 0.0
         self._loss_sums: list[Tensor] = []
+        self._aux_values: list[Tensor] = []
         # every load_state_dict (resume, checkpoint.load, load_model_only) ends by refreshing
         self.register_load_state_dict_post_hook(lambda module, _keys: module.refresh_copy())
         self.refresh_copy()  # initialised or loaded as the embedding's, its values from there
@@ -124,14 +162,26 @@ class PipelinedModel(nn.Module):
             return None
         return unwrap(self.parts[self.n_stages - 1]).output.weight
 
-    def _scaled_loss(self, loss_sum: Tensor, _target: Tensor) -> Tensor:
-        """The schedule's loss function: the last stage already returns the loss sum."""
+    def _scaled_loss(self, output: Tensor | tuple[Tensor, Tensor], _target: Tensor) -> Tensor:
+        """The schedule's loss function: the last stage already returns the loss sum (with a
+        mixture of experts' load-balancing loss beside it, at its weight `aux_weight`)."""
+        loss_sum, aux = output if isinstance(output, tuple) else (output, None)
         self._loss_sums.append(loss_value(loss_sum.detach()))
-        return loss_sum * self._loss_scale
+        scaled = loss_sum * self._loss_scale
+        if aux is None:
+            return scaled
+        self._aux_values.append(aux.detach())
+        weighted = self._aux_weight * aux
+        if isinstance(scaled, DTensor):  # the vocab-parallel loss, replicated over tp
+            weighted = DTensor.from_local(weighted, scaled.device_mesh, [Replicate()])
+        return scaled + weighted
 
-    def train_step(self, micro_batches: list[MicroBatch], loss_scale: float) -> Tensor:
+    def train_step(self, micro_batches: list[MicroBatch], loss_scale: float,
+                   aux_weight: float = 0.0) -> Tensor:
         """Forward and backward of the step's micro-batches through the pipeline schedule; the
-        detached sum of token losses (on the last stage; 0 on the others)."""
+        detached sum of token losses (on the last stage; 0 on the others). `aux_weight`: a
+        mixture of experts' load-balancing loss's weight (its values: `aux_values`, the
+        tokens per expert of the rank's layers: `routing_counts`)."""
         rt = self.rt
         mbs = [mb.to(rt.device) for mb in micro_batches]
         inputs = torch.cat([mb.inputs for mb in mbs])
@@ -140,6 +190,10 @@ class PipelinedModel(nn.Module):
         if mbs[0].doc_ids is not None:
             kwargs["doc_ids"] = torch.cat([mb.doc_ids for mb in mbs])
         self._loss_scale, self._loss_sums = loss_scale, []
+        self._aux_weight, self._aux_values = aux_weight, []
+        for part in self.parts.values():
+            if isinstance(unwrap(part), RoutedStage):
+                unwrap(part).routing_counts = []
         args = (inputs,) if 0 in self.parts else ()
         # the loss is computed inside the last stage: the schedule's target is a placeholder
         target = torch.zeros(len(mbs), device=rt.device)
@@ -166,6 +220,24 @@ class PipelinedModel(nn.Module):
             _local(self.copy).copy_(arrived)
 
     @torch.no_grad()
+    def routing(self) -> tuple[list[Tensor], Tensor | None]:
+        """The last step's load-balancing losses (one per micro-batch, on the last stage's ranks)
+        and the tokens per expert of every MoE layer ([MoE layers, E], this rank's layers
+        filled, zeros elsewhere), or None for a dense model. (On its first step the schedule
+        also runs a forward on placeholder inputs to learn the shapes: the last forwards of
+        the step are its micro-batches'.)"""
+        m, accum = self.cfg.model, self.rt.derived.grad_accum
+        if not m.n_experts:
+            return self._aux_values[-accum:], None
+        moe = [i for i in range(m.n_layers) if m.is_moe_layer(i)]
+        counts = torch.zeros(len(moe), m.n_experts, device=self.rt.device)
+        for stage, part in self.parts.items():
+            held = unwrap(part).routing_counts[-accum:]
+            if held:
+                mine = [moe.index(i) for i in split_layers(self.cfg)[stage] if i in moe]
+                counts[mine] += sum(held)
+        return self._aux_values[-accum:], counts
+
     def _add_copy_grad(self) -> None:
         """The embedding's gradient += the copy's (the tied weight's two uses, each reduced over
         dp x cp by its own stage); the copy's gradient is dropped."""
@@ -216,7 +288,10 @@ class PipelinedModel(nn.Module):
             if stage > 0 and stage - 1 not in self.parts:
                 h = self._recv(self._peer(stage - 1))
             last = stage == self.n_stages - 1
-            h = self.parts[stage](h, positions, doc_ids, labels=labels if last else None)
+            h = self.parts[stage](h, positions=positions, doc_ids=doc_ids,
+                                  labels=labels if last else None)
+            if isinstance(h, tuple):  # a mixture of experts' routing totals: not needed here
+                h = h[0]
             if not last and stage + 1 not in self.parts:
                 self._send(h, self._peer(stage + 1))
         return h if self.has_last_stage else None

@@ -87,28 +87,32 @@ def aux_weight(m: ModelConfig, rt: Runtime) -> float:
 @dataclasses.dataclass
 class Routing:
     """A step's routing on this rank: the load-balancing losses of its micro-steps (each the
-    micro-batch's, the same on its cp ranks) and the tokens it sent to each expert of each MoE
-    layer, summed."""
+    micro-batch's, the same on its cp and tp ranks; under pipelining on the last stage's ranks
+    only) and the tokens it sent to each expert of each MoE layer (under pipelining, of its
+    stages' layers), summed."""
 
     aux_sum: Tensor | None = None
     counts: Tensor | None = None
     micro_steps: int = 0
 
-    def add(self, aux: Tensor, counts: Tensor) -> None:
+    def add(self, aux: Tensor, counts: Tensor, micro_steps: int = 1) -> None:
         self.aux_sum = aux if self.aux_sum is None else self.aux_sum + aux
         self.counts = counts if self.counts is None else self.counts + counts
-        self.micro_steps += 1
+        self.micro_steps += micro_steps
 
     def metrics(self, rt: Runtime) -> dict:
         """aux_loss (the mean over the step's micro-batches), expert_load (tokens per expert
         over the step, per MoE layer) and its largest max/mean over the layers."""
         if self.counts is None:
             return {}
-        aux = _all_reduce(self.aux_sum.float().reshape(1), rt) / (
-            self.micro_steps * rt.topology.group_size("dp_cp"))
+        aux = _all_reduce(self.aux_sum.float().reshape(1), rt)
         counts = _all_reduce(self.counts.clone(), rt)
-        if rt.topology.tp > 1:  # under TP (always with SP here) each TP rank routes its own
-            dist.all_reduce(counts, group=rt.group("tp"))
+        for axis in ("tp", "pp"):  # TP ranks (always with SP here) route their own tokens
+            if rt.topology.group_size(axis) > 1:
+                dist.all_reduce(counts, group=rt.group(axis))
+                if axis == "pp":  # only the last stage's ranks hold the losses
+                    dist.all_reduce(aux, group=rt.group(axis))
+        aux = aux / (self.micro_steps * rt.topology.group_size("dp_cp"))
         imbalance = counts.max(dim=1).values / counts.mean(dim=1)
         return {"aux_loss": aux.item(), "expert_load": counts.long().tolist(),
                 "expert_load_max_over_mean": imbalance.max().item()}
@@ -125,8 +129,12 @@ def _micro_steps(model: nn.Module, micro_batches: list[MicroBatch], loss_scale: 
     """Forward and backward of every micro-batch; the sum of this rank's token losses (with
     pipeline parallelism, summed over the pipeline: only the last stage computes losses)."""
     if isinstance(model, PipelinedModel):
-        loss_sum = model.train_step(micro_batches, loss_scale)
+        loss_sum = model.train_step(micro_batches, loss_scale, aux_weight(model.cfg.model, rt))
         dist.all_reduce(loss_sum, group=rt.group("pp"))
+        aux_values, counts = model.routing()
+        if routing is not None and counts is not None:
+            routing.add(sum(aux_values, torch.zeros((), device=rt.device)), counts,
+                        len(micro_batches))
         return loss_sum
     loss_sum = torch.zeros((), device=rt.device, dtype=torch.float32)
     for i, mb in enumerate(micro_batches):
