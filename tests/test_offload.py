@@ -38,11 +38,16 @@ LAYOUTS = {  # name: (world, parallel.*, train.*)
                           {"micro_batch": 2}),
     "cp4_usp": (4, {"cp": 4, "dp": 1, "attention": "usp", "ulysses_degree": 2},
                 {"micro_batch": 2}),
+    # a mixture of experts split over the ranks (its experts DTensors on the ep mesh)
+    "moe_ep2_dp2": (2, {"dp": 2, "ep": 2}, {"micro_batch": 1}),
 }
+MOE = {"family": "qwen3_moe", "n_experts": 4, "experts_per_token": 2, "expert_ffn_dim": 48,
+       "router_aux_loss_coef": 0.01}
+"""The model of the layouts whose name starts with moe_."""
 
 
-def _config(parallel: dict, train: dict, mode: str):
-    return tiny_config(parallel={**parallel, "offload_state": mode},
+def _config(parallel: dict, train: dict, mode: str, model: dict | None = None):
+    return tiny_config(parallel={**parallel, "offload_state": mode}, model=model or {},
                        train={"steps": 2, "global_batch": 4, **train})
 
 
@@ -76,7 +81,8 @@ def _all_modes(layout: str) -> dict:
     """Every mode the layout's engine takes (DDP keeps its weights on the device)."""
     world, parallel, train = LAYOUTS[layout]
     modes = MODES[:2] if parallel.get("dp_engine") == "ddp" else MODES
-    return {mode: _steps(_config(parallel, train, mode), world) for mode in modes}
+    model = MOE if layout.startswith("moe_") else None
+    return {mode: _steps(_config(parallel, train, mode, model), world) for mode in modes}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
