@@ -60,6 +60,18 @@ def _block_split(family: str, dim: int, d_head: int, heads: int, kv_heads: int,
     return attention + mlp + sharded, 2 * dim + replicated
 
 
+def layer_kinds(m: ModelConfig, layers) -> list[tuple[int, int]]:
+    """(a layer, how many) for each kind among `layers`: the layers whose blocks hold, compute
+    and keep alike (dense or a mixture of experts, and the same attention window), so that a
+    formula is evaluated once per kind (a layout search evaluates many)."""
+    kinds: dict[tuple[bool, int | None], tuple[int, int]] = {}
+    for i in layers:
+        key = (m.is_moe_layer(i), m.layer_window(i))
+        first, count = kinds.get(key, (i, 0))
+        kinds[key] = (first, count + 1)
+    return list(kinds.values())
+
+
 def block_params(m: ModelConfig, layer: int = 0, active: bool = False) -> int:
     """Parameters of transformer block `layer`, whole (`block_split`'s two parts); with
     `active`, those one token's forward multiplies by (a mixture of experts' k experts)."""

@@ -11,7 +11,7 @@ arithmetic on a config: no process, device or tensor.
 from __future__ import annotations
 
 import dataclasses
-from functools import cache, partial
+from functools import cache
 
 from lctrain.config import LctrainConfig, ModelConfig, derive
 from lctrain.config.cp_algorithms import LayerShape, MemoryTerms, cp_algorithm
@@ -21,6 +21,7 @@ from lctrain.layout.stages import (
     block_params,
     block_split,
     expert_params,
+    layer_kinds,
     mlp_params,
     rank_of,
     rank_stages,
@@ -39,7 +40,7 @@ def compute_bytes(cfg: LctrainConfig) -> int:
 def param_count(m: ModelConfig) -> int:
     """Parameters of the model of `m` (a tied output layer counted once)."""
     head = 0 if m.tie_embeddings else m.vocab_size * m.dim
-    blocks = sum(block_params(m, i) for i in range(m.n_layers))
+    blocks = sum(n * block_params(m, i) for i, n in layer_kinds(m, range(m.n_layers)))
     return m.vocab_size * m.dim + blocks + m.dim + head
 
 
@@ -47,7 +48,7 @@ def active_param_count(m: ModelConfig) -> int:
     """Parameters one token's forward multiplies by: `param_count` with only k experts of each
     mixture of experts (the same for a dense model)."""
     return param_count(m) - sum(block_params(m, i) - block_params(m, i, active=True)
-                                for i in range(m.n_layers))
+                                for i in range(m.n_layers) if m.is_moe_layer(i))
 
 
 def local_params(cfg: LctrainConfig, pp_rank: int = 0) -> tuple[int, int]:
@@ -57,8 +58,9 @@ def local_params(cfg: LctrainConfig, pp_rank: int = 0) -> tuple[int, int]:
     untied output layer, or a tied one's copy under pp > 1, if it runs the last."""
     m, p = cfg.model, cfg.parallel
     stages, mine = split_layers(cfg), stages_of(cfg, pp_rank)
-    blocks = sum(sharded // p.tp + replicated
-                 for s in mine for sharded, replicated in map(partial(block_split, m), stages[s]))
+    layers = [i for s in mine for i in stages[s]]
+    blocks = sum(n * (block_split(m, i)[0] // p.tp + block_split(m, i)[1])
+                 for i, n in layer_kinds(m, layers))
     vocab = m.vocab_size * m.dim // p.tp
     root = vocab if 0 in mine else 0
     if len(stages) - 1 in mine:
@@ -81,7 +83,7 @@ def stage_params(cfg: LctrainConfig, stage: int) -> int:
     """Parameters of pipeline stage `stage`, whole (all TP shards): summed over the stages,
     `param_count`."""
     m, stages = cfg.model, split_layers(cfg)
-    total = sum(block_params(m, i) for i in stages[stage])
+    total = sum(n * block_params(m, i) for i, n in layer_kinds(m, stages[stage]))
     if stage == 0:
         total += m.vocab_size * m.dim
     if stage == len(stages) - 1:
@@ -207,7 +209,8 @@ def gathered_weight_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0)
         return 0.0
     blocks, root = local_params(cfg, pp_rank)
     if cfg.parallel.pp == 1:
-        blocks = 2 * max(_gathered_block(cfg, i) for i in range(cfg.model.n_layers))
+        blocks = 2 * max(_gathered_block(cfg, i)
+                         for i, _ in layer_kinds(cfg.model, range(cfg.model.n_layers)))
     return (blocks + root) * compute_bytes(cfg)
 
 
@@ -417,7 +420,7 @@ def working_bytes(cfg: LctrainConfig, world_size: int, batch: int,
             t, activation_checkpointing="none"))
         recompute = max(activation_formula(plain, world_size, batch, i)
                         - activation_formula(cfg, world_size, batch, i)
-                        for i in range(m.n_layers))
+                        for i, _ in layer_kinds(m, range(m.n_layers)))
     block = recompute + 2 * 4 * n * m.dim / s
     rows = batch * min(t.loss_chunk, t.seq_len // p.cp) if t.loss_chunk else n
     head = rows * m.vocab_size / p.tp * ((4 + a) + ((4 + a) if t.loss_chunk else 0))
@@ -474,7 +477,8 @@ def stage_activation_bytes(cfg: LctrainConfig, world_size: int, batch: int, stag
     (`pipeline_buffer_bytes` counts those) and the first block keeps that very tensor: the fp32
     residual, or the input a checkpointed block keeps, on the device (docs/parallelism.md §13)."""
     stages, t = split_layers(cfg), cfg.train
-    total = sum(activation_formula(cfg, world_size, batch, i) for i in stages[stage])
+    total = sum(n * activation_formula(cfg, world_size, batch, i)
+                for i, n in layer_kinds(cfg.model, stages[stage]))
     if stage == len(stages) - 1:
         total += head_activation_formula(cfg, world_size, batch)
     elif cfg.parallel.pp > 1:
