@@ -99,7 +99,7 @@ FAMILIES = {  # model_type -> transformers config of a random model with the fam
         router_aux_loss_coef=0.05, output_router_logits=True),
 }
 MOE = ("qwen3_moe", "mixtral", "gpt_oss")
-LAYOUTS_OF_ALL = ("cp2_ring_zigzag_docs", "usp2x2_documents")
+LAYOUTS_OF_ALL = ("usp2x2_documents",)
 """The layouts every family runs (an MoE family runs the rest of LAYOUTS as MOE_LAYOUTS)."""
 FUSED_IN_MEMORY = ("qwen3_moe", "mixtral")
 """Families whose checkpoints store each expert's matrices apart and transformers' modules fuse
@@ -121,6 +121,7 @@ LAYOUTS = {  # the 4-rank layouts every family trains on
 }
 MOE_LAYOUTS = {"ep2_cp2_ring_docs": ["parallel.cp=2", "parallel.dp=2", "parallel.ep=2",
                                      "parallel.attention=ring", "data.document_masking=true"],
+               "moe_cp2_ring_zigzag_docs": LAYOUTS["cp2_ring_zigzag_docs"],
                "moe_cp2_tp2_sp_ulysses": LAYOUTS["cp2_tp2_sp_ulysses"],
                "moe_pp2_dp2": LAYOUTS["pp2_dp2"],
                "ep2_pp2_dp2": ["parallel.cp=1", "parallel.dp=2", "parallel.pp=2",
@@ -137,13 +138,13 @@ MOE_LAYOUTS = {"ep2_cp2_ring_docs": ["parallel.cp=2", "parallel.dp=2", "parallel
                "ep4_dp4_tiled": ["parallel.cp=1", "parallel.dp=4", "parallel.ep=4",
                                  "train.mlp_chunk=8", "train.activation_checkpointing=full",
                                  "data.document_masking=true"]}
-"""The MoE families' own layouts (full suite, with USP): ep2 x cp2 ring, cp2 x tp2+sp Ulysses,
-ep2 x tp2+sp x cp2 ring, pp2 (the routing totals passed along the stages), ep2 x pp2, DDP with
-Ulysses, and ep4, the last two tiled and fully recomputed. In the fast tier they train on the
-cp2 ring layout above (and tests/test_moe.py trains ep2)."""
+"""The MoE families' layouts (full suite, with USP): LAYOUTS' three, ep2 x cp2 ring, ep2 x
+tp2+sp x cp2 ring, ep2 x pp2, DDP with Ulysses, and ep4, the last two tiled and fully
+recomputed. The fast tier checks them at one rank (logits), and tests/test_moe.py and
+tests/test_activation_memory.py train ep2."""
 EXPORTED_BY = {"cp2_tp2_sp_ulysses": [f for f in FAMILIES if f not in MOE],
-               "cp2_ring_zigzag_docs": list(MOE)}
-"""The layout whose run exports each family."""
+               "moe_cp2_ring_zigzag_docs": list(MOE)}
+"""The layout whose run exports each family (the MoE families' in the full suite)."""
 USP_LAYOUT = {"usp2x2_documents": ["parallel.cp=4", "parallel.dp=1", "parallel.attention=usp",
                                    "parallel.ulysses_degree=2", "data.document_masking=true"]}
 """USP 2x2 with the per-row documents split: the window layers' halo inside ring groups after
@@ -355,15 +356,15 @@ def test_every_family_trains_on_every_layout_with_transformers_loss_and_gradient
         for name, want in want_grads.items():
             torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-6,
                                        msg=lambda m, k=key, n=name: f"{k} {n}: {m}")
-    if not set(EXPORTED_BY) & set(layouts):
-        return  # the exports are the cp2 layouts'
+    exported = [f for layout in layouts for f in EXPORTED_BY.get(layout, ())]
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(2))
-    for family, (_, hf) in hf_dirs.items():
+    for family in exported:
+        hf = hf_dirs[family][1]
         back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / family).eval()
         assert type(back) is type(hf)
-        exported = json.loads((tmp_path / family / "config.json").read_text())
-        assert exported["model_type"] == family
-        assert exported["head_dim"] == (32 if family == "qwen3" else 16)
+        config = json.loads((tmp_path / family / "config.json").read_text())
+        assert config["model_type"] == family
+        assert config["head_dim"] == (32 if family == "qwen3" else 16)
         with torch.no_grad():
             torch.testing.assert_close(back(input_ids=tokens).logits, hf(input_ids=tokens).logits,
                                        rtol=1e-5, atol=1e-5)

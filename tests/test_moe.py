@@ -98,6 +98,7 @@ def test_what_experts_cannot_do_is_refused_with_its_fix(model, parallel, message
     assert any(message in p for p in validate(cfg, world)), validate(cfg, world)
 
 
+@pytest.mark.slow  # 2-4 s: the search forks workers
 def test_the_search_finds_expert_parallel_layouts_for_qwen3_30b_a3b_at_128k():
     """The issue's plan: Qwen3-30B-A3B at 131,072 tokens on one node of 8 GPUs. The search
     tries every ep that divides dp x cp and the 128 experts (FSDP only); the fitting layouts
