@@ -53,6 +53,7 @@ from lctrain.data.batch import micro_batch_from_tokens  # noqa: E402
 from lctrain.data.loader import build_loader  # noqa: E402
 from lctrain.layout import sequence  # noqa: E402
 from lctrain.layout.comm import check_collective_devices  # noqa: E402
+from lctrain.models.moe import grouped_matmul  # noqa: E402
 from lctrain.parallel.data_parallel import unwrap  # noqa: E402
 from lctrain.parallel.launch import RankFailure, run_ranks  # noqa: E402
 from lctrain.parallel.memory import (  # noqa: E402
@@ -615,6 +616,37 @@ def check_kernel_throughput(ctx: Context) -> dict:
                 for r in rows)}
 
 
+def check_moe_grouped_mm(ctx: Context) -> dict:
+    """A mixture of experts' experts through torch's grouped matmul (the CUDA bf16 path, the
+    one expert by expert elsewhere) against one matmul per expert, with an empty expert: the
+    outputs and, on CUDA, every gradient. (A dry run compares the forwards: torch's CPU
+    grouped matmul has no backward here.)"""
+    gen = torch.Generator().manual_seed(0)
+    e, d, f = 4, 64, 96
+    counts = torch.tensor([40, 0, 56, 32])
+    xs = torch.randn(int(counts.sum()), d, generator=gen).to(ctx.device, ctx.dtype)
+    ws = [(torch.randn(e, f, d, generator=gen) / d**0.5).to(ctx.device, ctx.dtype)
+          for _ in range(2)] + [(torch.randn(e, d, f, generator=gen) / f**0.5).to(
+              ctx.device, ctx.dtype)]
+    results = []
+    for splits in (None, counts.tolist()):  # grouped, then expert by expert
+        leaves = [t.clone().requires_grad_(not ctx.dry_run) for t in (xs, *ws)]
+        gate = torch.nn.functional.silu(grouped_matmul(leaves[0], leaves[1].transpose(-2, -1),
+                                                       counts.to(ctx.device), splits))
+        up = grouped_matmul(leaves[0], leaves[2].transpose(-2, -1), counts.to(ctx.device), splits)
+        out = grouped_matmul(gate * up, leaves[3].transpose(-2, -1), counts.to(ctx.device),
+                             splits)
+        if not ctx.dry_run:
+            out.float().square().sum().backward()
+        results.append([out] + ([] if ctx.dry_run else [t.grad for t in leaves]))
+    worst = max(float((a.float() - b.float()).abs().max() / b.float().abs().max())
+                for a, b in zip(*results))
+    tol = 1e-5 if ctx.dry_run else BF16_TOL
+    return {"status": "PASS" if worst <= tol else "FAIL", "max_rel_diff": worst,
+            "detail": f"largest difference / largest value {worst:.2e} (tolerance {tol:.0e}), "
+                      + ("forward" if ctx.dry_run else "forward and every gradient")}
+
+
 def check_batch_transfer(ctx: Context) -> dict:
     tokens = torch.randint(1, 100, (2, 65))
     lengths = [torch.tensor([30, 35]).numpy()] * 2
@@ -649,6 +681,7 @@ CHECKS = {  # in order of what a first GPU run must not miss
     "state_offload": Check(check_state_offload, 20, 90),
     "compile": Check(check_compile, 60, 150, True),
     "batch_transfer": Check(check_batch_transfer, 10, 60),
+    "moe_grouped_mm": Check(check_moe_grouped_mm, 10, 60),
 }
 
 

@@ -67,7 +67,7 @@ def load_balancing_loss(counts: Tensor, prob_sums: Tensor, rows: Tensor, n_exper
     return n_experts * torch.sum((counts / rows) * (prob_sums / rows))
 
 
-def _grouped_matmul(x: Tensor, w: Tensor, counts: Tensor, splits: list[int] | None) -> Tensor:
+def grouped_matmul(x: Tensor, w: Tensor, counts: Tensor, splits: list[int] | None) -> Tensor:
     """x [N, in] (rows sorted by expert, counts [E] of them each) @ w[e] [E, in, out] for each
     expert's rows: torch's grouped matmul on CUDA in bf16 (`splits` None), else one matmul per
     expert (`splits`: counts as a list)."""
@@ -78,9 +78,16 @@ def _grouped_matmul(x: Tensor, w: Tensor, counts: Tensor, splits: list[int] | No
     return torch.cat([piece @ w[e] for e, piece in enumerate(pieces)])
 
 
-def uses_grouped_mm(x: Tensor) -> bool:
-    """Whether `_grouped_matmul` takes torch's grouped matmul for `x` (CUDA, bf16)."""
-    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+GROUPED_MM_ALIGN = 8
+"""bf16 elements in 16 bytes: torch's grouped matmul loads its operands by 16-byte rows (TMA),
+so every static dimension (D and the experts' widths) must be a multiple of this."""
+
+
+def uses_grouped_mm(x: Tensor, *widths: int) -> bool:
+    """Whether `grouped_matmul` takes torch's grouped matmul for rows `x` and the experts'
+    `widths` (CUDA, bf16, 16-byte aligned); else one matmul per expert."""
+    aligned = all(n % GROUPED_MM_ALIGN == 0 for n in (x.shape[-1], *widths))
+    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and aligned
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -147,10 +154,10 @@ class Experts(nn.Module):
     def mlp(self, xs: Tensor, counts: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
         """The experts' MLPs over xs sorted by expert, given their (local) parameters in
         registration order."""
-        splits = None if uses_grouped_mm(xs) else counts.tolist()
-        gate = self.activation(_grouped_matmul(xs, w1.transpose(-2, -1), counts, splits))
-        up = _grouped_matmul(xs, w3.transpose(-2, -1), counts, splits)
-        return _grouped_matmul(gate * up, w2.transpose(-2, -1), counts, splits)
+        splits = None if uses_grouped_mm(xs, w1.shape[-2]) else counts.tolist()
+        gate = self.activation(grouped_matmul(xs, w1.transpose(-2, -1), counts, splits))
+        up = grouped_matmul(xs, w3.transpose(-2, -1), counts, splits)
+        return grouped_matmul(gate * up, w2.transpose(-2, -1), counts, splits)
 
     def init_rules(self) -> dict[str, float | None]:
         # the down projections feed the residual stream: scaled down by depth, as dense MLPs'
@@ -177,14 +184,15 @@ class GptOssExperts(Experts):
 
     def mlp(self, xs: Tensor, counts: Tensor, gate_up: Tensor, gate_up_bias: Tensor,
             down: Tensor, down_bias: Tensor) -> Tensor:
-        splits = None if uses_grouped_mm(xs) else counts.tolist()
+        splits = None if uses_grouped_mm(xs, gate_up.shape[-1], down.shape[-2]) \
+            else counts.tolist()
         rows = torch.arange(counts.shape[0], device=xs.device).repeat_interleave(
             counts, output_size=xs.shape[0])  # each row's expert, for its biases
-        h = _grouped_matmul(xs, gate_up, counts, splits) + gate_up_bias[rows]
+        h = grouped_matmul(xs, gate_up, counts, splits) + gate_up_bias[rows]
         gate = h[..., ::2].clamp(max=self.limit)
         up = h[..., 1::2].clamp(min=-self.limit, max=self.limit)
         glu = (up + 1) * gate * torch.sigmoid(gate * self.alpha)
-        return _grouped_matmul(glu, down, counts, splits) + down_bias[rows]
+        return grouped_matmul(glu, down, counts, splits) + down_bias[rows]
 
     def init_rules(self) -> dict[str, float | None]:
         return {"gate_up_proj": self.std, "gate_up_proj_bias": ZEROS,
