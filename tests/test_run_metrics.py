@@ -203,9 +203,13 @@ def _train_counting_sends(cfg, run_dir):
     # 2 blocks per pipeline rank; the embedding's collectives in fp32, the rest in bf16
     (4, {"pp": 2, "tp": 2, "sp": True}, {"dtype": "bf16"}),
     (2, {"tp": 2}, {"activation_checkpointing": "full"}),  # the recomputed forward sends again
-], ids=["pp2_tp2_sp_bf16", "tp2_full_recompute"])
+    # two mixture-of-experts blocks (each rank routes its own shard: the attention's only)
+    (2, {"tp": 2, "sp": True}, {"activation_checkpointing": "full"}),
+], ids=["pp2_tp2_sp_bf16", "tp2_full_recompute", "tp2_sp_moe_full_recompute"])
 def test_tp_and_pipeline_traffic_formulas_equal_what_was_sent(tmp_path, world, par, train):
-    cfg = tiny_config(model={"n_layers": 4}, parallel=par,
+    moe = {"family": "qwen3_moe", "n_experts": 4, "expert_ffn_dim": 48, "moe_layers": [0, 1]}
+    cfg = tiny_config(model={"n_layers": 4, **(moe if par.get("sp") and world == 2 else {})},
+                      parallel=par,
                       train={"micro_batch": 1, "global_batch": 4, "steps": 2, **train})
     results = on_ranks(_train_counting_sends, world, cfg, str(tmp_path), timeout_s=300)
     # unit: (t-1)/t x tokens x D = 1/2 x 32 x 64 elements; 4 micro-batches per step
@@ -214,6 +218,8 @@ def test_tp_and_pipeline_traffic_formulas_equal_what_was_sent(tmp_path, world, p
         want_tp = {0: accum * unit * (2 * 2 * 8 + 4 * 2),  # 2 blocks and the embedding
                    1: accum * unit * (2 * 2 * 8 + 2 * 2)}  # 2 blocks and the output layer
         want_pp = 4 * accum * 16 * 64  # one [1, S/tp, D] fp32 tensor per micro-batch (SP)
+    elif par.get("sp"):  # 2 dense blocks of 8 + 3 recomputed, 2 MoE blocks of 4 + 2, both ends
+        want_tp, want_pp = {0: accum * unit * 4 * (2 * 11 + 2 * 6 + 2 * 2)}, None
     else:  # 4 blocks of 8 + 2 recomputed units, both ends, fp32
         want_tp, want_pp = {0: accum * unit * 4 * (4 * 10 + 2 * 2)}, None
     for rank, (history, per_step) in enumerate(results):

@@ -216,11 +216,11 @@ def gathered_weight_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0)
 
 def _gathered_block(cfg: LctrainConfig, layer: int) -> int:
     """Parameters FSDP gathers for block `layer` on one rank: its TP shard, and of a mixture of
-    experts' matrices the rank's E/ep experts only (docs/parallelism.md §28)."""
+    experts' matrices (not split by TP) the rank's E/ep experts (docs/parallelism.md §28)."""
     m, p = cfg.model, cfg.parallel
     sharded, replicated = block_split(m, layer)
     experts = expert_params(m, layer)
-    return (sharded - experts + experts // p.ep) // p.tp + replicated
+    return (sharded - experts) // p.tp + experts // p.ep + replicated
 
 
 def dtype_bytes(cfg: LctrainConfig, world_size: int) -> tuple[int, int, bool]:

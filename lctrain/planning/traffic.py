@@ -238,17 +238,24 @@ def step_traffic_bytes(cfg: LctrainConfig, world_size: int) -> dict[str, float]:
 
 def _tp_step_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int) -> float:
     """TP bytes pipeline rank `pp_rank` sends per step: its blocks forward and backward (and the
-    recomputed forward under checkpointing), the output layer's collectives in the compute
-    dtype, the embedding's in float32 (its lookup runs outside autocast)."""
+    recomputed forward under checkpointing; a mixture-of-experts block only its attention's),
+    the output layer's collectives in the compute dtype, the embedding's in float32 (its lookup
+    runs outside autocast)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     d = derive(cfg, world_size)
     tokens = t.micro_batch * d.local_seq_len
     stages, mine = split_layers(cfg), stages_of(cfg, pp_rank)
+    layers = [i for s in mine for i in stages[s]]
+    moe = sum(m.is_moe_layer(i) for i in layers)
     per_block = 2 * tp_block_traffic(tokens, m.dim, p.tp)
+    # a mixture of experts routes each rank's sequence shard: only the attention's collectives
+    per_moe_block = tp_block_traffic(tokens, m.dim, p.tp)
     if t.activation_checkpointing != "none":
-        per_block += tp_recompute_traffic(tokens, m.dim, p.tp, p.sp)
+        again = tp_recompute_traffic(tokens, m.dim, p.tp, p.sp)
+        per_block += again
+        per_moe_block += again - (p.tp - 1) / p.tp * tokens * m.dim  # no MLP all-gather
     end = tp_end_traffic(tokens, m.dim, p.tp)
-    compute = sum(len(stages[s]) for s in mine) * per_block
+    compute = (len(layers) - moe) * per_block + moe * per_moe_block
     compute += end if len(stages) - 1 in mine else 0
     fp32 = end if 0 in mine else 0
     return d.grad_accum * (compute_bytes(cfg) * compute + 4 * fp32)
