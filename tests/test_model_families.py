@@ -135,12 +135,15 @@ MOE_LAYOUTS = {"ep2_cp2_ring_docs": ["parallel.cp=2", "parallel.dp=2", "parallel
                                          "train.mlp_chunk=8",
                                          "train.activation_checkpointing=full",
                                          "data.document_masking=true"],
+               "ep2_cp2_ddp": ["parallel.cp=2", "parallel.dp=2", "parallel.ep=2",
+                               "parallel.dp_engine=ddp", "parallel.attention=allgather",
+                               "data.document_masking=true"],
                "ep4_dp4_tiled": ["parallel.cp=1", "parallel.dp=4", "parallel.ep=4",
                                  "train.mlp_chunk=8", "train.activation_checkpointing=full",
                                  "data.document_masking=true"]}
 """The MoE families' layouts (full suite, with USP): LAYOUTS' three, ep2 x cp2 ring, ep2 x
-tp2+sp x cp2 ring, ep2 x pp2, DDP with Ulysses, and ep4, the last two tiled and fully
-recomputed. The fast tier checks them at one rank (logits), and tests/test_moe.py and
+tp2+sp x cp2 ring, ep2 x pp2, DDP with Ulysses, ep2 x cp2 all-gather KV with DDP (the experts
+reduced apart), and ep4, DDP and ep4 tiled and fully recomputed. The fast tier checks them at one rank (logits), and tests/test_moe.py and
 tests/test_activation_memory.py train ep2."""
 EXPORTED_BY = {"cp2_tp2_sp_ulysses": [f for f in FAMILIES if f not in MOE],
                "moe_cp2_ring_zigzag_docs": list(MOE)}

@@ -89,7 +89,6 @@ def test_expert_parallel_traffic_is_the_formula_of_the_routing_that_happened():
     ({}, {"ep": 2, "dp": 2}, "parallel.ep=2 splits a mixture of experts, but"),
     (MOE, {"ep": 3, "dp": 3}, "parallel.ep=3 does not divide model.n_experts=4"),
     (MOE, {"ep": 4, "dp": 2}, "parallel.ep=4 must divide dp x cp x tp = 2 x 1 x 1"),
-    (MOE, {"ep": 2, "dp": 2, "dp_engine": "ddp"}, "only FSDP reduces apart"),
     (MOE, {"tp": 2}, "parallel.tp=2 without parallel.sp with a mixture-of-experts model"),
 ])
 def test_what_experts_cannot_do_is_refused_with_its_fix(model, parallel, message):

@@ -194,7 +194,7 @@ class ParallelConfig:
     dp x cp x tp ranks (ep divides dp x cp x tp and model.n_experts; the attention's layout is
     unchanged; under TP+SP each TP rank routes its own sequence shard), the tokens carried to
     their experts and back by all-to-all; FSDP shards each rank's experts over the
-    dp x cp x tp / ep ranks holding the same ones."""
+    dp x cp x tp / ep ranks holding the same ones (DDP averages their gradients there)."""
     dp_engine: str = one_of("fsdp", "ddp", "deepspeed")
     """Data-parallel engine over dp x cp: fsdp (FSDP2, parameters sharded) | ddp | deepspeed
     (a ZeRO engine: deepspeed.*)."""

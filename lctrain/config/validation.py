@@ -441,10 +441,7 @@ def _expert_parallel(cfg: LctrainConfig, world_size: int) -> list[str]:
         problems.append(f"parallel.ep={p.ep} must divide dp x cp x tp = {dp} x {p.cp} x {p.tp}: "
                         "the expert ranks are data, context and tensor ranks; try parallel.ep="
                         f"{math.gcd(dp * p.cp * p.tp, p.ep)}")
-    if p.dp_engine != "fsdp":
-        problems.append(f"parallel.ep={p.ep} with parallel.dp_engine={p.dp_engine}: the ranks "
-                        "hold different experts, which only FSDP reduces apart (over the ranks "
-                        "holding the same ones); set parallel.dp_engine=fsdp")
+
     return problems
 
 

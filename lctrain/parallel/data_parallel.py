@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -47,9 +48,31 @@ def apply_fsdp(model: nn.Module, rt: Runtime, offload: bool = False) -> nn.Modul
 
 def apply_ddp(model: nn.Module, rt: Runtime) -> nn.Module:
     """DDP over dp x cp (on materialised weights: it broadcasts rank 0's). The only buffers,
-    the RoPE frequencies, are computed alike on every rank: no broadcast before each forward."""
+    the RoPE frequencies, are computed alike on every rank: no broadcast before each forward.
+    Under expert parallelism the experts (different ones on the ranks of an ep group) are left
+    out of DDP: `reduce_expert_grads` averages them over the ranks holding the same ones."""
+    if rt.ep > 1:
+        experts = {id(p) for e in expert_modules(model) for p in e.parameters()}
+        ignored = [name for name, p in model.named_parameters() if id(p) in experts]
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, ignored)
     return nn.parallel.DistributedDataParallel(model, process_group=rt.dp_cp_group,
                                                broadcast_buffers=False)
+
+
+@torch.no_grad()
+def reduce_expert_grads(model: nn.Module, rt: Runtime) -> None:
+    """Under DDP with expert parallelism, once per step after the last backward: each expert's
+    gradient averaged over the edp ranks that hold it (DDP reduces everything else; FSDP does
+    this itself). Their scale, tp/ep, makes the average the mean gradient (§28)."""
+    if rt.ep == 1:
+        return
+    group = rt.mesh.experts(rt.ep)["edp"].get_group()
+    for experts in expert_modules(model):
+        for p in experts.parameters():
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            dist.all_reduce(grad, group=group)
+            grad /= dist.get_world_size(group)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -116,7 +116,11 @@ def state_parts(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[s
         on_device = 0.0 if p.offload_state == "optimizer+params" else 1.0
         return {"weights": on_device * 4 * params / n, "gradients": on_device * 4 * params / n,
                 "optimizer_state": on_device * moments * 8 * optimized / n}
-    if engine != "deepspeed":  # DDP, or one rank of dp x cp
+    if engine != "deepspeed":  # DDP, or one rank of dp x cp: the rank's E/ep experts whole
+        layers = [i for s in stages_of(cfg, pp_rank) for i in split_layers(cfg)[s]]
+        elsewhere = sum(n * expert_params(m, i) for i, n in layer_kinds(m, layers)) * (
+            p.ep - 1) // p.ep
+        params, optimized = params - elsewhere, optimized - elsewhere
         whole_embedding = (n == 1 and p.tp > 1 and 0 in stages_of(cfg, pp_rank))
         extra = 4 * m.vocab_size * m.dim * (p.tp - 1) // p.tp if whole_embedding else 0
         return {"weights": 4 * params, "gradients": 4 * params + extra,

@@ -140,9 +140,9 @@ def layouts(cfg: LctrainConfig, world_size: int, ranks_per_node: int):
 
 def expert_degrees(cfg: LctrainConfig, shards: int, engine: str) -> list[int]:
     """parallel.ep values of a layout with `shards` = dp x cp ranks: 1, and for a mixture of
-    experts under FSDP every divisor of both the ranks and the experts."""
+    experts under FSDP or DDP every divisor of both the ranks and the experts."""
     experts = cfg.model.n_experts
-    if not experts or engine != "fsdp":
+    if not experts or engine == "deepspeed":
         return [1]
     return [ep for ep in divisors(shards) if experts % ep == 0]
 

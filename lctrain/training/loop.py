@@ -34,7 +34,12 @@ from lctrain.layout.stages import split_layers
 from lctrain.models.hf import export_hf, full_parameters
 from lctrain.models.moe import EP_TAG
 from lctrain.parallel import deepspeed_engine, progress
-from lctrain.parallel.data_parallel import data_parallel_engine, gradient_sync, unwrap
+from lctrain.parallel.data_parallel import (
+    data_parallel_engine,
+    gradient_sync,
+    reduce_expert_grads,
+    unwrap,
+)
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.pipeline import PipelinedModel
 from lctrain.parallel.runtime import Runtime, setup_distributed
@@ -127,7 +132,17 @@ def _all_reduce(x: Tensor, rt: Runtime) -> Tensor:
 def _micro_steps(model: nn.Module, micro_batches: list[MicroBatch], loss_scale: float,
                  rt: Runtime, routing: Routing | None = None) -> Tensor:
     """Forward and backward of every micro-batch; the sum of this rank's token losses (with
-    pipeline parallelism, summed over the pipeline: only the last stage computes losses)."""
+    pipeline parallelism, summed over the pipeline: only the last stage computes losses). The
+    gradients are reduced over dp x cp when it returns."""
+    loss_sum = _forward_backward_all(model, micro_batches, loss_scale, rt, routing)
+    parts = model.parts.values() if isinstance(model, PipelinedModel) else [model]
+    if any(isinstance(part, nn.parallel.DistributedDataParallel) for part in parts):
+        reduce_expert_grads(model, rt)  # (FSDP reduces the experts with the rest)
+    return loss_sum
+
+
+def _forward_backward_all(model: nn.Module, micro_batches: list[MicroBatch], loss_scale: float,
+                          rt: Runtime, routing: Routing | None) -> Tensor:
     if isinstance(model, PipelinedModel):
         loss_sum = model.train_step(micro_batches, loss_scale, aux_weight(model.cfg.model, rt))
         dist.all_reduce(loss_sum, group=rt.group("pp"))
