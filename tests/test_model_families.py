@@ -458,6 +458,9 @@ def test_every_family_checkpoints_and_resumes_under_another_layout(hf_dirs, tmp_
     ("gemma3_text", {"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
     ("gemma3_text", {"hidden_activation": "gelu"}, "the MLP activation 'gelu'"),
     ("llama", {"sliding_window": 16}, "lctrain's llama attends over the whole causal context"),
+    ("gpt_oss", {"quantization_config": {"quant_method": "mxfp4"}},
+     "quantization_config (quant_method mxfp4); lctrain trains unquantized weights"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1; lctrain's routers take"),
     ("mistral", {"model_type": "gemma2"}, "model_type='gemma2'; lctrain loads the model types "
                                           "llama, qwen2, qwen3, mistral, gemma3_text"),
 ])
