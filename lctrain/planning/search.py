@@ -133,14 +133,14 @@ def layouts(cfg: LctrainConfig, world_size: int, ranks_per_node: int):
                                 "ulysses_degree": u, "pp": pp, "pp_schedule": schedule,
                                 "pp_virtual_stages": v, "pp_layers": None, "dp": dp,
                                 "dp_engine": engine}
-                    for ep in expert_degrees(cfg, dp * cp, engine):
+                    for ep in expert_degrees(cfg, dp * cp * tp, engine):
                         yield {**parallel, "ep": ep}, ({} if stage is None
                                                        else {"zero_stage": stage})
 
 
 def expert_degrees(cfg: LctrainConfig, shards: int, engine: str) -> list[int]:
-    """parallel.ep values of a layout with `shards` = dp x cp ranks: 1, and for a mixture of
-    experts under FSDP or DDP every divisor of both the ranks and the experts."""
+    """parallel.ep values of a layout with `shards` = dp x cp x tp ranks: 1, and for a mixture
+    of experts under FSDP or DDP every divisor of both the ranks and the experts."""
     experts = cfg.model.n_experts
     if not experts or engine == "deepspeed":
         return [1]

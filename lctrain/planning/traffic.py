@@ -130,17 +130,19 @@ def data_parallel_traffic(cfg: LctrainConfig, world_size: int, pp_rank: int, gat
                           engine: str | None = None) -> tuple[float, float]:
     """(elements, bytes) one rank of pipeline rank `pp_rank` sends per step over the n = dp x cp
     ranks (`dp_step_traffic`, `dp_step_bytes`), FSDP gathering weights in `gathers` micro-steps
-    (`engine`: parallel.dp_engine unless given); under expert parallelism its experts apart:
-    1/ep of them, over the n/ep ranks that hold the same ones (docs/parallelism.md §28)."""
+    (`engine`: parallel.dp_engine unless given); under expert or tensor parallelism its experts
+    apart (not split by TP): 1/ep of them, over the n tp / ep ranks that hold the same ones
+    (docs/parallelism.md §28)."""
     m, p = cfg.model, cfg.parallel
     shards = derive(cfg, world_size).dp * p.cp
     blocks, root = local_params(cfg, pp_rank)
     layers = [i for s in stages_of(cfg, pp_rank) for i in split_layers(cfg)[s]]
-    experts = sum(expert_params(m, i) for i in layers) if p.ep > 1 else 0
     engine, each = engine or p.dp_engine, reduces_each_micro_step(cfg)
-    parts = [(blocks - experts, root, shards)]
-    if experts:
-        parts.append((experts // p.ep, 0, shards // p.ep))
+    parts = [(blocks, root, shards)]
+    if m.n_experts and (p.ep > 1 or p.tp > 1):  # the experts over dp x cp x tp (not TP-split)
+        experts = sum(expert_params(m, i) for i in layers)
+        parts = [(blocks - experts // p.tp, root, shards),
+                 (experts // p.ep, 0, shards * p.tp // p.ep)]
     return (sum(dp_step_traffic(engine, b, r, n, gathers, each) for b, r, n in parts),
             sum(dp_step_bytes(engine, b, r, n, gathers, compute_bytes(cfg), each)
                 for b, r, n in parts))
@@ -205,11 +207,12 @@ def expert_all_to_all_elements(sent_rows: int, received_rows: int, dim: int,
 
 def ep_step_bytes(cfg: LctrainConfig, world_size: int) -> float:
     """Bytes one rank sends per step in the experts' all-to-alls, at uniform routing: each of
-    the n = micro_batch x S/cp tokens of a micro-step sends k (ep - 1)/ep of its k rows to other
-    ranks and receives as many (`expert_all_to_all_elements`), in each MoE layer."""
+    the n = micro_batch x S/(cp tp) tokens of a micro-step sends (ep - 1)/ep of its k rows to
+    other ranks and receives as many (`expert_all_to_all_elements`), in each MoE layer."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     d = derive(cfg, world_size)
-    rows = t.micro_batch * t.seq_len // p.cp * m.experts_per_token * (p.ep - 1) / p.ep
+    # each rank routes its tokens: S/cp, and its sequence shard S/(cp tp) under TP (with SP)
+    rows = t.micro_batch * t.seq_len // (p.cp * p.tp) * m.experts_per_token * (p.ep - 1) / p.ep
     forwards = 2 if t.activation_checkpointing == "full" else 1
     layers = sum(m.is_moe_layer(i) for i in range(m.n_layers))
     per_layer = expert_all_to_all_elements(rows, rows, m.dim, forwards)
