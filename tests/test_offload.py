@@ -85,7 +85,9 @@ def _all_modes(layout: str) -> dict:
     return {mode: _steps(_config(parallel, train, mode, model), world) for mode in modes}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [
+    pytest.param(name, marks=pytest.mark.slow) if name.startswith("moe_") else name
+    for name in LAYOUTS])  # (the MoE layout, 1.2 s: in the full suite)
 def test_offloaded_state_equals_device_state(layout):
     world = LAYOUTS[layout][0]
     for rank, out in enumerate(on_ranks(_all_modes, world, layout)):
