@@ -417,13 +417,14 @@ def _experts(cfg: LctrainConfig, world_size: int) -> list[str]:
             problems.append(f"model.moe_layers={list(m.moe_layers)} must name distinct layers "
                             f"0..{m.n_layers - 1}" + (f" (not {bad})" if bad else ""))
     problems += _expert_parallel(cfg, world_size)
-    not_yet = [(f"parallel.tp={p.tp} without parallel.sp", "parallel.sp=true (each TP rank "
-                "then routes its own sequence shard) or parallel.tp=1", p.tp > 1 and not p.sp),
-               ("parallel.dp_engine=deepspeed", "parallel.dp_engine=fsdp",
-                p.dp_engine == "deepspeed")]
-    problems += [f"{setting} with a mixture-of-experts model (model.n_experts={m.n_experts}): "
-                 f"lctrain does not lay experts out there yet; set {fix}"
-                 for setting, fix, refused in not_yet if refused]
+    moe = f"with a mixture-of-experts model (model.n_experts={m.n_experts})"
+    if p.tp > 1 and not p.sp:
+        problems.append(f"parallel.tp={p.tp} without parallel.sp {moe}: every TP rank would hold "
+                        "the same tokens and compute the same experts; set parallel.sp=true "
+                        "(each TP rank then routes its own sequence shard) or parallel.tp=1")
+    if p.dp_engine == "deepspeed":
+        problems.append(f"parallel.dp_engine=deepspeed {moe}: lctrain does not lay experts out "
+                        "on DeepSpeed's engine yet; set parallel.dp_engine=fsdp")
     return problems
 
 
