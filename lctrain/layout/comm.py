@@ -163,24 +163,27 @@ def _from_pieces(out: Tensor, dim: int) -> Tensor:
     return torch.cat(out.unbind(0), dim=dim)
 
 
-class _AllToAll(torch.autograd.Function):
+class _Reversed(torch.autograd.Function):
+    """A collective `fn(x, *forward_args)` whose backward is the same collective sending the
+    gradient back the way x came, `fn(grad, *backward_args)`, under the forward's traffic tag."""
+
     @staticmethod
-    def forward(ctx, x, group, scatter_dim, gather_dim):
-        ctx.group, ctx.dims, ctx.tag = group, (scatter_dim, gather_dim), current_tag()
-        return all_to_all(x, group, scatter_dim, gather_dim)
+    def forward(ctx, x, fn, forward_args, backward_args):
+        ctx.fn, ctx.backward_args, ctx.tag = fn, backward_args, current_tag()
+        return fn(x, *forward_args)
 
     @staticmethod
     def backward(ctx, grad):
-        scatter_dim, gather_dim = ctx.dims
         with traffic_tag(ctx.tag):
-            grad = all_to_all(grad.contiguous(), ctx.group, gather_dim, scatter_dim)
+            grad = ctx.fn(grad.contiguous(), *ctx.backward_args)
         return grad, None, None, None
 
 
 def all_to_all_autograd(x: Tensor, group: dist.ProcessGroup, scatter_dim: int,
                         gather_dim: int) -> Tensor:
     """`all_to_all` whose backward is the inverse all-to-all (Ulysses, docs/parallelism.md §5)."""
-    return _AllToAll.apply(x, group, scatter_dim, gather_dim)
+    return _Reversed.apply(x, all_to_all, (group, scatter_dim, gather_dim),
+                           (group, gather_dim, scatter_dim))
 
 
 def all_to_all_rows(x: Tensor, group: dist.ProcessGroup, send: list[int],
@@ -197,24 +200,10 @@ def all_to_all_rows(x: Tensor, group: dist.ProcessGroup, send: list[int],
     return back(out)
 
 
-class _AllToAllRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, send, receive):
-        ctx.group, ctx.splits, ctx.tag = group, (send, receive), current_tag()
-        return all_to_all_rows(x, group, send, receive)
-
-    @staticmethod
-    def backward(ctx, grad):
-        send, receive = ctx.splits
-        with traffic_tag(ctx.tag):
-            grad = all_to_all_rows(grad, ctx.group, receive, send)
-        return grad, None, None, None
-
-
 def all_to_all_rows_autograd(x: Tensor, group: dist.ProcessGroup, send: list[int],
                              receive: list[int]) -> Tensor:
     """`all_to_all_rows` whose backward sends the gradients back the way the rows came."""
-    return _AllToAllRows.apply(x, group, send, receive)
+    return _Reversed.apply(x, all_to_all_rows, (group, send, receive), (group, receive, send))
 
 
 class _SumPassingGrad(torch.autograd.Function):

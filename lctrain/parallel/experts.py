@@ -9,13 +9,12 @@ is unchanged: each data and context rank routes its own tokens.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from lctrain.models.llama import Llama
 from lctrain.models.moe import Experts
+from lctrain.parallel.tensor import shard_rows
 
 
 def expert_modules(model: nn.Module) -> list[Experts]:
@@ -34,10 +33,6 @@ def apply_expert_parallel(model: Llama, mesh: DeviceMesh, tp: int) -> Llama:
         if ep == 1:
             continue
         for name, whole in list(experts.named_parameters(recurse=False)):
-            local = torch.empty((whole.shape[0] // ep, *whole.shape[1:]), dtype=whole.dtype,
-                                device=whole.device)
-            setattr(experts, name, nn.Parameter(DTensor.from_local(
-                local, mesh["ep"], [Shard(0)], run_check=False, shape=whole.shape,
-                stride=whole.stride())))
+            setattr(experts, name, shard_rows(whole, mesh["ep"]))
         experts.group = mesh["ep"].get_group()
     return model

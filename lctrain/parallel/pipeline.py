@@ -32,7 +32,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from lctrain.config import LctrainConfig
 from lctrain.data.batch import MicroBatch
@@ -41,7 +41,13 @@ from lctrain.models.llama import AttentionCore, Llama
 from lctrain.models.registry import new_model
 from lctrain.parallel.data_parallel import unwrap
 from lctrain.parallel.runtime import Runtime
-from lctrain.parallel.tensor import loss_value, vocab_parallel
+from lctrain.parallel.tensor import (
+    laid_out_as,
+    local_part,
+    loss_value,
+    plus_aux,
+    vocab_parallel,
+)
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
              "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -171,10 +177,7 @@ class PipelinedModel(nn.Module):
         if aux is None:
             return scaled
         self._aux_values.append(aux.detach())
-        weighted = self._aux_weight * aux
-        if isinstance(scaled, DTensor):  # the vocab-parallel loss, replicated over tp
-            weighted = DTensor.from_local(weighted, scaled.device_mesh, [Replicate()])
-        return scaled + weighted
+        return plus_aux(scaled, self._aux_weight * aux)
 
     def train_step(self, micro_batches: list[MicroBatch], loss_scale: float,
                    aux_weight: float = 0.0) -> Tensor:
@@ -217,7 +220,7 @@ class PipelinedModel(nn.Module):
         own = self.tok_embeddings.weight if self.tok_embeddings is not None else None
         arrived = self._between_ends(own, self.copy, to_last=True)
         if arrived is not None:
-            _local(self.copy).copy_(arrived)
+            local_part(self.copy).copy_(arrived)
 
     @torch.no_grad()
     def routing(self) -> tuple[list[Tensor], Tensor | None]:
@@ -243,12 +246,12 @@ class PipelinedModel(nn.Module):
         dp x cp by its own stage); the copy's gradient is dropped."""
         if not self.tied:
             return
-        mine = _laid_out_like(self.copy.grad, self.copy) if self.copy is not None else None
+        mine = laid_out_as(self.copy.grad, self.copy) if self.copy is not None else None
         own = self.tok_embeddings.weight if self.tok_embeddings is not None else None
         arrived = self._between_ends(mine, own, to_last=False)
         if arrived is not None:
-            own.grad = _laid_out_like(own.grad, own)
-            _local(own.grad).add_(arrived)
+            own.grad = laid_out_as(own.grad, own)
+            local_part(own.grad).add_(arrived)
         if self.copy is not None:
             self.copy.grad = None
 
@@ -262,12 +265,12 @@ class PipelinedModel(nn.Module):
         sender, receiver = (first, last) if to_last else (last, first)
         rank = self.rt.rank
         if rank == sender:
-            local = _local(source)
+            local = local_part(source)
             if sender == receiver:  # zbv: the first and the last stage share a rank
                 return local
             dist.send(local.contiguous(), receiver)
         elif rank == receiver:
-            local = _local(target)
+            local = local_part(target)
             buffer = torch.empty(local.shape, dtype=local.dtype, device=local.device)
             dist.recv(buffer, sender)
             return buffer
@@ -346,19 +349,6 @@ class PipelinedModel(nn.Module):
         out = torch.empty(header[1:].tolist(), dtype=_DTYPES[int(header[0])], device=device)
         dist.recv(out, peer)
         return out
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _laid_out_like(t: Tensor, param: Tensor) -> Tensor:
-    """`t` (a weight or gradient of `param`) in `param`'s placements: without a data-parallel
-    engine, TP's vocab-parallel embedding returns its gradient replicated (lctrain.planning.memory
-    counts it whole), while the output layer's is row-sharded like the weight."""
-    if isinstance(t, DTensor) and t.placements != param.placements:
-        return t.redistribute(placements=param.placements)
-    return t
 
 
 def _owners(cfg: LctrainConfig) -> Callable[[str], int]:

@@ -77,7 +77,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> nn
         moe = isinstance(layer.feed_forward, MoE)
         parallelize_module(layer, tp_mesh, moe_block_plan(block) if moe else block)
         if layer.attention.sinks is not None:
-            layer.attention.sinks = _heads_sharded(layer.attention.sinks, tp_mesh)
+            # one sink per query head: sharded by heads like the queries
+            layer.attention.sinks = shard_rows(layer.attention.sinks, tp_mesh)
     parallelize_module(model, tp_mesh, {k: v for k, v in top.items()
                                         if getattr(model, k.split(".")[0], None) is not None})
     if tied:  # both shard the [V, D] weight's rows (Shard(0)): one vocab-sharded weight again
@@ -99,12 +100,37 @@ def moe_block_plan(block: dict) -> dict:
     return plan
 
 
-def _heads_sharded(sinks: nn.Parameter, tp_mesh: DeviceMesh) -> nn.Parameter:
-    """A per-head parameter [H] (attention sinks) sharded by heads like the queries."""
-    tp = tp_mesh.size()
-    local = torch.empty(sinks.shape[0] // tp, dtype=sinks.dtype, device=sinks.device)
-    return nn.Parameter(DTensor.from_local(local, tp_mesh, [Shard(0)], run_check=False,
-                                           shape=sinks.shape, stride=sinks.stride()))
+def local_part(t: Tensor) -> Tensor:
+    """This rank's part of `t` (a DTensor's local tensor, outside autograd; a plain tensor
+    itself)."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def laid_out_as(grad: Tensor, p: Tensor) -> Tensor:
+    """`grad` with its parameter's placements (TP's row-wise embedding returns its gradient
+    replicated, without a data-parallel engine to reshard it: each rank takes its rows, as
+    AdamW's DTensor arithmetic would)."""
+    if isinstance(grad, DTensor) and grad.placements != p.placements:
+        return grad.redistribute(p.device_mesh, p.placements)
+    return grad
+
+
+def plus_aux(objective: Tensor, aux: Tensor) -> Tensor:
+    """A loss `objective` plus a weighted load-balancing loss `aux` computed on local tensors:
+    under TP the vocab-parallel loss is a DTensor replicated over tp, and so is `aux`."""
+    if isinstance(objective, DTensor):
+        aux = DTensor.from_local(aux, objective.device_mesh, [Replicate()])
+    return objective + aux
+
+
+def shard_rows(param: Tensor, mesh: DeviceMesh) -> nn.Parameter:
+    """A parameter like `param` (on the meta device) sharded by rows (Shard(0)) over `mesh`:
+    this rank's 1/size of them, uninitialised (the sharded model is filled after it is laid
+    out)."""
+    local = torch.empty((param.shape[0] // mesh.size(), *param.shape[1:]), dtype=param.dtype,
+                        device=param.device)
+    return nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False,
+                                           shape=param.shape, stride=param.stride()))
 
 
 def vocab_parallel(tp: int) -> contextlib.AbstractContextManager:

@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.lr_scheduler import LambdaLR
 
 from lctrain.config import LctrainConfig, ModelConfig
@@ -43,7 +42,7 @@ from lctrain.parallel.data_parallel import (
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.pipeline import PipelinedModel
 from lctrain.parallel.runtime import Runtime, setup_distributed
-from lctrain.parallel.tensor import loss_value, vocab_parallel
+from lctrain.parallel.tensor import loss_value, plus_aux, vocab_parallel
 from lctrain.planning.memory import param_count
 from lctrain.training.checkpoint import Checkpointer, TrainState
 from lctrain.training.checkpoint_format import complete_checkpoints
@@ -71,10 +70,7 @@ def forward_backward(model: nn.Module, mb: MicroBatch, loss_scale: float,
         core = unwrap(model)
         aux = getattr(core, "aux_loss", None)
         if aux is not None:
-            weighted = aux_weight(core.cfg, rt) * aux
-            if isinstance(objective, DTensor):  # the vocab-parallel loss, replicated over tp
-                weighted = DTensor.from_local(weighted, objective.device_mesh, [Replicate()])
-            objective = objective + weighted
+            objective = plus_aux(objective, aux_weight(core.cfg, rt) * aux)
             if routing is not None:
                 routing.add(aux.detach(), core.expert_counts)
         objective.backward()

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
 from lctrain.config import OptimConfig
+from lctrain.parallel.tensor import laid_out_as, local_part
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, on_host: bool = False
@@ -35,18 +36,6 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, on_host: bool = False
     kind = HostAdamW if on_host else torch.optim.AdamW
     return kind(param_groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                 foreach=True)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _laid_out_as(grad: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """`grad` with its parameter's placements (TP's row-wise embedding returns its gradient
-    replicated: each rank takes its rows, as AdamW's DTensor arithmetic would)."""
-    if isinstance(grad, DTensor) and grad.placements != p.placements:
-        return grad.redistribute(p.device_mesh, p.placements)
-    return grad
 
 
 class HostAdamW(torch.optim.AdamW):
@@ -76,7 +65,7 @@ class HostAdamW(torch.optim.AdamW):
         if not state:
             state["step"] = torch.tensor(0.0)
             for key in ("exp_avg", "exp_avg_sq"):
-                state[key] = self._as_param(p, self._pinned(_local(p)).zero_())
+                state[key] = self._as_param(p, self._pinned(local_part(p)).zero_())
         return state
 
     @staticmethod
@@ -94,9 +83,9 @@ class HostAdamW(torch.optim.AdamW):
         for p, state in optimizer.state.items():
             for key in ("exp_avg", "exp_avg_sq"):
                 value = state.get(key)
-                if value is not None and _local(value).device.type != "cpu":
+                if value is not None and local_part(value).device.type != "cpu":
                     state[key] = optimizer._as_param(
-                        p, optimizer._pinned(_local(value)).copy_(_local(value)))
+                        p, optimizer._pinned(local_part(value)).copy_(local_part(value)))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -105,23 +94,24 @@ class HostAdamW(torch.optim.AdamW):
             params = [p for p in group["params"] if p.grad is not None]
             for p in params:
                 if p not in self.buffers:
-                    self.buffers[p] = (self._pinned(_local(p)), self._pinned(_local(p)))
+                    self.buffers[p] = (self._pinned(local_part(p)), self._pinned(local_part(p)))
                 weight, grad = self.buffers[p]
-                weight.copy_(_local(p), non_blocking=True)
-                grad.copy_(_local(_laid_out_as(p.grad, p)), non_blocking=True)
+                weight.copy_(local_part(p), non_blocking=True)
+                grad.copy_(local_part(laid_out_as(p.grad, p)), non_blocking=True)
             if any(p.device.type == "cuda" for p in params):
                 torch.cuda.synchronize()
             states = [self._host_state(p) for p in params]
             beta1, beta2 = group["betas"]
             adam(
                 [self.buffers[p][0] for p in params], [self.buffers[p][1] for p in params],
-                [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
+                [local_part(s["exp_avg"]) for s in states],
+                [local_part(s["exp_avg_sq"]) for s in states],
                 [], [s["step"] for s in states], foreach=group["foreach"],
                 decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2,
                 lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
                 maximize=group["maximize"])
             for p in params:
-                _local(p).copy_(self.buffers[p][0], non_blocking=True)
+                local_part(p).copy_(self.buffers[p][0], non_blocking=True)
         return None
 
 
