@@ -15,6 +15,7 @@ import math
 
 from torch import Tensor
 
+from lctrain import device
 from lctrain.attention.algorithms import CP_ATTENTION, CPGroups, register, registered
 from lctrain.attention.allgather import ALLGATHER
 from lctrain.attention.calls import Block, effective_window
@@ -91,6 +92,7 @@ class ContextParallelAttention:
 
         return block(query), [block(p) for p in keys]
 
+    @device.on_host
     def blocks(self, doc_ids: Tensor | None) -> tuple[Block, list[Block]]:
         """The blocks for these document ids, planned once per doc_ids tensor."""
         if doc_ids is None:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lctrain import device
 from lctrain.attention.algorithms import CPAttention, CPGroups, rank_blocks
 from lctrain.attention.calls import Block
 from lctrain.attention.halo import halo_attention
@@ -92,6 +93,7 @@ def _others(gathered: Tensor, rank: int, size: int) -> list[Tensor]:
     return [x for j, x in enumerate(slots) if j != rank]
 
 
+@device.on_host
 def _joined(blocks: list[Block], travel: list[Travel], rank: int) -> Block:
     """The key block of the own tokens followed by every other rank's travelling tokens (the
     order `_SharedKVAttention` concatenates K/V in); made once per plan."""
@@ -103,6 +105,7 @@ def _joined(blocks: list[Block], travel: list[Travel], rank: int) -> Block:
     return travel[rank].block._plans[key]
 
 
+@device.on_host
 def _all_tokens(blocks: list[Block]) -> Block:
     """Every rank's tokens as one key block, in rank order (no documents); made once."""
     key = ("all", len(blocks))

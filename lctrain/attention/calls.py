@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from lctrain import device
 from lctrain.layout.sequence import Run, runs, take
 
 ALL_ROWS = slice(None)
@@ -112,12 +113,14 @@ class Block:
             object.__setattr__(self, "doc", self.doc.cpu())
 
     @cached_property
+    @device.on_host
     def runs(self) -> list[Run]:
         """Runs of positions [S] shared by every row (not for per-row positions)."""
         assert self.pos.dim() == 1, "per-row positions: use row_runs"
         return runs(self.pos)
 
     @cached_property
+    @device.on_host
     def _row_runs(self) -> list[list[Run]]:
         return [runs(p) for p in self.pos]
 
@@ -131,6 +134,7 @@ class Block:
         return self.runs if self.pos.dim() == 1 else self._row_runs[b]
 
     @cached_property
+    @device.on_host
     def ordered(self) -> Ordered:
         """This block in position order (a zigzag group's tokens become one run per stretch of
         consecutive chunks, so attention over it needs the fewest calls); per row for per-row
@@ -146,6 +150,7 @@ class Block:
         """The kernel calls of this block's queries against `kb`'s keys (planned once)."""
         return self._plan(kb, causal, window)[0]
 
+    @device.on_host
     def varlen_groups(self, kb: Block, causal: bool,
                       window: int | None = None) -> list[VarlenGroup]:
         """`calls(kb, causal, window)` packed by kind (and band) for a variable-length kernel
@@ -155,6 +160,7 @@ class Block:
             plan[1] = _pack(plan[0], self.pos.shape[-1], kb.pos.shape[-1])
         return plan[1]
 
+    @device.on_host
     def _plan(self, kb: Block, causal: bool, window: int | None) -> list:
         key = (id(kb), causal, window)
         if key not in self._plans or self._plans[key][0] is not kb:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lctrain import device
 from lctrain.attention.calls import Block
 from lctrain.attention.kernels import (
     KernelOptions,
@@ -49,6 +50,7 @@ class Halo:
     recv: dict[int, Travel]
 
 
+@device.on_host
 def halo_plan(blocks: list[Block], rank: int, window: int) -> Halo:
     """The halo of `rank`, whose tokens are blocks[rank], among key blocks that are also their
     ranks' queries (block i: group rank i's tokens). Planned once per list of blocks."""

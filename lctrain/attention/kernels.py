@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lctrain import device
 from lctrain.attention import cuda_kernels as cuda
 from lctrain.attention.calls import ALL_ROWS, Block, KernelCall, VarlenGroup
 from lctrain.attention.varlen_reference import varlen_backward, varlen_forward, visible
@@ -28,10 +29,10 @@ from lctrain.attention.varlen_reference import varlen_backward, varlen_forward, 
 _NEG_INF = float("-inf")
 
 
-def auto_backend(device_type: str) -> str:
+def auto_backend(on: torch.device) -> str:
     """`auto`: flash-attn on CUDA when it is installed, else torch's own kernels; cpu on the
     CPU."""
-    if device_type != "cuda":
+    if not device.gpu_path(on):
         return "cpu"
     return "flash_attn" if cuda.flash_attn_installed() else "torch"
 
@@ -46,7 +47,7 @@ class KernelOptions:
 
     def backend_for(self, device: torch.device) -> str:
         if self.backend == "auto":
-            return auto_backend(device.type)
+            return auto_backend(device)
         assert self.backend in BACKENDS, self.backend
         return self.backend
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from lctrain import device
 from lctrain.attention.calls import Block
 from lctrain.layout.sequence import take
 
@@ -55,6 +56,7 @@ class Travel:
         acc.scatter_add_(1, index.view(view).expand_as(grad), grad.to(acc.dtype))
 
 
+@device.on_host
 def travel_plan(blocks: list[Block], causal: bool) -> list[Travel] | None:
     """For key blocks whose tokens are also the queries of their ranks (block i: rank i's
     tokens), each block's travelling tokens; None without documents (everything travels).

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lctrain import device as accelerator
 from lctrain.layout import sequence
 
 IGNORE_INDEX = -100
@@ -78,7 +79,7 @@ class MicroBatch:
         """On `device` (a CUDA copy from pinned memory, asynchronous); the document ids stay on
         the host, where the attention kernels plan their calls from them."""
         def move(t: Tensor) -> Tensor:
-            if device.type != "cuda":
+            if not accelerator.pins(device):
                 return t.to(device)
             return t.pin_memory().to(device, non_blocking=True)
 

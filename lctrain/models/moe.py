@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lctrain import device
 from lctrain.config import ModelConfig
 from lctrain.layout.comm import all_to_all_rows_autograd, traffic_tag
 from lctrain.models.init import ZEROS
@@ -87,7 +88,7 @@ def uses_grouped_mm(x: Tensor, *widths: int) -> bool:
     """Whether `grouped_matmul` takes torch's grouped matmul for rows `x` and the experts'
     `widths` (CUDA, bf16, 16-byte aligned); else one matmul per expert."""
     aligned = all(n % GROUPED_MM_ALIGN == 0 for n in (x.shape[-1], *widths))
-    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and aligned
+    return device.gpu_path(x.device) and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and aligned
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from lctrain import device
 from lctrain.config import LctrainConfig
 from lctrain.config.derived import data_parallel_engine_of
 from lctrain.parallel.experts import expert_modules
@@ -34,7 +35,7 @@ def apply_fsdp(model: nn.Module, rt: Runtime, offload: bool = False) -> nn.Modul
     the optimizer steps on the host."""
     dp_cp_mesh = rt.mesh["dp_cp"]
     policy = MixedPrecisionPolicy(param_dtype=rt.compute_dtype, reduce_dtype=torch.float32)
-    options = {"offload_policy": CPUOffloadPolicy(pin_memory=rt.device.type == "cuda")} \
+    options = {"offload_policy": CPUOffloadPolicy(pin_memory=device.pins(rt.device))} \
         if offload else {}
     for layer in model.layers.values():
         if rt.ep > 1 or rt.topology.tp > 1:  # experts: over the ranks holding the same ones
@@ -56,8 +57,19 @@ def apply_ddp(model: nn.Module, rt: Runtime) -> nn.Module:
         ignored = [name for name, p in model.named_parameters() if id(p) in experts]
         nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             model, ignored)
-    return nn.parallel.DistributedDataParallel(model, process_group=rt.dp_cp_group,
-                                               broadcast_buffers=False)
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=rt.dp_cp_group,
+                                              broadcast_buffers=False)
+    if dist.get_backend() == device.Traced.BACKEND:  # the trace's fake group returns no result
+        ddp.register_comm_hook(None, _reduced_in_place)
+    return ddp
+
+
+def _reduced_in_place(state, bucket):  # (DDP rejects a return annotation made a string)
+    """A DDP bucket "all-reduced" in place, as NCCL does (the trace's stand-in): a done
+    Future of the bucket's buffer."""
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
 
 
 @torch.no_grad()

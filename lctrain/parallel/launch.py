@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from lctrain import device
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 """Signals that ask a run to checkpoint and stop (SLURM sends SIGUSR1 ahead of the time limit
 with --signal, SIGTERM at preemption)."""
@@ -64,20 +66,9 @@ def env_from_environment() -> DistEnv | None:
 
 
 def cuda_devices() -> int:
-    """GPUs this process can see, counted through NVML: the launcher starts ranks afterwards,
-    and a process that initialised CUDA (as torch.cuda.is_available() does by default) can no
-    longer fork ranks that use it."""
-    if not torch.backends.cuda.is_built():
-        return 0
-    previous = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
-    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-    try:
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    finally:
-        if previous is None:
-            del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
-        else:
-            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = previous
+    """GPUs this process can see (`lctrain.device.count`: CUDA itself stays uninitialised, so
+    the ranks started afterwards can still use it)."""
+    return device.count()
 
 
 RENDEZVOUS_PORTS = (20000, 32767)
@@ -254,7 +245,7 @@ def run_ranks(fn: Callable, nproc: int, args: tuple = (), *, start_method: str =
     Raises RankFailure for the first rank that fails or, after timeout_s, for a rank still running.
     Every rank is SIGKILLed by the kernel if this process dies (`die_with_parent`).
     """
-    if start_method == "fork" and torch.cuda.is_initialized():
+    if start_method == "fork" and device.initialized():
         raise RuntimeError("CUDA is initialised in this process, so ranks forked from it cannot "
                            "use CUDA; start them with start_method='spawn' "
                            "(launch.start_method=auto does on CUDA)")

@@ -14,6 +14,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from lctrain import device
 from lctrain.attention import ContextParallelAttention
 from lctrain.attention.cuda_kernels import forward_ops
 from lctrain.attention.kernels import KernelOptions
@@ -45,7 +46,7 @@ def build_attention_core(cfg: LctrainConfig, rt: Runtime) -> AttentionCore:
     documents once per micro-batch, that honours train.deterministic on CUDA, or that runs the
     train.attention_kernel named)."""
     if cfg.parallel.cp == 1 and not (cfg.data.document_masking or (
-            cfg.train.deterministic and rt.device.type == "cuda")
+            cfg.train.deterministic and device.gpu_path(rt.device))
             or cfg.train.attention_kernel != "auto"):
         return sdpa_attention
     return ContextParallelAttention(cfg.parallel.attention, rt.cp_groups, cfg.train.seq_len,
@@ -102,20 +103,17 @@ def apply_compile(model: Llama, tp: int) -> Llama:
     return model
 
 
-def _materialize(model: nn.Module, device: torch.device,
+def _materialize(model: nn.Module, on: torch.device,
                  fill: Callable[[nn.Module], None]) -> None:
-    """Storage for this rank's shards on `device` (uninitialised), buffers computed, then the
-    values from `fill`. Parameters are swapped in place, so a tied weight stays one parameter."""
-    swap = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        model.to_empty(device=device)
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(swap)
+    """Storage for this rank's shards on `on` (uninitialised; `lctrain.device.allocate`),
+    buffers computed, then the values from `fill` (in a trace, whose fake tensors hold no
+    values, none)."""
+    device.allocate(model, on)
     for module in model.modules():
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
-    fill(model)
+    if device.holds_values():
+        fill(model)
 
 
 def build_model(cfg: LctrainConfig, rt: Runtime) -> nn.Module:

@@ -34,6 +34,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor
 
+from lctrain import device
 from lctrain.config import LctrainConfig
 from lctrain.data.batch import MicroBatch
 from lctrain.layout.stages import rank_of, split_layers, stage_count, stages_of
@@ -149,6 +150,9 @@ class PipelinedModel(nn.Module):
                       scale_grads=False)
         self.schedule = (schedule(self.stages, **kwargs) if issubclass(
             schedule, PipelineScheduleMulti) else schedule(self.stages[0], **kwargs))
+        if hasattr(self.schedule, "_warmup_p2p"):  # torch >= 2.12: its first step's vote
+            # between neighbours reads small host tensors, host-side work for the trace too
+            self.schedule._warmup_p2p = device.on_host(self.schedule._warmup_p2p)
         self._loss_scale, self._aux_weight = 1.0, 0.0
         self._loss_sums: list[Tensor] = []
         self._aux_values: list[Tensor] = []

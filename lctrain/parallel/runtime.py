@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lctrain import device as accelerator
 from lctrain.attention import CPGroups
 from lctrain.config import Derived, LctrainConfig, derive
 from lctrain.config.derived import data_parallel_engine_of, reduces_each_micro_step
@@ -45,7 +46,7 @@ class ParallelMesh:
                 "dp_cp_tp", backend_override=options)
             self.expert_meshes[ep] = ranks._unflatten(
                 0, (ranks.size() // ep, ep), ("edp", "ep"),
-                backend_override={"edp": options, "ep": options})
+                backend_override=_each(("edp", "ep"), options))
         return self.expert_meshes[ep]
 
     def group(self, name: str) -> dist.ProcessGroup:
@@ -76,12 +77,17 @@ def build_mesh(topology: Topology, device_type: str) -> ParallelMesh:
     group keeps the default group's collective timeout (launch.timeout_s)."""
     options = group_options(device_type)
     root = init_device_mesh(device_type, topology.shape, mesh_dim_names=AXES,
-                            backend_override=dict.fromkeys(AXES, options))
+                            backend_override=_each(AXES, options))
     meshes = {axis: root[axis] for axis in AXES}
     for name, (axes, _) in GROUPS.items():
         if len(axes) > 1:
             meshes[name] = root[axes]._flatten(name, backend_override=options)
     return ParallelMesh(root, meshes)
+
+
+def _each(dims: tuple[str, ...], options) -> dict | None:
+    """A mesh's backend_override: `options` for each of `dims` (None: the defaults)."""
+    return None if options is None else dict.fromkeys(dims, options)
 
 
 def group_timeout() -> datetime.timedelta:
@@ -95,6 +101,8 @@ def group_options(device_type: str):
     without them its own 30-minute default, so a rank that never joins a collective of a
     subgroup (a stopped or hung peer) would hold the others for half an hour, whatever
     launch.timeout_s says."""
+    if dist.get_backend() == accelerator.Traced.BACKEND:  # the trace's fake group takes none
+        return None
     timeout = group_timeout()
     if device_type == "cuda" and "nccl" in dist.get_backend():
         options = dist.ProcessGroupNCCL.Options()
@@ -174,7 +182,7 @@ class Runtime:
         goes to host memory, pinned on CUDA, and comes back for the backward."""
         if not self.offload_activations:
             return contextlib.nullcontext()
-        return torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
+        return torch.autograd.graph.save_on_cpu(pin_memory=accelerator.pins(self.device))
 
     @cached_property
     def cp_groups(self) -> CPGroups:
@@ -188,29 +196,24 @@ def setup_distributed(cfg: LctrainConfig) -> Runtime:
     env = env_from_environment()
     world = env.world_size if env else 1
     want = cfg.train.device
-    use_cuda = want == "cuda" or (want == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        local_rank = env.local_rank if env else 0
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+    use_cuda = want == "cuda" or (want == "auto" and accelerator.available())
+    rank_device = accelerator.training_device(use_cuda, env.local_rank if env else 0)
     topology = Topology.from_config(cfg, world)
     derived = derive(cfg, world)
     extra = {"dtype": cfg.train.dtype, "offload_activations": cfg.train.offload_activations,
              "sync_every_micro_step": reduces_each_micro_step(cfg), "ep": cfg.parallel.ep}
     if world == 1 and data_parallel_engine_of(cfg, 1) is None:
-        return Runtime(0, 1, device, topology, derived, None, **extra)
+        return Runtime(0, 1, rank_device, topology, derived, None, **extra)
     if not dist.is_initialized():
         # auto on CUDA: NCCL for CUDA tensors, gloo for the CPU tensors of object collectives
         # (the host shards of FSDP's CPU offload among them)
         backend = cfg.launch.backend if cfg.launch.backend != "auto" else (
-            "cuda:nccl,cpu:gloo" if use_cuda else "gloo")
+            accelerator.backend(use_cuda))
         timeout = datetime.timedelta(seconds=cfg.launch.timeout_s)
         if world == 1:  # a group of one for the engines that keep state on the host
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout)
         else:
             dist.init_process_group(backend, timeout=timeout)
-    return Runtime(dist.get_rank(), world, device, topology, derived,
-                   mesh_for(topology, device.type), **extra)
+    return Runtime(dist.get_rank(), world, rank_device, topology, derived,
+                   mesh_for(topology, rank_device.type), **extra)

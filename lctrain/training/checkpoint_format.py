@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+from lctrain import device
 from lctrain.models.registry import new_model
 from lctrain.training.files import write_synced
 
@@ -83,8 +84,9 @@ def rng_state() -> dict:
            "torch": torch.get_rng_state().tolist()}
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     out["numpy"] = [kind, keys.tolist(), int(pos), int(has_gauss), float(gauss)]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        out["cuda"] = torch.cuda.get_rng_state().tolist()
+    cuda = device.rng_state()
+    if cuda is not None:
+        out["cuda"] = cuda
     return out
 
 
@@ -94,8 +96,8 @@ def set_rng_state(state: dict) -> None:
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+    if "cuda" in state:
+        device.set_rng_state(state["cuda"])
 
 
 def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from lctrain import device
 from lctrain.config import LctrainConfig, ModelConfig
 from lctrain.config.derived import Stage, stages_of
 from lctrain.config.resolved import as_dict, to_yaml
@@ -115,8 +116,13 @@ class Routing:
                     dist.all_reduce(aux, group=rt.group(axis))
         aux = aux / (self.micro_steps * rt.topology.group_size("dp_cp"))
         imbalance = counts.max(dim=1).values / counts.mean(dim=1)
-        return {"aux_loss": aux.item(), "expert_load": counts.long().tolist(),
-                "expert_load_max_over_mean": imbalance.max().item()}
+        return {"aux_loss": _read(aux), "expert_load": device.values(counts.long()),
+                "expert_load_max_over_mean": _read(imbalance.max())}
+
+
+def _read(t: Tensor) -> float:
+    """A one-element tensor's value, read on the host."""
+    return device.values(t.reshape(()))
 
 
 def _all_reduce(x: Tensor, rt: Runtime) -> Tensor:
@@ -162,11 +168,11 @@ def _token_weighted_loss(micro_batches: list[MicroBatch], rt: Runtime,
     targets summed over dp x cp and the accumulation micro-steps). Gradient reduction averages
     over dp x cp, so the loss scale dp_cp / tokens makes the reduced gradient the exact gradient
     of that global mean (docs/parallelism.md §10)."""
-    local_tokens = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in micro_batches)
+    local_tokens = sum(int(_read((mb.labels != IGNORE_INDEX).sum())) for mb in micro_batches)
     # float64: exact token counts far beyond float32's 2^24
     tokens = _all_reduce(torch.tensor(float(local_tokens), dtype=torch.float64,
                                       device=rt.device), rt)
-    loss_sum = micro_steps(rt.topology.group_size("dp_cp") / tokens.item())
+    loss_sum = micro_steps(rt.topology.group_size("dp_cp") / _read(tokens))
     return _all_reduce(loss_sum, rt) / tokens, tokens
 
 
@@ -183,21 +189,21 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[Micro
                                 rt.group("pp") if rt.topology.pp > 1 else None)
     lr = scheduler.get_last_lr()[0]
     # the same global values on every rank, so every rank takes the same decision
-    finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(grad_norm))
+    finite = device.all_finite(loss, grad_norm)
     if finite:  # a non-finite update would destroy the weights: never apply it
         optimizer.step()
         scheduler.step()
         if isinstance(model, PipelinedModel):  # the tied embedding's copy, if any
             model.refresh_copy()
     optimizer.zero_grad(set_to_none=True)
-    return {**_step_metrics(loss, lr, grad_norm.item(), tokens, finite),
+    return {**_step_metrics(loss, lr, _read(grad_norm), tokens, finite),
             **routing.metrics(rt)}
 
 
 def _step_metrics(loss: Tensor, lr: float, grad_norm: float, tokens: Tensor,
                   applied: bool) -> dict:
-    return {"loss": loss.item(), "lr": lr, "grad_norm": grad_norm,
-            "valid_tokens": int(tokens.item()), "skipped": int(not applied)}
+    return {"loss": _read(loss), "lr": lr, "grad_norm": grad_norm,
+            "valid_tokens": int(_read(tokens)), "skipped": int(not applied)}
 
 
 def _deepspeed_step(engine: nn.Module, scheduler, micro_batches: list[MicroBatch],
@@ -312,7 +318,7 @@ def _train_stage(full: LctrainConfig, stage: Stage, run_dir: str | os.PathLike,
         closing.watcher = watcher = PreemptionWatcher(run_dir / "STOP", rt.rank)
         closing.record = _progress_record(cfg, rt, run_dir)
         _write_config(full, rt, run_dir)
-        model, optimizer, scheduler, loader = _build_training(cfg, rt)
+        model, optimizer, scheduler, loader = build_training(cfg, rt)
         closing.metrics = metrics = MetricsLogger(cfg.logging, run_dir, rt.rank, cfg.train.steps,
                                                   as_dict(cfg))
         _log_layout(metrics, cfg, rt, model, loader)
@@ -402,7 +408,7 @@ def _write_config(cfg: LctrainConfig, rt: Runtime, run_dir: Path) -> None:
         write_atomic(run_dir / "config.yaml", to_yaml(cfg))  # a failed write keeps the old
 
 
-def _build_training(cfg: LctrainConfig, rt: Runtime) -> tuple[nn.Module, torch.optim.AdamW,
+def build_training(cfg: LctrainConfig, rt: Runtime) -> tuple[nn.Module, torch.optim.AdamW,
                                                              LambdaLR, DataLoader]:
     """The model (under its data-parallel engine), AdamW, the lr schedule and the data loader."""
     torch.manual_seed(cfg.train.seed)

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from lctrain import device
 from lctrain.config import LctrainConfig, LoggingConfig
 from lctrain.parallel.runtime import Runtime
 from lctrain.planning.flops import datasheet_peak_tflops, mfu, train_flops_per_step
@@ -78,8 +79,8 @@ def peak_tflops_per_rank(cfg: LctrainConfig, rt: Runtime) -> tuple[float | None,
     on the CPU without logging.peak_tflops."""
     if cfg.logging.peak_tflops is not None:
         return cfg.logging.peak_tflops, "logging.peak_tflops"
-    if rt.device.type == "cuda":
-        name, precision = torch.cuda.get_device_name(rt.device), cuda_precision(cfg.train.dtype)
+    if device.gpu_path(rt.device):
+        name, precision = device.name(rt.device), cuda_precision(cfg.train.dtype)
         peak = datasheet_peak_tflops(name, precision)
         if peak is None:
             return None, (f"no datasheet peak for GPU {name!r}: mfu is null; set "
@@ -105,8 +106,8 @@ class PeakMemory:
         self.device, self.per_step = device, True
 
     def reset(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if device.gpu_path(self.device):
+            device.reset_peak(self.device)
             return
         try:
             Path("/proc/self/clear_refs").write_text("5")
@@ -114,8 +115,8 @@ class PeakMemory:
             self.per_step = False
 
     def read(self) -> int:
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device)
+        if device.gpu_path(self.device):
+            return device.peak_allocated(self.device)
         try:
             for line in Path("/proc/self/status").read_text().splitlines():
                 if line.startswith("VmHWM:"):

@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
+from lctrain import device
 from lctrain.config import OptimConfig
 from lctrain.parallel.tensor import laid_out_as, local_part
 
@@ -57,7 +58,7 @@ class HostAdamW(torch.optim.AdamW):
 
     def _pinned(self, like: torch.Tensor) -> torch.Tensor:
         return torch.empty(like.shape, dtype=like.dtype, device="cpu",
-                           pin_memory=like.device.type == "cuda")
+                           pin_memory=device.pins(like.device))
 
     def _host_state(self, p: torch.Tensor) -> dict:
         """`state[p]`, created in host memory at the first step."""
@@ -98,8 +99,8 @@ class HostAdamW(torch.optim.AdamW):
                 weight, grad = self.buffers[p]
                 weight.copy_(local_part(p), non_blocking=True)
                 grad.copy_(local_part(laid_out_as(p.grad, p)), non_blocking=True)
-            if any(p.device.type == "cuda" for p in params):
-                torch.cuda.synchronize()
+            for d in {p.device for p in params}:  # the copies above were asynchronous
+                device.synchronize(d)
             states = [self._host_state(p) for p in params]
             beta1, beta2 = group["betas"]
             adam(
