@@ -56,7 +56,9 @@ COMMANDS = {
     "plan": Command("lctrain.commands.plan",
                     "validate and print the layout, per-rank shapes, memory and traffic "
                     "(--calibrate: measure this machine's matmul rate and gloo bandwidth into "
-                    "plan.calibration)", frozenset({"--json", "--cfg", "--calibrate"}),
+                    "plan.calibration; --trace: also run one training step of each rank role "
+                    "on fake tensors at full size and print its peak memory)",
+                    frozenset({"--json", "--cfg", "--calibrate", "--trace"}),
                     routes={"--calibrate": "lctrain.commands.calibrate"}),  # prints no plan
     "submit": Command("lctrain.commands.submit",
                       "render the sbatch script for slurm.* and submit it (--multirun: one job "

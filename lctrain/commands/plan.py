@@ -9,6 +9,7 @@ import sys
 
 from lctrain.commands.args import CommandArgs
 from lctrain.commands.checks import preflight, search_preflight, with_corpus
+from lctrain.commands.plan_trace import trace_lines, trace_plan
 from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.cp_algorithms import cp_algorithm
 from lctrain.config.derived import slurm_world, stages_of
@@ -278,9 +279,14 @@ def run(args: CommandArgs) -> int:
     plan["notes"] = composed.notes + world_note(cfg, world) + hw_notes + plan["notes"]
     if cfg.train.stages:
         plan["stages"] = stage_rows(cfg, world, hw)
+    if "--trace" in args.flags or cfg.plan.trace:
+        plan["trace"] = trace_plan(cfg, world, plan)
     if as_json:
         json.dump(plan, sys.stdout, indent=1)
         print()
     else:
-        print(render_text(plan, cfg.plan.max_rank_rows))
+        text = render_text(plan, cfg.plan.max_rank_rows)
+        if "trace" in plan:  # beside the plan's memory, part by part
+            text += "\n" + "\n".join(trace_lines(plan["trace"]))
+        print(text)
     return 0

@@ -99,6 +99,11 @@ class PlanConfig:
     host_adam_gparams_per_s: float = at_least(1e-9, 1.0, hint="plan.host_adam_gparams_per_s=1")
     """Step-time model: billions of parameters per second one rank's host AdamW step updates
     (parallel.offload_state); a CPU run uses the rate `lctrain plan --calibrate` measured."""
+    trace: bool = False
+    """Also trace one training step of each rank role at full size (same as `lctrain plan
+    --trace`): the model built as training builds it, run on fake tensors and a fake process
+    group of the real world size (no GPU, nothing computed), and its peak memory and parts
+    printed beside the plan's (docs/parallelism.md §29)."""
     calibration: str = "~/.cache/lctrain/calibration.json"
     """`lctrain plan --calibrate` writes this machine's matmul rate, gloo bandwidth and latency
     and the training step's fixed costs here; the step-time model uses them for CPU runs

@@ -15,7 +15,11 @@ from functools import cache
 
 from lctrain.config import LctrainConfig, ModelConfig, derive
 from lctrain.config.cp_algorithms import LayerShape, MemoryTerms, cp_algorithm
-from lctrain.config.derived import data_parallel_engine_of, load_balance_of
+from lctrain.config.derived import (
+    data_parallel_engine_of,
+    load_balance_of,
+    reduces_each_micro_step,
+)
 from lctrain.config.model_families import model_family
 from lctrain.layout.stages import (
     block_params,
@@ -107,7 +111,7 @@ def state_parts(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[s
     data-parallel engine (one rank of dp x cp) under TP, the vocab-parallel embedding's gradient
     is the whole table on every TP rank (torch's row-wise embedding returns it replicated; FSDP
     would reshard it)."""
-    d, p, m = derive(cfg, world_size), cfg.parallel, cfg.model
+    d, p = derive(cfg, world_size), cfg.parallel
     params, n = sum(local_params(cfg, pp_rank)), d.dp * p.cp
     optimized = params - tied_copy_params(cfg, pp_rank)  # what AdamW keeps moments for
     engine = data_parallel_engine_of(cfg, world_size)
@@ -117,12 +121,9 @@ def state_parts(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[s
         return {"weights": on_device * 4 * params / n, "gradients": on_device * 4 * params / n,
                 "optimizer_state": on_device * moments * 8 * optimized / n}
     if engine != "deepspeed":  # DDP, or one rank of dp x cp: the rank's E/ep experts whole
-        layers = [i for s in stages_of(cfg, pp_rank) for i in split_layers(cfg)[s]]
-        elsewhere = sum(n * expert_params(m, i) for i, n in layer_kinds(m, layers)) * (
-            p.ep - 1) // p.ep
+        elsewhere = _experts_elsewhere(cfg, pp_rank)
         params, optimized = params - elsewhere, optimized - elsewhere
-        whole_embedding = (n == 1 and p.tp > 1 and 0 in stages_of(cfg, pp_rank))
-        extra = 4 * m.vocab_size * m.dim * (p.tp - 1) // p.tp if whole_embedding else 0
+        extra = _whole_embedding_extra(cfg, pp_rank) if n == 1 else 0
         return {"weights": 4 * params, "gradients": 4 * params + extra,
                 "optimizer_state": moments * 8 * optimized}
     ds, a = cfg.deepspeed, compute_bytes(cfg)
@@ -131,6 +132,39 @@ def state_parts(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[s
     return {"weights": weights + (0.0 if offload else 4 * params / n),
             "gradients": 0.0 if offload else 4 * params / (n if ds.zero_stage >= 2 else 1),
             "optimizer_state": 0.0 if offload else 8 * params / n}
+
+
+def _experts_elsewhere(cfg: LctrainConfig, pp_rank: int) -> int:
+    """Expert parameters of pipeline rank `pp_rank`'s layers that other ranks of its ep group
+    hold ((ep - 1)/ep of them): `local_params` counts every expert."""
+    m, p = cfg.model, cfg.parallel
+    layers = [i for s in stages_of(cfg, pp_rank) for i in split_layers(cfg)[s]]
+    return sum(n * expert_params(m, i) for i, n in layer_kinds(m, layers)) * (p.ep - 1) // p.ep
+
+
+def _whole_embedding_extra(cfg: LctrainConfig, pp_rank: int) -> int:
+    """Bytes by which the vocab-parallel embedding's fp32 gradient exceeds its TP shard on a
+    rank of the first stage: torch's row-wise embedding returns the whole table's gradient on
+    every TP rank (0 without TP)."""
+    m, p = cfg.model, cfg.parallel
+    if p.tp == 1 or 0 not in stages_of(cfg, pp_rank):
+        return 0
+    return 4 * m.vocab_size * m.dim * (p.tp - 1) // p.tp
+
+
+def accumulated_grad_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> float:
+    """FSDP's unsharded gradients between accumulation micro-steps (docs/parallelism.md §29):
+    with gradient accumulation FSDP reduce-scatters only in the last micro-step, so from the
+    first micro-step's backward on every FSDP unit of the rank keeps its whole (TP-local, E/ep
+    experts) gradient in fp32 (the reduce dtype), the vocab-parallel embedding's whole table
+    (`_whole_embedding_extra`). 0 without FSDP, without accumulation, or when gradients are
+    reduced every micro-step (parallel.offload_state=optimizer+params)."""
+    d = derive(cfg, world_size)
+    if (data_parallel_engine_of(cfg, world_size) != "fsdp" or d.grad_accum == 1
+            or reduces_each_micro_step(cfg)):
+        return 0.0
+    params = sum(local_params(cfg, pp_rank)) - tied_copy_params(cfg, pp_rank)
+    return 4 * (params - _experts_elsewhere(cfg, pp_rank)) + _whole_embedding_extra(cfg, pp_rank)
 
 
 def host_state_parts(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[str, float]:

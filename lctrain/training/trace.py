@@ -38,9 +38,11 @@ from lctrain.parallel.runtime import setup_distributed
 from lctrain.training import loop
 
 PARTS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
-"""The traced peak's parts: the local parameters (their fp32 shards), the gradients alive, AdamW's
-moments, what the forward created and still keeps, and the rest (gathered weights, the
-backward's and the optimizer's working memory, communication buffers)."""
+"""The traced peak's parts: the local parameters (their fp32 shards and buffers), the gradients
+alive (the parameters' own, and FSDP's unsharded ones kept between accumulation micro-steps),
+AdamW's moments, what forward passes made that is still alive (what they keep for the backward,
+and at a peak inside a forward its working tensors), and the rest (what backward passes and the
+optimizer made: gathered weights, working tensors, communication buffers)."""
 
 
 def _plain(t: Tensor) -> Tensor:
@@ -49,21 +51,29 @@ def _plain(t: Tensor) -> Tensor:
     return getattr(t, "elem", t)
 
 
+def _storage(t: Tensor):
+    return _plain(t).untyped_storage()
+
+
 class StepMemory(TorchDispatchMode):
-    """Bytes alive in the storages ops create, by the phase that created them (forward, or
-    backward: inside autograd's engine), on top of `state` (bytes that exist before the step);
-    the peak and the created bytes by phase at that moment. Storages are followed by weak
-    reference and their resizes (FSDP frees and refills gathered weights that way) by a patch of
-    `UntypedStorage.resize_` while the tracker is active. `host` lists storages that live in
-    host memory (offloaded state): not counted."""
+    """Bytes alive in the storages ops create during a step, by the phase that made them
+    (forward, or backward: inside autograd's engine), on top of `state` (bytes that exist before
+    it); the peak, where it happened, and the bytes by phase then. Storages are followed by
+    weak reference, an op's new storages only (not its inputs': views, in-place results), and
+    their resizes (FSDP frees and refills gathered weights that way) by a patch of
+    `UntypedStorage.resize_` while the tracker is active. `host`: ids of storages in host
+    memory (offloaded state), not counted. `gradients`: storages marked as gradients
+    (`mark_gradients`), with the op indices at which they were made and freed."""
 
     def __init__(self, state: int, host: set[int] | None = None):
         super().__init__()
-        self.state, self.host = state, host or set()  # host: ids of storages
-        self.live: dict[int, list] = {}  # id(storage) -> [bytes, phase, op index]
+        self.state, self.host = state, host or set()
+        self.live: dict[int, list] = {}  # id(storage) -> [bytes, phase, op index made]
         self.by_phase = {"forward": 0, "backward": 0}
-        self.ops = 0
+        self.ops, self.micro_step = 0, 0
         self.peak, self.peak_op, self.at_peak = state, -1, dict(self.by_phase)
+        self.peak_where = ("before the step", 0, "")
+        self.gradients: dict[int, list] = {}  # id(storage) -> [bytes, made, freed or None]
         self._resize = None
 
     def __enter__(self):
@@ -86,19 +96,22 @@ class StepMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.ops += 1
-        inputs = {id(_plain(t).untyped_storage())
-                  for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)}
-        for t in tree_flatten(out)[0]:  # new storages only: not views or in-place results
-            if isinstance(t, Tensor) and id(_plain(t).untyped_storage()) not in inputs:
-                self._track(_plain(t).untyped_storage())
-        self._update_peak()
+        inputs = {id(_storage(t)) for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, Tensor) and id(_storage(t)) not in inputs:
+                self._track(_storage(t))
+        self._update_peak(func)
         return out
+
+    def _phase(self) -> str:
+        return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
 
     def _track(self, storage) -> None:
         key = id(storage)
         if key in self.live or key in self.host:
             return
-        phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        phase = self._phase()
         self.live[key] = [storage.nbytes(), phase, self.ops]
         self.by_phase[phase] += storage.nbytes()
         weakref.finalize(storage, self._freed, key)
@@ -106,32 +119,38 @@ class StepMemory(TorchDispatchMode):
     def _freed(self, key: int) -> None:
         nbytes, phase, _ = self.live.pop(key)
         self.by_phase[phase] -= nbytes
+        if key in self.gradients:
+            self.gradients[key][2] = self.ops
 
     def _resized(self, storage) -> None:
         entry = self.live.get(id(storage))
         if entry is not None:
             self.by_phase[entry[1]] += storage.nbytes() - entry[0]
             entry[0] = storage.nbytes()
-            self._update_peak()
+            self._update_peak("a storage resized")
 
-    def _update_peak(self) -> None:
+    def _update_peak(self, func) -> None:
         total = self.state + self.by_phase["forward"] + self.by_phase["backward"]
         if total > self.peak:
             self.peak, self.peak_op, self.at_peak = total, self.ops, dict(self.by_phase)
+            self.peak_where = (self._phase(), self.micro_step, func)
 
-    def created_before_peak(self, storage) -> bool:
-        entry = self.live.get(id(storage))
-        return entry is not None and entry[2] <= self.peak_op
+    def mark_gradients(self, tensors) -> None:
+        """Record these (alive) tensors' storages as gradients, if the step made them."""
+        for t in tensors:
+            storage = _storage(t)
+            entry = self.live.get(id(storage))
+            if entry is not None and id(storage) not in self.gradients:
+                self.gradients[id(storage)] = [entry[0], entry[2], None]
+
+    def gradients_at_peak(self) -> int:
+        return sum(n for n, made, freed in self.gradients.values()
+                   if made <= self.peak_op and (freed is None or freed > self.peak_op))
 
 
 def _storages(tensors) -> dict[int, int]:
     """Distinct storages of `tensors` (local shards): {id: bytes}."""
-    out = {}
-    for t in tensors:
-        if isinstance(t, Tensor):
-            storage = _plain(t).untyped_storage()
-            out[id(storage)] = storage.nbytes()
-    return out
+    return {id(_storage(t)): _storage(t).nbytes() for t in tensors if isinstance(t, Tensor)}
 
 
 def _device_bytes(tensors, host: set[int]) -> int:
@@ -156,6 +175,20 @@ def _host_storages(cfg: LctrainConfig, model: nn.Module, optimizer) -> set[int]:
     return set(_storages(tensors))
 
 
+def _gradients(model: nn.Module) -> list[Tensor]:
+    """The gradients alive now: the parameters' own, and the unsharded ones FSDP accumulates
+    between micro-steps (torch's FSDP2 keeps them on its FSDPParam objects)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        group = getattr(state(), "_fsdp_param_group", None) if state else None
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            grad = getattr(fsdp_param, "unsharded_accumulated_grad", None)
+            if grad is not None:
+                grads.append(grad)
+    return grads
+
+
 def warm_optimizer(model: nn.Module, optimizer) -> None:
     """AdamW's state as from the second step on (it makes its moments in its first step): one
     step on zero gradients, which are then dropped."""
@@ -169,34 +202,38 @@ def warm_optimizer(model: nn.Module, optimizer) -> None:
 def measure_step(cfg: LctrainConfig, model: nn.Module, optimizer, scheduler, micro_batches,
                  rt) -> dict:
     """One `loop.train_step` under `StepMemory`, the optimizer's state made beforehand
-    (`warm_optimizer`): the peak bytes of this rank's device memory and its parts (`PARTS`).
-    Works alike on real tensors and in a trace."""
+    (`warm_optimizer`): the peak bytes of this rank's device memory, its parts (`PARTS`) and
+    where it happened. Works alike on real tensors and in a trace."""
     warm_optimizer(model, optimizer)
     host = _host_storages(cfg, model, optimizer)
     params = _device_bytes(list(model.parameters()) + list(model.buffers()), host)
     moments = _device_bytes(_state_tensors(optimizer), host)
     tracker = StepMemory(params + moments, host)
-    grads: dict[int, int] = {}
+    core = unwrap(model)
 
-    def seen_grads(opt, args, kwargs):  # the gradients as the optimizer gets them
-        for p in model.parameters():
-            if p.grad is not None:
-                storage = _plain(p.grad).untyped_storage()
-                if tracker.created_before_peak(storage):
-                    grads[id(storage)] = storage.nbytes()
+    def micro_step(module, args):  # a micro-step starts: the gradients so far are made
+        tracker.mark_gradients(_gradients(model))
+        tracker.micro_step += 1
 
-    hook = optimizer.register_step_pre_hook(seen_grads)
+    hooks = [core.register_forward_pre_hook(micro_step),
+             optimizer.register_step_pre_hook(
+                 lambda *_: tracker.mark_gradients(_gradients(model)))]
     started = time.perf_counter()
     try:
         with tracker:
             loop.train_step(model, optimizer, scheduler, micro_batches, cfg, rt)
     finally:
-        hook.remove()
-    gradients = sum(grads.values())
-    backward = tracker.at_peak["backward"] - gradients
+        for hook in hooks:
+            hook.remove()
+    gradients = tracker.gradients_at_peak()  # made by backward passes
+    phase, step, func = tracker.peak_where
     return {"peak": tracker.peak,
-            "parts": {"parameters": params, "gradients": gradients, "optimizer_state": moments,
-                      "activations": tracker.at_peak["forward"], "temporaries": backward},
+            "parts": {"parameters": params, "gradients": gradients,
+                      "optimizer_state": moments,
+                      "activations": tracker.at_peak["forward"],
+                      "temporaries": tracker.at_peak["backward"] - gradients},
+            "at": {"phase": phase, "micro_step": step, "micro_steps": len(micro_batches),
+                   "op": str(func)},
             "ops": tracker.ops, "seconds": time.perf_counter() - started}
 
 
