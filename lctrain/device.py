@@ -111,6 +111,10 @@ class Accelerator:
     def holds_values(self) -> bool:
         return True
 
+    def allocating(self) -> contextlib.AbstractContextManager:
+        """The context in which a wrapper allocates its own buffers (DDP's gradient buckets)."""
+        return contextlib.nullcontext()
+
     def host(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
@@ -206,6 +210,20 @@ class Traced(Accelerator):
 
     def holds_values(self) -> bool:
         return False
+
+    @contextlib.contextmanager
+    def allocating(self):
+        """The fake mode, and DDP's check that every rank's parameters have the same shapes
+        (a C++ collective that reads the data) skipped: every rank of a trace is this one."""
+        from torch.nn.parallel import distributed  # torch's own module, patched for the block
+
+        verify = distributed._verify_param_shape_across_processes
+        distributed._verify_param_shape_across_processes = lambda *args, **kwargs: None
+        try:
+            with self.fake_mode:
+                yield
+        finally:
+            distributed._verify_param_shape_across_processes = verify
 
     def host(self) -> contextlib.AbstractContextManager:
         return unset_fake_temporarily()
@@ -321,6 +339,12 @@ def all_finite(*ts: Tensor) -> bool:
 def allocate(model: torch.nn.Module, on: torch.device) -> None:
     """Storage on `on` for a model built on the meta device (fake storage in a trace)."""
     _current.allocate(model, on)
+
+
+def allocating() -> contextlib.AbstractContextManager:
+    """The context in which a wrapper allocates its own device buffers (DDP's gradient
+    buckets): in a trace, fake."""
+    return _current.allocating()
 
 
 def holds_values() -> bool:

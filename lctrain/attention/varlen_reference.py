@@ -127,6 +127,31 @@ def _check_operands(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor | None,
     _check(len(cu_q) == len(cu_k), "cum_seq_q and cum_seq_k count the same sequences")
 
 
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+"""What flash attention's CUDA kernels compute in."""
+
+
+def check_flash_call(func, args) -> None:
+    """The CUDA contract of a call of `aten._flash_attention_forward` / `_backward` (`func`,
+    its positional `args`): `_check_operands`, and operands in fp16 or bf16, the backward's
+    output gradient and output like q. The ops' meta kernels check none of it, so a trace on
+    fake tensors runs this before each call (lctrain.training.trace)."""
+    backward = func is torch.ops.aten._flash_attention_backward.default
+    operands = args[:6] if backward else args[:3]
+    q, k, v = operands[1:4] if backward else operands
+    _check(q.dtype in FLASH_DTYPES, f"q, k, v are fp16 or bf16; got {q.dtype}")
+    if backward:
+        _check(operands[0].shape == q.shape == operands[4].shape
+               and operands[0].dtype == q.dtype == operands[4].dtype,
+               "the output and its gradient are like q")
+    cu_q, cu_k, max_q, max_k = args[6:10] if backward else args[3:7]
+    _check_operands(q, k, v, cu_q, cu_k, max_q, max_k)
+
+
+FLASH_OPS = (torch.ops.aten._flash_attention_forward.default,
+             torch.ops.aten._flash_attention_backward.default)
+
+
 def _band(is_causal: bool, left: int | None, right: int | None) -> tuple[int, int] | None:
     """The window the CUDA op's arguments ask for (None: none); causal forces right = 0, as the
     CUDA op does."""

@@ -36,14 +36,12 @@ def trace_plan(cfg: LctrainConfig, world_size: int, plan: dict) -> dict:
     """Each role's traced peak and parts beside the plan's, with the kernel path taken; a
     progress line per role on stderr. Raises ConfigError for what the trace cannot run."""
     cuda = on_cuda(cfg)
-    problems = cuda_problems(cfg) if cuda else []
+    problems = [f"{problem} (--trace runs the CUDA code path for GPU nodes, slurm.gpus_per_node="
+                f"{cfg.slurm.gpus_per_node}; train.device=cpu traces the CPU path)"
+                for problem in (cuda_problems(cfg) if cuda else [])]
     if cfg.parallel.dp_engine == "deepspeed":
         problems.append("parallel.dp_engine=deepspeed: DeepSpeed's engine cannot run on fake "
                         "tensors; trace the same layout with parallel.dp_engine=fsdp")
-    if cfg.train.offload_activations:
-        problems.append("train.offload_activations=true: the trace cannot yet tell the host "
-                        "copies of activations from device memory; trace without it (the plan "
-                        "counts them as activations_on_host)")
     if problems:
         raise ConfigError(problems)
     planned = plan["memory_per_rank"]["bytes"]
@@ -59,6 +57,7 @@ def trace_plan(cfg: LctrainConfig, world_size: int, plan: dict) -> dict:
         plan_parts = {part: sum(planned.get(k, 0.0) for k in items)
                       for part, items in PLAN_ITEMS.items()}
         rows.append({"rank": rank, "role": role, "peak_bytes": out["peak"], "at": out["at"],
+                     "largest_at_peak": out["largest_at_peak"],
                      "parts_bytes": out["parts"], "plan_modelled_bytes": planned["modelled"],
                      "plan_parts_bytes": plan_parts,
                      "traced_over_plan": out["peak"] / planned["modelled"],
@@ -85,6 +84,9 @@ def trace_lines(traced: dict) -> list[str]:
             plan = row["plan_parts_bytes"][part]
             lines.append("    {:<26} {:>10.3f} {:>10.3f} {:>8}".format(
                 part, value / GIB, plan / GIB, f"{value / plan:.3f}" if plan else "-"))
+        lines.append("    largest made during the step and alive at the peak: " + ", ".join(
+            f"{r['bytes'] / GIB:.3f} ({r['op'].removeprefix('aten.')}, {r['phase']})"
+            for r in row["largest_at_peak"][:5]))
     lines.append(f"  not seen by the trace: {traced['unseen']}; the plan's allocator_allowance "
                  f"({traced['allocator_allowance_bytes'] / GIB:.3f} GiB) stands for them")
     return lines

@@ -55,4 +55,20 @@ def cuda_problems(cfg: LctrainConfig) -> list[str]:
                    else f"model.dim={nearest_multiple(m.dim, 8 * m.n_heads)}")
             problems.append(f"{key} = {m.d_head} on CUDA: {why}, which needs a multiple of 8 "
                             f"up to {FLASH_HEAD_DIM_MAX}; try {fix}")
-    return problems
+    return problems + _flash_shape_problems(cfg, why)
+
+
+VARLEN_TOKENS_MAX = 2**31 - 1
+"""The most tokens one variable-length flash call takes: its cumulative lengths are int32."""
+
+
+def _flash_shape_problems(cfg: LctrainConfig, why: str) -> list[str]:
+    """The varlen calls' int32 token offsets. (The GQA ratio each rank's kernels see, query
+    heads a multiple of KV heads after TP, Ulysses and KV replication, is validation's heads
+    rule for every device: `kv_replication` exists only for layouts that keep it.)"""
+    t = cfg.train
+    if cfg.data.document_masking and t.micro_batch * t.seq_len > VARLEN_TOKENS_MAX:
+        return [f"train.micro_batch x train.seq_len = {t.micro_batch * t.seq_len:,} tokens with "
+                f"packed documents on CUDA: {why}, whose variable-length calls take at most "
+                f"{VARLEN_TOKENS_MAX:,} tokens (int32 offsets); lower train.micro_batch"]
+    return []

@@ -57,8 +57,10 @@ def apply_ddp(model: nn.Module, rt: Runtime) -> nn.Module:
         ignored = [name for name, p in model.named_parameters() if id(p) in experts]
         nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
             model, ignored)
-    ddp = nn.parallel.DistributedDataParallel(model, process_group=rt.dp_cp_group,
-                                              broadcast_buffers=False)
+    with device.allocating():  # its buckets: the gradients are views of them
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=rt.dp_cp_group,
+                                                  broadcast_buffers=False,
+                                                  gradient_as_bucket_view=True)
     if dist.get_backend() == device.Traced.BACKEND:  # the trace's fake group returns no result
         ddp.register_comm_hook(None, _reduced_in_place)
     return ddp

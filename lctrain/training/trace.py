@@ -28,10 +28,14 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.autograd.profiler import record_function as _RecordFunction
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lctrain import device
+from lctrain.attention.varlen_reference import FLASH_OPS, check_flash_call
 from lctrain.config import LctrainConfig
 from lctrain.parallel.data_parallel import unwrap
 from lctrain.parallel.runtime import setup_distributed
@@ -68,12 +72,14 @@ class StepMemory(TorchDispatchMode):
     def __init__(self, state: int, host: set[int] | None = None):
         super().__init__()
         self.state, self.host = state, host or set()
-        self.live: dict[int, list] = {}  # id(storage) -> [bytes, phase, op index made]
+        self.live: dict[int, list] = {}  # id(storage) -> [bytes, phase, op index made, op]
+        self.peak_live: dict[int, list] = {}
         self.by_phase = {"forward": 0, "backward": 0}
         self.ops, self.micro_step = 0, 0
         self.peak, self.peak_op, self.at_peak = state, -1, dict(self.by_phase)
         self.peak_where = ("before the step", 0, "")
         self.gradients: dict[int, list] = {}  # id(storage) -> [bytes, made, freed or None]
+        self.standing: dict[int, int] = {}  # gradient storages older than the step
         self._resize = None
 
     def __enter__(self):
@@ -85,39 +91,52 @@ class StepMemory(TorchDispatchMode):
             tracker._resized(storage)
             return out
 
-        self._resize = original
+        self._resize = (original, _RecordFunction.__enter__, _RecordFunction.__exit__)
         torch.UntypedStorage.resize_ = resize_
+        # profiler annotations allocate nothing; under a second dispatch mode torch's
+        # selective checkpointing meets those FSDP makes in a recompute but not in the forward
+        _RecordFunction.__enter__ = lambda self: self
+        _RecordFunction.__exit__ = lambda self, *exc: None
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.UntypedStorage.resize_ = self._resize
+        torch.UntypedStorage.resize_, _RecordFunction.__enter__, _RecordFunction.__exit__ = \
+            self._resize
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in FLASH_OPS:  # the CUDA kernel's rules, which its meta kernel does not check
+            check_flash_call(func, args)
         out = func(*args, **(kwargs or {}))
         self.ops += 1
-        inputs = {id(_storage(t)) for t in tree_flatten((args, kwargs))[0]
+        # an op's new storages: not its inputs' (views, in-place results), told apart by the
+        # C++ storage, which several Python wrappers of one view may share
+        inputs = {_storage(t)._cdata for t in tree_flatten((args, kwargs))[0]
                   if isinstance(t, Tensor)}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, Tensor) and id(_storage(t)) not in inputs:
-                self._track(_storage(t))
+            if isinstance(t, Tensor) and _storage(t)._cdata not in inputs:
+                self._track(_storage(t), func)
         self._update_peak(func)
         return out
 
     def _phase(self) -> str:
         return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
 
-    def _track(self, storage) -> None:
+    def _track(self, storage, func) -> None:
         key = id(storage)
         if key in self.live or key in self.host:
             return
         phase = self._phase()
-        self.live[key] = [storage.nbytes(), phase, self.ops]
+        self.live[key] = [storage.nbytes(), phase, self.ops, func]
         self.by_phase[phase] += storage.nbytes()
         weakref.finalize(storage, self._freed, key)
 
     def _freed(self, key: int) -> None:
-        nbytes, phase, _ = self.live.pop(key)
+        entry = self.live.pop(key, None)
+        if entry is None:  # a host storage
+            self.host.discard(key)
+            return
+        nbytes, phase = entry[:2]
         self.by_phase[phase] -= nbytes
         if key in self.gradients:
             self.gradients[key][2] = self.ops
@@ -134,18 +153,64 @@ class StepMemory(TorchDispatchMode):
         if total > self.peak:
             self.peak, self.peak_op, self.at_peak = total, self.ops, dict(self.by_phase)
             self.peak_where = (self._phase(), self.micro_step, func)
+            self.peak_live = {k: v[:] for k, v in self.live.items()}
+
+    def largest_at_peak(self, n: int = 8) -> list[dict]:
+        """The `n` largest storages the step had made and still held at its peak."""
+        rows = sorted(self.peak_live.values(), key=lambda e: -e[0])[:n]
+        return [{"bytes": b, "phase": phase, "op": str(func)} for b, phase, _, func in rows]
+
+    def on_host(self, storage) -> None:
+        """`storage` (made during the step) lives in host memory: no longer counted."""
+        entry = self.live.pop(id(storage), None)
+        if entry is not None:
+            self.by_phase[entry[1]] -= entry[0]
+        self.host.add(id(storage))
 
     def mark_gradients(self, tensors) -> None:
-        """Record these (alive) tensors' storages as gradients, if the step made them."""
+        """Record these (alive) tensors' storages as gradients: made by the step, or standing
+        (made before it and alive throughout, as DDP's buckets, whose views the gradients are)."""
         for t in tensors:
             storage = _storage(t)
-            entry = self.live.get(id(storage))
-            if entry is not None and id(storage) not in self.gradients:
-                self.gradients[id(storage)] = [entry[0], entry[2], None]
+            key = id(storage)
+            entry = self.live.get(key)
+            if entry is not None and key not in self.gradients:
+                self.gradients[key] = [entry[0], entry[2], None]
+            elif entry is None and key not in self.host:
+                self.standing[key] = storage.nbytes()
 
     def gradients_at_peak(self) -> int:
         return sum(n for n, made, freed in self.gradients.values()
                    if made <= self.peak_op and (freed is None or freed > self.peak_op))
+
+
+class HostMoves(TorchFunctionMode):
+    """In a trace the CPU device stands for both the GPU and the host, told apart by storage:
+    `tracker.host` holds the host's. `Tensor.to` a CPU device and `Tensor.cpu` on a fake tensor
+    then cross sides, as on a GPU: from the device, a copy in host memory (FSDP's offloaded
+    gradients, activations saved on the host); from the host, a copy on the device (FSDP's
+    offloaded shards before their all-gather, saved activations coming back)."""
+
+    def __init__(self, tracker: StepMemory):
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (Tensor.to, Tensor.cpu) and args and isinstance(args[0], FakeTensor):
+            target = kwargs.get("device", args[1] if len(args) > 1 else torch.device("cpu"))
+            if func is Tensor.cpu or isinstance(target, (str, torch.device)) and \
+                    torch.device(target).type == "cpu":
+                return self._cross(args[0])
+        return func(*args, **kwargs)
+
+    def _cross(self, t: Tensor) -> Tensor:
+        to_host = id(_storage(t)) not in self.tracker.host
+        out = torch.empty_like(t)
+        out.copy_(t)
+        if to_host:
+            self.tracker.on_host(_storage(out))
+        return out
 
 
 def _storages(tensors) -> dict[int, int]:
@@ -220,20 +285,24 @@ def measure_step(cfg: LctrainConfig, model: nn.Module, optimizer, scheduler, mic
                  lambda *_: tracker.mark_gradients(_gradients(model)))]
     started = time.perf_counter()
     try:
-        with tracker:
+        # on the CPU path host and device are one memory: nothing crosses
+        crossing = HostMoves(tracker) if device.gpu_path(rt.device) else contextlib.nullcontext()
+        with tracker, crossing:
             loop.train_step(model, optimizer, scheduler, micro_batches, cfg, rt)
     finally:
         for hook in hooks:
             hook.remove()
-    gradients = tracker.gradients_at_peak()  # made by backward passes
+    made = tracker.gradients_at_peak()  # made by backward passes
+    standing = sum(tracker.standing.values())  # alive all along: the peak is where it was
     phase, step, func = tracker.peak_where
-    return {"peak": tracker.peak,
-            "parts": {"parameters": params, "gradients": gradients,
+    return {"peak": tracker.peak + standing,
+            "parts": {"parameters": params, "gradients": made + standing,
                       "optimizer_state": moments,
                       "activations": tracker.at_peak["forward"],
-                      "temporaries": tracker.at_peak["backward"] - gradients},
+                      "temporaries": tracker.at_peak["backward"] - made},
             "at": {"phase": phase, "micro_step": step, "micro_steps": len(micro_batches),
                    "op": str(func)},
+            "largest_at_peak": tracker.largest_at_peak(),
             "ops": tracker.ops, "seconds": time.perf_counter() - started}
 
 

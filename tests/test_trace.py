@@ -1,0 +1,153 @@
+"""`lctrain plan --trace`: the training step on fake tensors and a fake process group at the
+layout's world size (lctrain.training.trace) against the same step run for real on gloo ranks
+(its peak and every part equal, byte for byte), the flash kernels' contract checked in the
+trace, the CLI, and the one device seam (no torch.cuda call outside lctrain/device.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lctrain.attention import kernels
+from lctrain.config.device_rules import VARLEN_TOKENS_MAX, cuda_problems
+from lctrain.parallel.launch import RankFailure, run_ranks
+from lctrain.parallel.runtime import setup_distributed
+from lctrain.training import loop, trace
+from tests.helpers import HEADS_8, on_ranks, tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _real_step(cfgs):
+    """measure_step of each config's real step on this rank (gloo), in order."""
+    out = []
+    for cfg in cfgs:
+        rt = setup_distributed(cfg)
+        model, optimizer, scheduler, loader = loop.build_training(cfg, rt)
+        out.append(trace.measure_step(cfg, model, optimizer, scheduler, loader.next_step(), rt))
+    return out
+
+
+def _traced(cfgs, world, cuda, *paths):
+    """trace_role of rank 0 for each config (on the CUDA path if `cuda`; each of `paths` too),
+    run in a process of its own (a trace sets up and tears down its own fake process group)."""
+    return [trace.trace_role(cfg, world, 0, cuda=on) for on in (cuda, *paths) for cfg in cfgs]
+
+
+def _in_child(fn, *args):
+    return run_ranks(fn, 1, args, start_method="fork", threads=1, backend=None,
+                     timeout_s=300)[0]
+
+
+def _same(real: dict, traced: dict) -> None:
+    assert traced["peak"] == real["peak"], (traced, real)
+    assert traced["parts"] == real["parts"]
+    assert traced["at"] == real["at"]
+    assert sum(traced["parts"].values()) == traced["peak"]
+
+
+def _bf16(**sections):
+    train = {"dtype": "bf16", **sections.pop("train", {})}
+    return tiny_config(train=train, **sections)
+
+
+FAST = [_bf16(parallel={"cp": 2, "dp": 2, "attention": "ring"},
+              data={"document_masking": True})]
+SLOW = [
+    _bf16(model=HEADS_8, parallel={"cp": 2, "tp": 2, "sp": True, "dp": 1,
+                                   "attention": "ulysses"}),
+    _bf16(parallel={"cp": 4, "dp": 1, "attention": "usp", "ulysses_degree": 2},
+          data={"document_masking": True}),
+    _bf16(parallel={"cp": 2, "dp": 2, "attention": "allgather", "dp_engine": "ddp"},
+          data={"document_masking": True}),
+    _bf16(parallel={"cp": 2, "dp": 2}, train={"activation_checkpointing": "selective"}),
+    _bf16(parallel={"cp": 2, "dp": 2}, train={"activation_checkpointing": "full",
+                                              "loss_chunk": 8, "mlp_chunk": 8}),
+    _bf16(parallel={"cp": 2, "dp": 2, "offload_state": "optimizer"}),
+]
+
+
+@pytest.mark.parametrize("cfgs", [pytest.param(FAST, id="fsdp-cp2-ring-documents"),
+                                  pytest.param(SLOW, id="layouts", marks=pytest.mark.slow)])
+def test_trace_equals_the_real_step(cfgs):
+    """The CPU path traced on fake tensors at world size 4 measures exactly what the same step
+    measures on four real gloo ranks: the peak, every part, and where the peak is."""
+    real = on_ranks(_real_step, 4, cfgs)[0]
+    traced = _in_child(_traced, cfgs, 4, False, True)
+    for r, t, on_cuda in zip(real, traced, traced[len(cfgs):]):
+        _same(r, t)
+        assert t["parts"]["activations"] > 0 and t["parts"]["gradients"] > 0
+        # the CUDA path: torch's flash ops on their meta kernels, which keep what the CUDA
+        # kernels keep (the same state and gradients, activations within a few percent)
+        assert {k: on_cuda["parts"][k] for k in ("parameters", "gradients", "optimizer_state")
+                } == {k: t["parts"][k] for k in ("parameters", "gradients", "optimizer_state")}
+        assert abs(on_cuda["peak"] / t["peak"] - 1) < 0.02
+
+
+def test_the_flash_kernels_contract_is_checked_in_the_trace(monkeypatch):
+    """lctrain checks the contract of torch's flash ops in a trace, which their meta kernels do
+    not: a query in fp32, or K/V heads that do not divide the query heads, fail it."""
+    cfg = FAST[0]
+    forward, backward = kernels._VARLEN["torch"]
+    monkeypatch.setitem(kernels._VARLEN, "torch", (lambda q, *a: forward(q.float(), *a),
+                                                   backward))
+    with pytest.raises(RankFailure, match="fp16 or bf16"):
+        _in_child(_traced, [cfg], 4, True)
+    monkeypatch.setitem(kernels._VARLEN, "torch", (lambda q, k, v, *a: forward(q[:, :3], k, v, *a),
+                                                   backward))
+    with pytest.raises(RankFailure, match="GQA"):
+        _in_child(_traced, [cfg], 4, True)
+
+
+@pytest.mark.slow
+def test_plan_trace_on_the_command_line():
+    """`lctrain plan --trace --json` beside the plan: every role, its parts summing to its peak,
+    the plan's figures to compare with; the text form prints the table."""
+    cmd = [sys.executable, "-m", "lctrain.cli", "plan", "+recipe=tiny", "--trace"]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 2 and "train.dtype=fp32 on CUDA" in out.stderr
+    assert "train.device=cpu traces the CPU path" in out.stderr  # the tiny recipe is fp32
+    cmd.append("train.device=cpu")
+    out = subprocess.run(cmd + ["--json"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    (role,) = plan["trace"]["roles"]
+    assert plan["trace"]["path"] == "cpu" and role["rank"] == 0
+    assert sum(role["parts_bytes"].values()) == role["peak_bytes"]
+    assert role["plan_modelled_bytes"] == plan["memory_per_rank"]["bytes"]["modelled"]
+    assert "lctrain: tracing rank 0" in out.stderr
+    text = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300).stdout
+    assert "traced step (lctrain plan --trace" in text and "not seen by the trace" in text
+
+
+def test_trace_refuses_what_it_cannot_run():
+    from lctrain.commands.plan_trace import trace_plan
+    from lctrain.config import ConfigError
+
+    cfg = tiny_config(parallel={"dp_engine": "deepspeed"})
+    with pytest.raises(ConfigError, match="dp_engine=fsdp"):
+        trace_plan(cfg, 4, {"memory_per_rank": {"bytes": {}}})
+
+
+def test_varlen_calls_over_int32_are_refused_on_cuda():
+    cfg = tiny_config(data={"document_masking": True}, train={"dtype": "bf16"})
+    cfg.train.seq_len, cfg.train.micro_batch = 2**30, 2
+    assert any("int32 offsets" in p and f"{VARLEN_TOKENS_MAX:,}" in p
+               for p in cuda_problems(cfg))
+    cfg.train.micro_batch = 1
+    assert not any("int32" in p for p in cuda_problems(cfg))
+
+
+def test_one_device_seam():
+    """Every torch.cuda call and CUDA-path decision of the package is in lctrain/device.py."""
+    pattern = re.compile(r'torch\.cuda\.|\.is_cuda\b|\.type [!=]= "cuda"')
+    found = [f"{path.relative_to(REPO)}:{n}" for path in (REPO / "lctrain").rglob("*.py")
+             if path.name != "device.py"
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if pattern.search(line.split("#")[0]) and '"""' not in line]
+    assert found == [], found
