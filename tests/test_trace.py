@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from lctrain import device
 from lctrain.attention import kernels
 from lctrain.config.device_rules import VARLEN_TOKENS_MAX, cuda_problems
 from lctrain.parallel.launch import RankFailure, run_ranks
@@ -23,8 +24,10 @@ from tests.helpers import HEADS_8, on_ranks, tiny_config
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _real_step(cfgs):
-    """measure_step of each config's real step on this rank (gloo), in order."""
+def _real_step(cfgs, static_pipeline: bool = False):
+    """measure_step of each config's real step on this rank (gloo), in order; with
+    `static_pipeline` the pipeline stages take their shapes from `stage_io` as in a trace."""
+    device.Accelerator.traced = static_pipeline  # (a forked rank: nothing to restore)
     out = []
     for cfg in cfgs:
         rt = setup_distributed(cfg)
@@ -40,6 +43,7 @@ def _traced(cfgs, world, cuda, *paths):
 
 
 def _in_child(fn, *args):
+    """fn(*args) in a forked process (a trace's fake world is its own: `trace.trace_apart`)."""
     return run_ranks(fn, 1, args, start_method="fork", threads=1, backend=None,
                      timeout_s=300)[0]
 
@@ -87,6 +91,34 @@ def test_trace_equals_the_real_step(cfgs):
         assert {k: on_cuda["parts"][k] for k in ("parameters", "gradients", "optimizer_state")
                 } == {k: t["parts"][k] for k in ("parameters", "gradients", "optimizer_state")}
         assert abs(on_cuda["peak"] / t["peak"] - 1) < 0.02
+
+
+@pytest.mark.slow
+def test_pipeline_ranks_traced():
+    """pp2 x dp2 (1F1B, 4 micro-batches): one role per pipeline rank, each traced at its own
+    rank, equal to the real step's. The trace gives torch's PipelineStage the stage shapes
+    (`stage_io`; a real run learns them on its first step by a forward on placeholder inputs
+    and object collectives); the real ranks here take them too, which also checks them: torch
+    refuses a stage whose tensors differ from them. A fake group's sends keep their tensors
+    until waited for, as NCCL's do (`_HeldWork`)."""
+    cfg = _bf16(parallel={"pp": 2, "cp": 1, "dp": 2}, train={"global_batch": 8})
+    real = on_ranks(_real_step, 4, [cfg], True)
+    roles = trace.roles(cfg, 4)
+    assert [(rank, pp_rank) for rank, pp_rank, _ in roles] == [(0, 0), (2, 1)]
+    for rank, _, _ in roles:
+        traced = _in_child(_traced_rank, cfg, 4, rank)
+        r = real[rank][0]
+        state = ("parameters", "gradients", "optimizer_state")
+        assert {k: traced["parts"][k] for k in state} == {k: r["parts"][k] for k in state}
+        assert traced["at"] == r["at"] and traced["parts"]["gradients"] > 0
+        # gloo keeps a sent tensor until its worker thread drops the Work, after wait() returns
+        # (an NCCL send's memory is free once it completes, as in the trace): one micro-batch's
+        # hidden state, [1, 32, 64] in bf16, may still be alive at the real step's peak
+        assert r["peak"] - traced["peak"] in (0, 1 * 32 * 64 * 2)
+
+
+def _traced_rank(cfg, world, rank):
+    return trace.trace_role(cfg, world, rank, cuda=False)
 
 
 def test_the_flash_kernels_contract_is_checked_in_the_trace(monkeypatch):

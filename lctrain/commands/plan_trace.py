@@ -8,6 +8,7 @@ import time
 
 from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.device_rules import cuda_problems
+from lctrain.planning.plan import rank_memory
 from lctrain.training import trace
 
 GIB = 2**30
@@ -33,8 +34,9 @@ def on_cuda(cfg: LctrainConfig) -> bool:
 
 
 def trace_plan(cfg: LctrainConfig, world_size: int, plan: dict) -> dict:
-    """Each role's traced peak and parts beside the plan's, with the kernel path taken; a
-    progress line per role on stderr. Raises ConfigError for what the trace cannot run."""
+    """Each role's traced peak and parts beside the plan's for its pipeline rank, with the
+    kernel path taken; a progress line per role on stderr. Raises ConfigError for what the
+    trace cannot run."""
     cuda = on_cuda(cfg)
     problems = [f"{problem} (--trace runs the CUDA code path for GPU nodes, slurm.gpus_per_node="
                 f"{cfg.slurm.gpus_per_node}; train.device=cpu traces the CPU path)"
@@ -44,14 +46,13 @@ def trace_plan(cfg: LctrainConfig, world_size: int, plan: dict) -> dict:
                         "tensors; trace the same layout with parallel.dp_engine=fsdp")
     if problems:
         raise ConfigError(problems)
-    planned = plan["memory_per_rank"]["bytes"]
     rows = []
-    for rank, role in trace.roles(cfg, world_size):
+    for rank, pp_rank, role in trace.roles(cfg, world_size):
+        planned = rank_memory(cfg, world_size, pp_rank)["itemised"]["bytes"]
         print(f"lctrain: tracing rank {rank} ({role}) of {world_size} on fake tensors ...",
               file=sys.stderr, flush=True)
         started = time.perf_counter()
-        out = trace.trace_role(cfg, world_size, rank, gpus_per_node=max(
-            1, cfg.slurm.gpus_per_node), cuda=cuda)
+        out = trace.trace_apart(cfg, world_size, rank, max(1, cfg.slurm.gpus_per_node), cuda)
         print(f"lctrain: traced in {time.perf_counter() - started:.1f} s ({out['ops']:,} ops)",
               file=sys.stderr, flush=True)
         plan_parts = {part: sum(planned.get(k, 0.0) for k in items)
@@ -63,7 +64,8 @@ def trace_plan(cfg: LctrainConfig, world_size: int, plan: dict) -> dict:
                      "traced_over_plan": out["peak"] / planned["modelled"],
                      "seconds": out["seconds"] + out["build_seconds"], "ops": out["ops"]})
     return {"path": "cuda" if cuda else "cpu", "world_size": world_size, "roles": rows,
-            "allocator_allowance_bytes": planned["allocator_allowance"], "unseen": UNSEEN}
+            "allocator_allowance_bytes": plan["memory_per_rank"]["bytes"]["allocator_allowance"],
+            "unseen": UNSEEN}
 
 
 def trace_lines(traced: dict) -> list[str]:

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from lctrain import device
 from lctrain.config import LctrainConfig
+from lctrain.config.derived import data_parallel_engine_of
 from lctrain.data.batch import MicroBatch
 from lctrain.layout.stages import rank_of, split_layers, stage_count, stages_of
 from lctrain.models.llama import AttentionCore, Llama
@@ -77,6 +78,41 @@ def stage_model(cfg: LctrainConfig, core: AttentionCore, stage: int) -> Llama:
         model.__class__ = RoutedStage
         model.routing_counts = []
     return model
+
+
+def stage_io(cfg: LctrainConfig, rt: Runtime, stage: int) -> dict:
+    """What stage `stage` receives and sends per micro-batch, as torch's PipelineStage takes it
+    (input_args, output_args and their gradients, on the meta device), for a trace: on its first step the schedule
+    otherwise learns them from the neighbouring ranks by object collectives, which a trace's
+    fake process group cannot carry. The hidden state [B, S/(cp*s), D] (s = tp with SP) in the
+    residual dtype (bf16 when FSDP computes in bf16: the embedding's output), token ids into
+    the first stage, and beside the hidden state a mixture of experts' routing totals
+    [2 E + 1] (`RoutedStage`); the last stage returns the loss sum (and the load-balancing
+    loss)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    s = p.tp if (p.sp and p.tp > 1) else 1
+    bf16 = t.dtype == "bf16" and data_parallel_engine_of(cfg, rt.world_size) == "fsdp"
+    rows, local = t.micro_batch, t.seq_len // p.cp
+    meta = torch.device("meta")
+    hidden = torch.empty(rows, local // s, m.dim, device=meta,
+                         dtype=torch.bfloat16 if bf16 else torch.float32)
+    totals = (torch.empty(2 * m.n_experts + 1, device=meta),) if m.n_experts else ()
+    inputs = ((torch.empty(rows, local, dtype=torch.long, device=meta),) if stage == 0
+              else (hidden, *totals))
+    last = stage == stage_count(cfg) - 1
+    outputs = ((torch.empty((), device=meta),) * (2 if m.n_experts else 1) if last
+               else (hidden, *totals))
+    return {"input_args": inputs, "output_args": outputs,  # and their gradients, alike
+            "input_grads": (None,) if stage == 0 else inputs,
+            "output_grads": None if last else outputs}
+
+
+def _static_shapes(stages: list[PipelineStage], *_) -> None:
+    """A trace's stand-in for the schedule's first-step vote: every stage's shapes are given."""
+    from torch.distributed.pipelining.stage import InferenceMode  # torch >= 2.12, traces only
+
+    for stage in stages:
+        stage._inference_mode = InferenceMode.STATIC
 
 
 class RoutedStage(Llama):
@@ -143,16 +179,18 @@ class PipelinedModel(nn.Module):
                 part.require_backward_grad_sync = False
         p = cfg.parallel
         pp_group = rt.group("pp")
-        self.stages = [PipelineStage(parts[s], s, self.n_stages, rt.device, group=pp_group)
+        self.stages = [PipelineStage(parts[s], s, self.n_stages, rt.device, group=pp_group,
+                                     **(stage_io(cfg, rt, s) if device.current().traced else {}))
                        for s in sorted(parts, key=my_stages(cfg, rt).index)]
         schedule = SCHEDULES[p.pp_schedule]
         kwargs = dict(n_microbatches=rt.derived.grad_accum, loss_fn=self._scaled_loss,
                       scale_grads=False)
         self.schedule = (schedule(self.stages, **kwargs) if issubclass(
             schedule, PipelineScheduleMulti) else schedule(self.stages[0], **kwargs))
-        if hasattr(self.schedule, "_warmup_p2p"):  # torch >= 2.12: its first step's vote
-            # between neighbours reads small host tensors, host-side work for the trace too
-            self.schedule._warmup_p2p = device.on_host(self.schedule._warmup_p2p)
+        if device.current().traced and hasattr(self.schedule, "_warmup_p2p"):
+            # every stage has its shapes (stage_io); the neighbours' vote on that (torch >= 2.12)
+            # cannot cross a trace's fake process group
+            self.schedule._warmup_p2p = _static_shapes
         self._loss_scale, self._aux_weight = 1.0, 0.0
         self._loss_sums: list[Tensor] = []
         self._aux_values: list[Tensor] = []

@@ -37,7 +37,9 @@ from torch.utils._pytree import tree_flatten
 from lctrain import device
 from lctrain.attention.varlen_reference import FLASH_OPS, check_flash_call
 from lctrain.config import LctrainConfig
+from lctrain.layout.stages import stages_of
 from lctrain.parallel.data_parallel import unwrap
+from lctrain.parallel.launch import run_ranks
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.training import loop
 
@@ -280,7 +282,10 @@ def measure_step(cfg: LctrainConfig, model: nn.Module, optimizer, scheduler, mic
         tracker.mark_gradients(_gradients(model))
         tracker.micro_step += 1
 
-    hooks = [core.register_forward_pre_hook(micro_step),
+    # a micro-step starts with a forward of the model, or under pipelining of the rank's first
+    # stage (the schedule calls the stages)
+    first = unwrap(next(iter(model.parts.values()))) if hasattr(model, "parts") else core
+    hooks = [first.register_forward_pre_hook(micro_step),
              optimizer.register_step_pre_hook(
                  lambda *_: tracker.mark_gradients(_gradients(model)))]
     started = time.perf_counter()
@@ -306,10 +311,48 @@ def measure_step(cfg: LctrainConfig, model: nn.Module, optimizer, scheduler, mic
             "ops": tracker.ops, "seconds": time.perf_counter() - started}
 
 
-def roles(cfg: LctrainConfig, world_size: int) -> list[tuple[int, str]]:
-    """(rank, what it stands for) of each distinct rank role: rank 0 stands for every rank
-    (every rank of a layout without pipelining holds the same shapes)."""
-    return [(0, f"every rank ({world_size})")]
+def roles(cfg: LctrainConfig, world_size: int) -> list[tuple[int, int, str]]:
+    """(rank, pipeline rank, what it stands for) of each distinct rank role: the first rank of
+    each pipeline rank (every rank of a pipeline rank holds the same shapes: TP, CP and DP
+    split alike, the experts evenly)."""
+    pp = cfg.parallel.pp
+    if pp == 1:
+        return [(0, 0, f"every rank ({world_size})")]
+    return [(r * world_size // pp, r, f"pipeline rank {r}, stages "
+             f"{','.join(map(str, stages_of(cfg, r)))}") for r in range(pp)]
+
+
+class _HeldWork:
+    """A fake process group's point-to-point Work that keeps its tensors until it is waited
+    for, as gloo's and NCCL's do (a fake one drops them at once)."""
+
+    def __init__(self, work, tensors: list[Tensor]):
+        self.work, self.tensors = work, tensors
+
+    def wait(self, *args, **kwargs):
+        self.tensors = None
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+@contextlib.contextmanager
+def _sends_held():
+    """Inside the block the pipeline schedule's sends and receives keep their tensors alive
+    until waited for (`_HeldWork`)."""
+    from torch.distributed.pipelining import schedules  # patched for the trace only
+
+    original = schedules._batch_p2p
+
+    def batch(ops, desc=None):
+        return [_HeldWork(w, [op.tensor for op in ops]) for w in original(ops, desc)]
+
+    schedules._batch_p2p = batch
+    try:
+        yield
+    finally:
+        schedules._batch_p2p = original
 
 
 @contextlib.contextmanager
@@ -351,9 +394,17 @@ def trace_role(cfg: LctrainConfig, world_size: int, rank: int, gpus_per_node: in
             model, optimizer, scheduler, loader = loop.build_training(cfg, rt)
             built = time.perf_counter() - started
             micro_batches = loader.next_step()
-            with mode:
+            with mode, _sends_held():
                 out = measure_step(cfg, model, optimizer, scheduler, micro_batches, rt)
         params = sum(_plain(p).numel() for p in unwrap(model).parameters())
         return out | {"rank": rank, "build_seconds": built, "local_parameters": params}
     finally:
         dist.destroy_process_group()
+
+
+def trace_apart(cfg: LctrainConfig, world_size: int, rank: int, gpus_per_node: int = 8,
+                cuda: bool = True) -> dict:
+    """`trace_role` in a process of its own (forked): each trace sets up its own fake world,
+    which torch's process-group registry does not forget within a process."""
+    return run_ranks(trace_role, 1, (cfg, world_size, rank, gpus_per_node, cuda),
+                     start_method="fork", threads=1, backend=None)[0]
