@@ -106,6 +106,12 @@ def header_gib(recipe: str) -> float:
     return float(found.group(1))
 
 
+def header_traced_gib(recipe: str) -> float | None:
+    """The traced peak (`lctrain plan --trace`) recipes/NAME.yaml's header quotes, if any."""
+    found = re.search(r"traced ([\d.]+) GiB", (recipes_dir() / f"{recipe}.yaml").read_text())
+    return float(found.group(1)) if found else None
+
+
 def test_every_recipe_has_a_target():
     assert set(recipe_names()) == set(TARGETS)
 
@@ -125,6 +131,12 @@ def test_recipe_validates_for_its_world_and_fits_its_gpu(recipe, inputs):
     assert peak == pytest.approx(header_gib(recipe), abs=5e-4), "update the recipe's header"
     if target.gpu_gib is not None:
         assert peak <= HEADROOM * target.gpu_gib
+        # the header quotes the traced peak (docs/parallelism.md §29, a run of minutes here),
+        # within 5% of the plan's modelled bytes
+        traced = header_traced_gib(recipe)
+        assert traced is not None, "quote `lctrain plan --trace`'s peak in the header"
+        modelled = plan["memory_per_rank"]["bytes"]["modelled"] / 2**30
+        assert abs(traced / modelled - 1) <= 0.05, (traced, modelled)
         # the header quotes the plan's predicted step (plan.*: H100 numbers)
         t = step_time_summary(cfg, world, hardware_from_plan(cfg))
         header = (recipes_dir() / f"{recipe}.yaml").read_text()

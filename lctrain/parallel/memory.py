@@ -62,7 +62,7 @@ def _call_collective(func, args, kwargs):
     return tree_map(lambda t: originals[id(t)] if id(t) in originals else hide(t), out)
 
 
-def _plain(t):
+def holding_tensor(t):
     """The tensor holding the memory: a DTensor's local shard, an async collective's result."""
     t = getattr(t, "_local_tensor", t)
     return getattr(t, "elem", t)
@@ -80,7 +80,7 @@ class _Tracker(TorchDispatchMode):
             out = _call_collective(func, args, kwargs or {})
         else:
             out = func(*args, **(kwargs or {}))
-        for t in map(_plain, tree_flatten(out)[0]):
+        for t in map(holding_tensor, tree_flatten(out)[0]):
             if isinstance(t, torch.Tensor) and not t.is_meta:
                 storage = t.untyped_storage()
                 if storage.data_ptr() in self.exclude:
@@ -90,7 +90,7 @@ class _Tracker(TorchDispatchMode):
 
     def claim(self, where: str, tensor) -> None:
         """Attribute the storage of `tensor` (alive now) to `where`, whoever created it."""
-        tensor = _plain(tensor)
+        tensor = holding_tensor(tensor)
         if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
             return
         ptr = tensor.untyped_storage().data_ptr()
@@ -185,7 +185,7 @@ def measure_activations(model: nn.Module, run_forward,
 def _parameter_storages(model: nn.Module) -> set[int]:
     """Data pointers of the storages the model's parameters and buffers use now (local shards
     of DTensors, FSDP's gathered weights while they are registered)."""
-    return {_plain(p).untyped_storage().data_ptr()
+    return {holding_tensor(p).untyped_storage().data_ptr()
             for p in itertools.chain(model.parameters(), model.buffers())}
 
 

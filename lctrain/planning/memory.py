@@ -445,7 +445,8 @@ def working_bytes(cfg: LctrainConfig, world_size: int, batch: int,
         what its mode kept), the fp32 gradients of its input and output (2 x 4 n D/s), and
         under train.offload_activations its input, back from the host;
       - the loss head's backward: for the logits of one chunk (train.loss_chunk; else of all n
-        tokens), [rows, V/tp], their gradient in fp32 and in the compute dtype, with tiling
+        tokens), [rows, V/tp], their gradient in fp32 and in the compute dtype (without TP
+        first two fp32 gradients at once: the log-probabilities' and the logits'), with tiling
         the recomputed logits and log-softmax (compute dtype and fp32), and under offload
         what the head kept, back from the host."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -461,7 +462,11 @@ def working_bytes(cfg: LctrainConfig, world_size: int, batch: int,
                         for i, _ in layer_kinds(m, range(m.n_layers)))
     block = recompute + 2 * 4 * n * m.dim / s
     rows = batch * min(t.loss_chunk, t.seq_len // p.cp) if t.loss_chunk else n
-    head = rows * m.vocab_size / p.tp * ((4 + a) + ((4 + a) if t.loss_chunk else 0))
+    # the cross-entropy's backward: the fp32 gradient of the log-probabilities and of the
+    # logits at once (8 bytes; torch's vocab-parallel loss fuses the two: 4), then the fp32
+    # gradient and its copy in the compute dtype (4 + a)
+    grads = max(4 + a, 8) if p.tp == 1 else 4 + a
+    head = rows * m.vocab_size / p.tp * (grads + ((4 + a) if t.loss_chunk else 0))
     if t.offload_activations:
         block += r * n * m.dim / s
         head += head_activation_formula(cfg, world_size, batch)

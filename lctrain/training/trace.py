@@ -40,6 +40,7 @@ from lctrain.config import LctrainConfig
 from lctrain.layout.stages import stages_of
 from lctrain.parallel.data_parallel import unwrap
 from lctrain.parallel.launch import run_ranks
+from lctrain.parallel.memory import holding_tensor
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.training import loop
 
@@ -51,14 +52,8 @@ and at a peak inside a forward its working tensors), and the rest (what backward
 optimizer made: gathered weights, working tensors, communication buffers)."""
 
 
-def _plain(t: Tensor) -> Tensor:
-    """The tensor that holds the memory: a DTensor's local shard, an async collective's result."""
-    t = getattr(t, "_local_tensor", t)
-    return getattr(t, "elem", t)
-
-
 def _storage(t: Tensor):
-    return _plain(t).untyped_storage()
+    return holding_tensor(t).untyped_storage()
 
 
 class StepMemory(TorchDispatchMode):
@@ -76,7 +71,8 @@ class StepMemory(TorchDispatchMode):
         self.state, self.host = state, host or set()
         self.live: dict[int, list] = {}  # id(storage) -> [bytes, phase, op index made, op]
         self.peak_live: dict[int, list] = {}
-        self.by_phase = {"forward": 0, "backward": 0}
+        self.by_phase = {"forward": 0, "backward": 0, "optimizer": 0}
+        self.in_optimizer = False
         self.ops, self.micro_step = 0, 0
         self.peak, self.peak_op, self.at_peak = state, -1, dict(self.by_phase)
         self.peak_where = ("before the step", 0, "")
@@ -122,6 +118,8 @@ class StepMemory(TorchDispatchMode):
         return out
 
     def _phase(self) -> str:
+        if self.in_optimizer:
+            return "optimizer"
         return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
 
     def _track(self, storage, func) -> None:
@@ -151,7 +149,7 @@ class StepMemory(TorchDispatchMode):
             self._update_peak("a storage resized")
 
     def _update_peak(self, func) -> None:
-        total = self.state + self.by_phase["forward"] + self.by_phase["backward"]
+        total = self.state + sum(self.by_phase.values())
         if total > self.peak:
             self.peak, self.peak_op, self.at_peak = total, self.ops, dict(self.by_phase)
             self.peak_where = (self._phase(), self.micro_step, func)
@@ -276,18 +274,23 @@ def measure_step(cfg: LctrainConfig, model: nn.Module, optimizer, scheduler, mic
     params = _device_bytes(list(model.parameters()) + list(model.buffers()), host)
     moments = _device_bytes(_state_tensors(optimizer), host)
     tracker = StepMemory(params + moments, host)
-    core = unwrap(model)
 
     def micro_step(module, args):  # a micro-step starts: the gradients so far are made
         tracker.mark_gradients(_gradients(model))
         tracker.micro_step += 1
 
+    def optimizer_step(opt, args, kwargs):
+        tracker.mark_gradients(_gradients(model))
+        tracker.in_optimizer = True
+
     # a micro-step starts with a forward of the model, or under pipelining of the rank's first
     # stage (the schedule calls the stages)
-    first = unwrap(next(iter(model.parts.values()))) if hasattr(model, "parts") else core
+    first = unwrap(next(iter(model.parts.values())) if hasattr(model, "parts") else model)
+
     hooks = [first.register_forward_pre_hook(micro_step),
-             optimizer.register_step_pre_hook(
-                 lambda *_: tracker.mark_gradients(_gradients(model)))]
+             optimizer.register_step_pre_hook(optimizer_step),
+             optimizer.register_step_post_hook(
+                 lambda *_: setattr(tracker, "in_optimizer", False))]
     started = time.perf_counter()
     try:
         # on the CPU path host and device are one memory: nothing crosses
@@ -304,7 +307,8 @@ def measure_step(cfg: LctrainConfig, model: nn.Module, optimizer, scheduler, mic
             "parts": {"parameters": params, "gradients": made + standing,
                       "optimizer_state": moments,
                       "activations": tracker.at_peak["forward"],
-                      "temporaries": tracker.at_peak["backward"] - made},
+                      "temporaries": tracker.at_peak["backward"] + tracker.at_peak["optimizer"]
+                      - made},
             "at": {"phase": phase, "micro_step": step, "micro_steps": len(micro_batches),
                    "op": str(func)},
             "largest_at_peak": tracker.largest_at_peak(),
@@ -396,7 +400,7 @@ def trace_role(cfg: LctrainConfig, world_size: int, rank: int, gpus_per_node: in
             micro_batches = loader.next_step()
             with mode, _sends_held():
                 out = measure_step(cfg, model, optimizer, scheduler, micro_batches, rt)
-        params = sum(_plain(p).numel() for p in unwrap(model).parameters())
+        params = sum(holding_tensor(p).numel() for p in unwrap(model).parameters())
         return out | {"rank": rank, "build_seconds": built, "local_parameters": params}
     finally:
         dist.destroy_process_group()
