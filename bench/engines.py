@@ -20,15 +20,15 @@ What is counted. Each storage once (`untyped_storage().data_ptr()`), at its allo
 (padding included), claimed by the first component that reaches it, in the order the detail
 table lists them. DDP/FSDP: the parameters (FSDP: DTensor local shards), their .grad, AdamW's
 state tensors, and DDP's gradient buckets (recorded by a comm hook that runs torch's default
-allreduce hook: with gradient_as_bucket_view off, lctrain's setting, they are storages of their
-own). DeepSpeed, read off the ZeRO optimizer objects (deepspeed/runtime/zero/stage_1_and_2.py,
+allreduce hook: with gradient_as_bucket_view, lctrain's setting, the .grad are views of them,
+so they count as grads). DeepSpeed, read off the ZeRO optimizer objects (deepspeed/runtime/zero/stage_1_and_2.py,
 stage3.py): ZeRO-1/2 the model's flat parameter buffer (`bit16_groups_flat`: fp32 here, it is
 the model's dtype), the fp32 master partition (`single_partition_of_fp32_groups`), the
 parameters' .grad, the reduced gradient partition (`grads_in_partition`, `averaged_gradients`)
 and the inner AdamW's state; ZeRO-3 the gathered parameters (`ds_persist` ones stay whole),
 the parameter partitions (`ds_tensor`), the fp32 master partition (`fp32_partitioned_groups_flat`),
 the gradient partition buffer (`grad_partitions_flat_buffer`) and the master's .grad, AdamW's
-state. `buffers`: the reduce buckets (DDP's; DeepSpeed's `ipg_buckets`, reduce_bucket_size
+state. `buffers`: the reduce buckets (DeepSpeed's `ipg_buckets`, reduce_bucket_size
 elements, at their nominal size: on the CPU only the pages written become resident). Whatever
 else Python can reach (gc) is `other` (RoPE tables, the batch): the check that nothing is missed.
 Host: on this CPU-only machine device and host are the same memory, so a tensor is `host` when
@@ -154,9 +154,10 @@ def live_tensors() -> list[torch.Tensor]:
 def claim_torch(ledger: Ledger, model: nn.Module, optimizer, buckets: dict) -> None:
     params = list(model.parameters())
     ledger.claim("weights", "parameters", params)
+    # DDP's gradients are views of its buckets (gradient_as_bucket_view): grads, not buffers
+    ledger.claim("grads", "parameter .grad", [p.grad for p in params])
     if isinstance(model, nn.parallel.DistributedDataParallel):
         ledger.claim("buffers", "DDP gradient buckets", buckets.values())
-    ledger.claim("grads", "parameter .grad", [p.grad for p in params])
     ledger.claim("optimizer", "AdamW exp_avg, exp_avg_sq, step", tensors_in(optimizer.state))
 
 
