@@ -31,6 +31,7 @@ def _cli_json(args: list[str], capsys) -> dict:
     return json.loads(out)
 
 
+@pytest.mark.slow  # 10 s on 2 cores; the small world's search stays fast
 def test_the_256k_search_ranks_layouts_that_validate_fit_and_beat_the_recipe(inputs, capsys):  # noqa: F811
     recipe = ["+recipe=llama-256k", *inputs("llama-256k")]
     found = _cli_json(["plan", *recipe, "plan.search=true", "--json"], capsys)
