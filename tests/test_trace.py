@@ -18,6 +18,7 @@ from lctrain.attention import kernels
 from lctrain.config.device_rules import VARLEN_TOKENS_MAX, cuda_problems
 from lctrain.parallel.launch import RankFailure, run_ranks
 from lctrain.parallel.runtime import setup_distributed
+from lctrain.planning.plan import rank_memory
 from lctrain.training import loop, trace
 from tests.helpers import HEADS_8, on_ranks, tiny_config
 
@@ -26,14 +27,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _real_step(cfgs, static_pipeline: bool = False):
     """measure_step of each config's real step on this rank (gloo), in order; with
-    `static_pipeline` the pipeline stages take their shapes from `stage_io` as in a trace."""
+    `static_pipeline` the pipeline stages take their shapes from `stage_io` as in a trace.
+
+    Each first step runs twice, on a model built afresh, and the smaller peak counts: a gloo
+    Work keeps the tensors it was given until its worker thread drops it, which it does some
+    time after wait() returned, so now and then a finished collective's buffer is still alive
+    at the peak (an NCCL one is free once it completes, as in the trace)."""
     device.Accelerator.traced = static_pipeline  # (a forked rank: nothing to restore)
-    out = []
-    for cfg in cfgs:
+
+    def first_step(cfg):
         rt = setup_distributed(cfg)
         model, optimizer, scheduler, loader = loop.build_training(cfg, rt)
-        out.append(trace.measure_step(cfg, model, optimizer, scheduler, loader.next_step(), rt))
-    return out
+        return trace.measure_step(cfg, model, optimizer, scheduler, loader.next_step(), rt)
+
+    return [min((first_step(cfg) for _ in range(2)), key=lambda m: m["peak"]) for cfg in cfgs]
 
 
 def _traced(cfgs, world, cuda, *paths):
@@ -83,9 +90,15 @@ def test_trace_equals_the_real_step(cfgs):
     measures on four real gloo ranks: the peak, every part, and where the peak is."""
     real = on_ranks(_real_step, 4, cfgs)[0]
     traced = _in_child(_traced, cfgs, 4, False, True)
-    for r, t, on_cuda in zip(real, traced, traced[len(cfgs):]):
+    for cfg, r, t, on_cuda in zip(cfgs, real, traced, traced[len(cfgs):]):
         _same(r, t)
-        assert t["parts"]["activations"] > 0 and t["parts"]["gradients"] > 0
+        assert t["parts"]["activations"] > 0
+        # the plan's gradients between accumulation micro-steps (its find, §29): FSDP's
+        # unsharded ones alone at these peaks (in a later micro-step, before any
+        # reduce-scatter), DDP's beside its buckets
+        plan = rank_memory(cfg, 4, 0)["itemised"]["bytes"]
+        assert t["parts"]["gradients"] == plan["accumulated_gradients"] + (
+            plan["gradients"] if cfg.parallel.dp_engine == "ddp" else 0) > 0
         # the CUDA path: torch's flash ops on their meta kernels, which keep what the CUDA
         # kernels keep (the same state and gradients, activations within a few percent)
         assert {k: on_cuda["parts"][k] for k in ("parameters", "gradients", "optimizer_state")

@@ -14,7 +14,7 @@ from lctrain.training import trace
 GIB = 2**30
 
 PLAN_ITEMS = {"parameters": ("weights",),
-              "gradients": ("gradients", "fsdp_accumulated_gradients"),
+              "gradients": ("gradients", "accumulated_gradients"),
               "optimizer_state": ("optimizer_state",), "activations": ("activations_kept",),
               "temporaries": ("fsdp_gathered_weights", "backward_working_set",
                               "attention_buffers", "pipeline_buffers")}

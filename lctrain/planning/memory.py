@@ -153,18 +153,23 @@ def _whole_embedding_extra(cfg: LctrainConfig, pp_rank: int) -> int:
 
 
 def accumulated_grad_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> float:
-    """FSDP's unsharded gradients between accumulation micro-steps (docs/parallelism.md §29):
-    with gradient accumulation FSDP reduce-scatters only in the last micro-step, so from the
-    first micro-step's backward on every FSDP unit of the rank keeps its whole (TP-local, E/ep
-    experts) gradient in fp32 (the reduce dtype), the vocab-parallel embedding's whole table
-    (`_whole_embedding_extra`). 0 without FSDP, without accumulation, or when gradients are
-    reduced every micro-step (parallel.offload_state=optimizer+params)."""
+    """Gradients that gradient accumulation keeps beside the state's (docs/parallelism.md §9,
+    §29): the micro-steps before the last run without gradient sync, so
+      - FSDP keeps every unit's whole (TP-local, E/ep experts) gradient in fp32, the reduce
+        dtype, from the first micro-step's backward to the last one's reduce-scatter, the
+        vocab-parallel embedding's whole table (`_whole_embedding_extra`);
+      - DDP's gradients of those micro-steps are tensors of their own until the last one's
+        backward copies them into its buckets (of which the gradients are then views).
+    4 bytes per local parameter; 0 without accumulation, without a data-parallel engine, under
+    DeepSpeed, or when gradients are reduced every micro-step (parallel.offload_state=
+    optimizer+params)."""
     d = derive(cfg, world_size)
-    if (data_parallel_engine_of(cfg, world_size) != "fsdp" or d.grad_accum == 1
-            or reduces_each_micro_step(cfg)):
+    engine = data_parallel_engine_of(cfg, world_size)
+    if engine not in ("fsdp", "ddp") or d.grad_accum == 1 or reduces_each_micro_step(cfg):
         return 0.0
     params = sum(local_params(cfg, pp_rank)) - tied_copy_params(cfg, pp_rank)
-    return 4 * (params - _experts_elsewhere(cfg, pp_rank)) + _whole_embedding_extra(cfg, pp_rank)
+    extra = _whole_embedding_extra(cfg, pp_rank) if engine == "fsdp" else 0
+    return 4 * (params - _experts_elsewhere(cfg, pp_rank)) + extra
 
 
 def host_state_parts(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[str, float]:

@@ -119,7 +119,7 @@ def rank_memory(cfg: LctrainConfig, world_size: int, pp_rank: int) -> dict:
     parts = {
         "weights_grads_adam": state_bytes_per_rank(cfg, world_size, pp_rank),
         "fsdp_gathered_weights": gathered_weight_bytes(cfg, world_size, pp_rank),
-        "fsdp_accumulated_gradients": accumulated_grad_bytes(cfg, world_size, pp_rank),
+        "accumulated_gradients": accumulated_grad_bytes(cfg, world_size, pp_rank),
         "activations_kept": kept - on_host,
         "activations_on_host": on_host,
         "backward_working_set": working_bytes(cfg, world_size, t.micro_batch, loss_head),
