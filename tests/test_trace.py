@@ -20,7 +20,7 @@ from lctrain.parallel.launch import RankFailure, run_ranks
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.planning.plan import rank_memory
 from lctrain.training import loop, trace
-from tests.helpers import HEADS_8, on_ranks, tiny_config
+from tests.helpers import HEADS_8, on_ranks, run_cli, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -168,6 +168,17 @@ def test_plan_trace_on_the_command_line():
     assert "lctrain: tracing rank 0" in out.stderr
     text = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300).stdout
     assert "traced step (lctrain plan --trace" in text and "not seen by the trace" in text
+
+
+def test_a_failing_trace_is_exit_1_with_its_reason(monkeypatch, capsys):
+    """A step that fails in the trace (here a stand-in for the traced rank's failure) ends
+    `lctrain plan --trace` with exit 1 and the rank's error, not a traceback of the launcher."""
+    def fail(*args):
+        raise RankFailure(0, "raised RuntimeError: torch flash-attention contract: GQA")
+
+    monkeypatch.setattr(trace, "trace_apart", fail)
+    code, _, err = run_cli(["plan", "+recipe=tiny", "train.device=cpu", "--trace"], capsys)
+    assert code == 1 and "does not run as configured at full size" in err and "GQA" in err
 
 
 def test_trace_refuses_what_it_cannot_run():

@@ -14,6 +14,7 @@ from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.cp_algorithms import cp_algorithm
 from lctrain.config.derived import slurm_world, stages_of
 from lctrain.layout.topology import AXES
+from lctrain.parallel.launch import RankFailure
 from lctrain.planning.hardware import Hardware, calibration_path, hardware_for
 from lctrain.planning.plan import build_plan
 from lctrain.planning.search import SearchResult, search
@@ -280,7 +281,12 @@ def run(args: CommandArgs) -> int:
     if cfg.train.stages:
         plan["stages"] = stage_rows(cfg, world, hw)
     if "--trace" in args.flags or cfg.plan.trace:
-        plan["trace"] = trace_plan(cfg, world, plan)
+        try:
+            plan["trace"] = trace_plan(cfg, world, plan)
+        except RankFailure as e:  # the traced rank's traceback is above
+            print(f"lctrain: the step does not run as configured at full size: {e}",
+                  file=sys.stderr)
+            return 1
     if as_json:
         json.dump(plan, sys.stdout, indent=1)
         print()
