@@ -12,7 +12,7 @@ from lctrain.commands.checks import preflight, search_preflight, with_corpus
 from lctrain.commands.plan_trace import trace_lines, trace_plan
 from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.cp_algorithms import cp_algorithm
-from lctrain.config.derived import slurm_world, stages_of
+from lctrain.config.derived import plans_gpu_nodes, slurm_world, stages_of
 from lctrain.layout.topology import AXES
 from lctrain.parallel.launch import RankFailure
 from lctrain.planning.hardware import Hardware, calibration_path, hardware_for
@@ -180,7 +180,7 @@ def plan_hardware(cfg: LctrainConfig) -> tuple[Hardware, list[str]]:
     """The step-time model's hardware for the run this config describes: GPUs when
     slurm.gpus_per_node > 0 (plan.*), else this CPU's calibration (plan.calibration); a note
     when a CPU run has no calibration."""
-    gpu = cfg.slurm.gpus_per_node > 0 and cfg.train.device != "cpu"
+    gpu = plans_gpu_nodes(cfg)
     hw = hardware_for(cfg, gpu_available=gpu)
     if not gpu and hw.source == "plan.*":
         return hw, [f"a CPU run, but no calibration at {calibration_path(cfg)}: the step time "

@@ -7,6 +7,7 @@ import sys
 import time
 
 from lctrain.config import ConfigError, LctrainConfig
+from lctrain.config.derived import plans_gpu_nodes
 from lctrain.config.device_rules import cuda_problems
 from lctrain.planning.plan import rank_memory
 from lctrain.training import trace
@@ -27,17 +28,11 @@ UNSEEN = ("the caching allocator's rounding and fragmentation, NCCL's buffers, t
           "and the kernels' workspaces")
 
 
-def on_cuda(cfg: LctrainConfig) -> bool:
-    """Whether the planned run trains on GPUs (the trace then takes the CUDA path): GPU nodes
-    (slurm.gpus_per_node > 0) and train.device not cpu, as the plan's step time decides."""
-    return cfg.slurm.gpus_per_node > 0 and cfg.train.device != "cpu"
-
-
 def trace_plan(cfg: LctrainConfig, world_size: int, plan: dict) -> dict:
     """Each role's traced peak and parts beside the plan's for its pipeline rank, with the
     kernel path taken; a progress line per role on stderr. Raises ConfigError for what the
     trace cannot run."""
-    cuda = on_cuda(cfg)
+    cuda = plans_gpu_nodes(cfg)  # the trace then takes the CUDA path
     problems = [f"{problem} (--trace runs the CUDA code path for GPU nodes, slurm.gpus_per_node="
                 f"{cfg.slurm.gpus_per_node}; train.device=cpu traces the CPU path)"
                 for problem in (cuda_problems(cfg) if cuda else [])]

@@ -73,6 +73,12 @@ def reduces_each_micro_step(cfg: LctrainConfig) -> bool:
     return cfg.parallel.offload_state == "optimizer+params"
 
 
+def plans_gpu_nodes(cfg: LctrainConfig) -> bool:
+    """Whether the run `lctrain plan` plans trains on GPUs: GPU nodes (slurm.gpus_per_node > 0)
+    and train.device not cpu (its step time uses plan.*, its trace the CUDA path)."""
+    return cfg.slurm.gpus_per_node > 0 and cfg.train.device != "cpu"
+
+
 def local_world_size(cfg: LctrainConfig) -> int:
     """launch.nproc, else tp*cp*pp*dp with dp=-1 counting as 1."""
     if cfg.launch.nproc is not None:

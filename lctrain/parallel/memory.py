@@ -209,19 +209,31 @@ def build_measured_model(cfg: LctrainConfig, batch: int, seed: int = 0):
     return model, run_forward
 
 
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """AdamW's state tensors (its moments; the step counts left out)."""
+    return [v for state in optimizer.state.values() for k, v in state.items()
+            if k != "step" and isinstance(v, torch.Tensor)]
+
+
+def host_state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer,
+                       offload_state: str) -> list[torch.Tensor]:
+    """What parallel.offload_state keeps in host memory: AdamW's moments, and FSDP's shards and
+    gradients (optimizer+params) or HostAdamW's weight and gradient buffers (optimizer)."""
+    if offload_state == "none":
+        return []
+    tensors = optimizer_state_tensors(optimizer)
+    if offload_state == "optimizer":
+        return tensors + [t for pair in optimizer.buffers.values() for t in pair]
+    return tensors + list(model.parameters()) + [p.grad for p in model.parameters()]
+
+
 def measure_host_state(model: nn.Module, optimizer: torch.optim.Optimizer,
                        offload_state: str) -> tuple[int, int]:
     """(bytes, pinned bytes) of the distinct host storages the state offloaded under
     parallel.offload_state holds (0 for none): AdamW's moments, and FSDP's shards and
     gradients (optimizer+params) or HostAdamW's weight and gradient buffers (optimizer).
     `lctrain.planning.memory.host_state_parts` is the closed form it is tested against."""
-    if offload_state == "none":
-        return 0, 0
-    tensors = [v for state in optimizer.state.values() for k, v in state.items() if k != "step"]
-    if offload_state == "optimizer":
-        tensors += [t for pair in optimizer.buffers.values() for t in pair]
-    else:
-        tensors += [p for p in model.parameters()] + [p.grad for p in model.parameters()]
+    tensors = host_state_tensors(model, optimizer, offload_state)
     storages = {}
     for t in tensors:
         local = getattr(t, "_local_tensor", t)

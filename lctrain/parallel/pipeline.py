@@ -36,7 +36,6 @@ from torch.distributed.tensor import DTensor
 
 from lctrain import device
 from lctrain.config import LctrainConfig
-from lctrain.config.derived import data_parallel_engine_of
 from lctrain.data.batch import MicroBatch
 from lctrain.layout.stages import rank_of, split_layers, stage_count, stages_of
 from lctrain.models.llama import AttentionCore, Llama
@@ -50,6 +49,7 @@ from lctrain.parallel.tensor import (
     plus_aux,
     vocab_parallel,
 )
+from lctrain.planning.memory import dtype_bytes
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
              "interleaved_1f1b": ScheduleInterleaved1F1B,
@@ -91,11 +91,11 @@ def stage_io(cfg: LctrainConfig, rt: Runtime, stage: int) -> dict:
     loss)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     s = p.tp if (p.sp and p.tp > 1) else 1
-    bf16 = t.dtype == "bf16" and data_parallel_engine_of(cfg, rt.world_size) == "fsdp"
+    residual = dtype_bytes(cfg, rt.world_size)[1]
     rows, local = t.micro_batch, t.seq_len // p.cp
     meta = torch.device("meta")
     hidden = torch.empty(rows, local // s, m.dim, device=meta,
-                         dtype=torch.bfloat16 if bf16 else torch.float32)
+                         dtype=torch.bfloat16 if residual == 2 else torch.float32)
     totals = (torch.empty(2 * m.n_experts + 1, device=meta),) if m.n_experts else ()
     inputs = ((torch.empty(rows, local, dtype=torch.long, device=meta),) if stage == 0
               else (hidden, *totals))

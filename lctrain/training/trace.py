@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 import time
 import weakref
@@ -40,7 +41,11 @@ from lctrain.config import LctrainConfig
 from lctrain.layout.stages import stages_of
 from lctrain.parallel.data_parallel import unwrap
 from lctrain.parallel.launch import run_ranks
-from lctrain.parallel.memory import holding_tensor
+from lctrain.parallel.memory import (
+    holding_tensor,
+    host_state_tensors,
+    optimizer_state_tensors,
+)
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.training import loop
 
@@ -222,24 +227,6 @@ def _device_bytes(tensors, host: set[int]) -> int:
     return sum(n for key, n in _storages(tensors).items() if key not in host)
 
 
-def _state_tensors(optimizer) -> list[Tensor]:
-    return [v for state in optimizer.state.values() for k, v in state.items()
-            if k != "step" and isinstance(v, Tensor)]
-
-
-def _host_storages(cfg: LctrainConfig, model: nn.Module, optimizer) -> set[int]:
-    """Ids of the storages parallel.offload_state keeps in host memory."""
-    mode = cfg.parallel.offload_state
-    if mode == "none":
-        return set()
-    tensors = _state_tensors(optimizer)
-    if mode == "optimizer":
-        tensors += [t for pair in optimizer.buffers.values() for t in pair]
-    else:
-        tensors += list(model.parameters())
-    return set(_storages(tensors))
-
-
 def _gradients(model: nn.Module) -> list[Tensor]:
     """The gradients alive now: the parameters' own, and the unsharded ones FSDP accumulates
     between micro-steps (torch's FSDP2 keeps them on its FSDPParam objects)."""
@@ -270,9 +257,9 @@ def measure_step(cfg: LctrainConfig, model: nn.Module, optimizer, scheduler, mic
     (`warm_optimizer`): the peak bytes of this rank's device memory, its parts (`PARTS`) and
     where it happened. Works alike on real tensors and in a trace."""
     warm_optimizer(model, optimizer)
-    host = _host_storages(cfg, model, optimizer)
+    host = set(_storages(host_state_tensors(model, optimizer, cfg.parallel.offload_state)))
     params = _device_bytes(list(model.parameters()) + list(model.buffers()), host)
-    moments = _device_bytes(_state_tensors(optimizer), host)
+    moments = _device_bytes(optimizer_state_tensors(optimizer), host)
     tracker = StepMemory(params + moments, host)
 
     def micro_step(module, args):  # a micro-step starts: the gradients so far are made
@@ -295,9 +282,12 @@ def measure_step(cfg: LctrainConfig, model: nn.Module, optimizer, scheduler, mic
     try:
         # on the CPU path host and device are one memory: nothing crosses
         crossing = HostMoves(tracker) if device.gpu_path(rt.device) else contextlib.nullcontext()
+        gc.collect()  # no earlier garbage freed inside the step; and none collected during it:
+        gc.disable()  # what reference cycles hold then lives to the step's end, every time
         with tracker, crossing:
             loop.train_step(model, optimizer, scheduler, micro_batches, cfg, rt)
     finally:
+        gc.enable()
         for hook in hooks:
             hook.remove()
     made = tracker.gradients_at_peak()  # made by backward passes
