@@ -118,3 +118,36 @@ def test_missing_embedding_and_head_for_pipeline_stages():
     with torch.no_grad():
         torch.testing.assert_close(last(first(tokens)), full(tokens))
     assert "layers.1.attention.wq.weight" in last.state_dict()  # keys never renamed
+
+
+@pytest.mark.parametrize("offset", [False, True], ids=["llama", "gemma3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_tile_by_tile_is_transformers_norm(monkeypatch, offset, dtype):
+    """lctrain's RMSNorm works on row tiles (its float32 working tensors a tile each): the
+    output equals transformers' norm bit for bit, and the gradients equal autograd's through
+    transformers' norm, with tiles of 3 rows over 2 x 7 rows and with one tile."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    import lctrain.models.llama as llama
+
+    dim = 16
+    torch.manual_seed(0)
+    theirs = (Gemma3RMSNorm if offset else LlamaRMSNorm)(dim, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        theirs.weight.add_(torch.randn(dim) * 0.3)
+    x = torch.randn(2, 7, dim, dtype=dtype, requires_grad=True)
+    grad = torch.randn(2, 7, dim, dtype=dtype)
+    expected = theirs(x)
+    want = torch.autograd.grad(expected, (x, theirs.weight), grad)
+    # autograd's gradient takes bf16 roundings lctrain's float32 backward does not
+    tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 4e-2}
+    for tile_rows in (3, 14):
+        monkeypatch.setattr(llama, "NORM_TILE_ELEMENTS", tile_rows * dim)
+        ours = llama.RMSNorm(dim, 1e-5, offset).to(dtype)
+        ours.load_state_dict(theirs.state_dict())
+        out = ours(x)
+        assert torch.equal(out, expected)
+        got = torch.autograd.grad(out, (x, ours.weight), grad)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, **tol)

@@ -47,14 +47,21 @@ LAYOUTS = {  # name -> (world, parallel overrides, data overrides)
     "pp2_tp2_dp2": (8, {"pp": 2, "tp": 2, "dp": 2}, {}),
     "pp2_tied": (2, {"pp": 2}, {}),
     "pp2_tp2_sp_tied": (4, {"pp": 2, "tp": 2, "sp": True}, {}),
+    "pp2_recompute": (2, {"pp": 2}, {}),
+    "pp4_recompute": (4, {"pp": 4}, {}),
 }
 TIED = {"pp2_tied", "pp2_tp2_sp_tied"}
 """The layouts of a model whose output layer is tied to the embedding (first and last stage)."""
+RECOMPUTED = {"pp2_recompute", "pp4_recompute"}
+"""The layouts whose blocks and MLP tiles are recomputed in the backward (full checkpointing,
+train.mlp_chunk): the zero-bubble schedules recompute each twice, for the input gradient and
+for the weights'."""
 SCHEDULES_OF = {"pp2_dp2_ddp": ("1f1b", "interleaved_1f1b"),
                 "pp2_cp2_ring_docs": ("gpipe", "1f1b"), "pp2_cp2_ulysses": ("interleaved_1f1b",),
                 "tp2_sp_cp2_ring_pp2": ("interleaved_1f1b",), "cp4_usp_pp2": ("1f1b",),
                 "pp2_tp2_dp2": ("gpipe",), "pp2_tied": ("zbv",),
-                "pp2_tp2_sp_tied": ("1f1b",)}
+                "pp2_tp2_sp_tied": ("1f1b",), "pp2_recompute": ("zbv",),
+                "pp4_recompute": ("zero_bubble",)}
 """The schedules of the layouts that do not run all of them: every schedule runs the layouts
 of one dimension besides pp (pp2, pp4, pp2 x tp2 + SP), where the zero-bubble ones are allowed;
 the data- and context-parallel layouts and those of three dimensions run one or two each,
@@ -62,14 +69,16 @@ different ones (ranks time-sliced on 2 cores cost 1 to 5 s a case). A tied embed
 (the first and last stage on one rank) and 1f1b with TP (on two ranks, vocab-sharded)."""
 
 
-def _config(par: dict, data: dict, schedule: str, dp: int, tied: bool = False):
+def _config(par: dict, data: dict, schedule: str, dp: int, tied: bool = False,
+            recomputed: bool = False):
     p = par["pp"]
     virtual = SCHEDULES[schedule]
     # zbv needs a micro-batch per stage: 2 pp of them
     accum = 2 * p if schedule == "zbv" else p
+    recompute = {"activation_checkpointing": "full", "mlp_chunk": 8} if recomputed else {}
     return tiny_config(
         model={"n_layers": 8, "tie_embeddings": tied},
-        train={"steps": 3, "global_batch": accum * dp, "micro_batch": 1},
+        train={"steps": 3, "global_batch": accum * dp, "micro_batch": 1, **recompute},
         parallel={**par, "pp_schedule": schedule, "pp_virtual_stages": virtual},
         data=data)
 
@@ -82,7 +91,8 @@ def _cases(world: int):
         if w != world:
             continue
         for schedule in SCHEDULES_OF.get(name, SCHEDULES):
-            cfg = _config(par, data, schedule, par.get("dp", 1), tied=name in TIED)
+            cfg = _config(par, data, schedule, par.get("dp", 1), tied=name in TIED,
+                          recomputed=name in RECOMPUTED)
             problems = validate(cfg, world)
             assert problems == [], (name, schedule, problems)
             yield f"{name}/{schedule}", cfg

@@ -130,6 +130,26 @@ def test_pipeline_ranks_traced():
         assert r["peak"] - traced["peak"] in (0, 1 * 32 * 64 * 2)
 
 
+@pytest.mark.slow
+def test_pipeline_ranks_traced_as_planned():
+    """pp4 with two stages per rank and full checkpointing, 8 micro-batches. Interleaved 1F1B:
+    every pipeline rank's traced peak within 5% of the plan, whose pipeline buffers count the
+    outputs and input gradients the schedule keeps sent until the step ends. Zero bubble: the
+    trace runs its split backward on every rank (the stage inputs require their gradient, so
+    the weights' pass has a graph to start from) and every rank has its weights' gradients."""
+    for schedule in ("interleaved_1f1b", "zero_bubble"):
+        cfg = _bf16(model={"n_layers": 8},
+                    parallel={"pp": 4, "dp": 1, "pp_schedule": schedule,
+                              "pp_virtual_stages": 2},
+                    train={"global_batch": 8, "activation_checkpointing": "full"})
+        for rank, pp_rank, _ in trace.roles(cfg, 4):
+            traced = _in_child(_traced_rank, cfg, 4, rank)
+            assert traced["parts"]["gradients"] > 0
+            if schedule == "interleaved_1f1b":
+                plan = rank_memory(cfg, 4, pp_rank)["itemised"]["bytes"]["modelled"]
+                assert abs(traced["peak"] / plan - 1) < 0.05, (pp_rank, traced["peak"], plan)
+
+
 def _traced_rank(cfg, world, rank):
     return trace.trace_role(cfg, world, rank, cuda=False)
 
@@ -147,6 +167,36 @@ def test_the_flash_kernels_contract_is_checked_in_the_trace(monkeypatch):
                                                    backward))
     with pytest.raises(RankFailure, match="GQA"):
         _in_child(_traced, [cfg], 4, True)
+
+
+def _one_gpu_peaks(cfg, tiles):
+    """The traced step of `cfg` at world 1 on the CUDA path, once per RMSNorm tile size."""
+    from lctrain.models import llama
+
+    out = []
+    for elements in tiles:
+        llama.NORM_TILE_ELEMENTS = elements  # (a forked process: nothing to restore)
+        out.append(trace.trace_role(cfg, 1, 0, gpus_per_node=1))
+    return out
+
+
+@pytest.mark.slow  # 3 s: two traces
+def test_one_gpu_with_the_state_on_the_host_traced():
+    """§22's one-GPU layout (FSDP2's CPU offload at dp = 1, full checkpointing, activations
+    and the optimizer state on the host, tiles). Each block's gradient leaves the device in
+    its post-backward hook, inside autograd's backward, where torch runs no function mode: the
+    trace crosses that move too, so no gradient is on the device at the peak. The RMSNorm's
+    row tiles bound its float32 working tensors: with tiles of 16 rows of the 512 the peak
+    drops by more than three float32 copies of a block's input."""
+    cfg = _bf16(parallel={"dp": 1, "offload_state": "optimizer+params"},
+                train={"seq_len": 512, "global_batch": 1, "micro_batch": 1,
+                       "activation_checkpointing": "full", "offload_activations": True,
+                       "mlp_chunk": 128, "loss_chunk": 128},
+                slurm={"nodes": 1, "gpus_per_node": 1})
+    dim = cfg.model.dim
+    whole, tiled = _in_child(_one_gpu_peaks, cfg, (512 * dim, 16 * dim))
+    assert whole["parts"]["gradients"] == tiled["parts"]["gradients"] == 0
+    assert whole["peak"] - tiled["peak"] > 3 * 4 * 512 * dim
 
 
 @pytest.mark.slow

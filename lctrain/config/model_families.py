@@ -17,6 +17,10 @@ from lctrain.config.registry import Registry
 
 QK_NORMS = 2
 """The per-head RMSNorms of a `qk_norm` family: one for Q, one for K."""
+
+NORM_TILE_ELEMENTS = 2**26
+"""Elements of the rows lctrain's RMSNorm backward recomputes at once (`models.llama.RMSNorm`):
+its float32 working tensors are that many elements each, whatever the sequence length."""
 SANDWICH_NORMS = 2
 """The extra block norms of a `sandwich_norms` family: after the attention, after the MLP."""
 

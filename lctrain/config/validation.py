@@ -280,6 +280,14 @@ def _pipeline(cfg: LctrainConfig) -> list[str]:
     if p.pp_schedule == "zbv" and v != 2:
         problems.append(f"parallel.pp_schedule=zbv runs two stages per rank (a V); set "
                         f"parallel.pp_virtual_stages=2 (got {v})")
+    if p.pp_schedule in ("zero_bubble", "zbv") and \
+            cfg.train.activation_checkpointing == "selective":
+        problems.append(f"parallel.pp_schedule={p.pp_schedule} with train.activation_"
+                        "checkpointing=selective: the zero-bubble schedules run each block's "
+                        "backward in two passes (input gradients, then weight gradients), and "
+                        "torch's selective checkpointing allows one backward per block; use "
+                        "train.activation_checkpointing=full (recomputed in each pass) or none, "
+                        "or parallel.pp_schedule=interleaved_1f1b")
     if p.pp_layers is not None:
         if len(p.pp_layers) != stages or any(n < 1 for n in p.pp_layers) or \
                 sum(p.pp_layers) != m.n_layers:

@@ -1,7 +1,12 @@
 """Activation checkpointing of the transformer blocks: none | selective | full.
 
-Applied with PyTorch's composable `checkpoint` (forward hooks on each block), so parameter names
-and the model code stay as they are; it composes with TP/SP (applied before) and FSDP (after).
+Applied by running each block's forward through `torch.utils.checkpoint.checkpoint` (not
+re-entrant), installed on the block itself, so parameter names and the model code stay as they
+are; it composes with TP/SP (applied before) and FSDP (after, whose hooks run around the block's
+call: the recompute, inside the backward, finds the weights the backward gathered). A block may
+be recomputed more than once: the zero-bubble pipeline schedules run the input-gradient and the
+weight-gradient halves of its backward apart, and each recomputes it (torch's composable
+`checkpoint` recomputes in a context that can be entered once).
 Selective checkpointing keeps what is expensive to recompute, the matmul outputs and, with local
 attention (cp = 1), the attention kernel's output and lse, and recomputes the cheap, memory-heavy
 rest (norms, RoPE, SwiGLU, residuals). Context-parallel attention runs many partial kernel calls
@@ -16,8 +21,12 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    noop_context_fn,
+)
 
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 LOCAL_ATTENTION = {
@@ -48,11 +57,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, cp: int = 1,
     if mode == "none":
         return model
     save = saved_ops(mode, cp, kernel_ops)
-    context_fn = None if save is None else partial(create_selective_checkpoint_contexts,
-                                                    partial(_policy, save))
+    context_fn = noop_context_fn if save is None else partial(
+        create_selective_checkpoint_contexts, partial(_policy, save))
     for layer in model.layers.values():
-        if context_fn is None:
-            checkpoint(layer)
-        else:
-            checkpoint(layer, context_fn=context_fn)
+        layer.forward = partial(checkpoint, layer.forward, use_reentrant=False,
+                                context_fn=context_fn)
     return model

@@ -94,9 +94,12 @@ def stage_io(cfg: LctrainConfig, rt: Runtime, stage: int) -> dict:
     residual = dtype_bytes(cfg, rt.world_size)[1]
     rows, local = t.micro_batch, t.seq_len // p.cp
     meta = torch.device("meta")
-    hidden = torch.empty(rows, local // s, m.dim, device=meta,
+    # what travels between stages carries a gradient back: torch makes the receive buffers
+    # of a given shape require one only if the example does
+    hidden = torch.empty(rows, local // s, m.dim, device=meta, requires_grad=True,
                          dtype=torch.bfloat16 if residual == 2 else torch.float32)
-    totals = (torch.empty(2 * m.n_experts + 1, device=meta),) if m.n_experts else ()
+    totals = ((torch.empty(2 * m.n_experts + 1, device=meta, requires_grad=True),)
+              if m.n_experts else ())
     inputs = ((torch.empty(rows, local, dtype=torch.long, device=meta),) if stage == 0
               else (hidden, *totals))
     last = stage == stage_count(cfg) - 1

@@ -20,7 +20,7 @@ from lctrain.config.derived import (
     load_balance_of,
     reduces_each_micro_step,
 )
-from lctrain.config.model_families import model_family
+from lctrain.config.model_families import NORM_TILE_ELEMENTS, model_family
 from lctrain.layout.stages import (
     block_params,
     block_split,
@@ -278,20 +278,20 @@ def dtype_bytes(cfg: LctrainConfig, world_size: int) -> tuple[int, int, bool]:
 
 
 def _norm_bytes(D: int, s: int, a: int, r: int) -> float:
-    """Bytes per token one RMSNorm keeps: its fp32 input (the residual itself, or an fp32 copy
-    of a bf16 one) and rsqrt on the sequence shard, the normalised x in the residual dtype, and
-    its output in the compute dtype, gathered over the sequence under SP (the matmuls keep it)."""
-    return (4 * D + 4 + r * D) / s + a * D
+    """Bytes per token one RMSNorm keeps: its input (the residual stream) and the float32
+    rsqrt on the sequence shard, and its output in the compute dtype, gathered over the
+    sequence under SP (the matmuls keep it). lctrain's norm recomputes the rest in its backward
+    (`models.llama.RMSNorm`)."""
+    return (r * D + 4) / s + a * D
 
 
 def _head_norm_bytes(m: ModelConfig, a: int) -> float:
     """Bytes per token the Q and K head norms of a `qk_norm` family (Qwen3) keep beyond what
-    the block keeps without them, on all heads (divide by tp): each norm keeps its fp32 input
-    (the projection's output itself in fp32; in bf16 a copy, and the bf16 output is then kept
-    by nobody else: net 4 W either way), rsqrt per head, the normalised x and its output in the
-    compute dtype, of which the output replaces the projection's output as RoPE's input:
-    (4 + a) W + 4 heads, with W = D_q for Q and D_kv for K (before any KV replication)."""
-    return (4 + a) * (m.q_dim + m.kv_dim) + 4 * (m.n_heads + m.n_kv_heads)
+    the block keeps without them, on all heads (divide by tp): each norm keeps its input, the
+    projection's output in the compute dtype, and the float32 rsqrt per head; its output
+    replaces the projection's output as RoPE's input: a W + 4 heads, with W = D_q for Q and
+    D_kv for K (before any KV replication)."""
+    return a * (m.q_dim + m.kv_dim) + 4 * (m.n_heads + m.n_kv_heads)
 
 
 def activation_formula(cfg: LctrainConfig, world_size: int, batch: int,
@@ -304,11 +304,11 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int,
     n = batch * S / cp local tokens; t = tp; s = t with SP, else 1; D, F model and SwiGLU
     widths, D_q = H * d the queries' width (D unless model.head_dim says otherwise), D_kv =
     H_kv * d, H heads, k KV replication (Ulysses); a, r, casts: `dtype_bytes`;
-    N = (4 D + 4 + r D)/s + a D, one norm (`_norm_bytes`). Per token, in bytes:
+    N = (r D + 4)/s + a D, one norm (`_norm_bytes`). Per token, in bytes:
       none:      2 N + a (2 D_q + 2 k D_kv + 4 F)/t + 4 H/t  [+ a D_q/t Ulysses/USP]
                  the two norms, then q, k, v, the attention output, its fp32 lse and the four
                  SwiGLU tensors on the TP shard; a qk_norm family's head norms
-                 ((4 + a)(D_q + D_kv) + 4 (H + H_kv))/t (`_head_norm_bytes`); at cp > 1 what
+                 (a (D_q + D_kv) + 4 (H + H_kv))/t (`_head_norm_bytes`); at cp > 1 what
                  the algorithm keeps besides
                  (its registry entry's `kept_per_token`): Ulysses' and USP's output copy a D_q/t,
                  all-gather KV's gathered K/V a 2 D_kv (cp - 1)/t. With casts, per block (not per token), a bf16 copy of
@@ -447,8 +447,10 @@ def working_bytes(cfg: LctrainConfig, world_size: int, batch: int,
     (bench/activation_memory.py compares it with measured peaks), the larger of (the second
     only on a rank with the `loss_head`, the last pipeline stage)
       - one block's backward: the block recomputed (what it keeps without checkpointing, less
-        what its mode kept), the fp32 gradients of its input and output (2 x 4 n D/s), and
-        under train.offload_activations its input, back from the host;
+        what its mode kept), the fp32 gradients of its input and output (2 x 4 n D/s), the
+        RMSNorm backward's five float32 working tensors of one row tile (at most
+        `NORM_TILE_ELEMENTS` each), and under train.offload_activations its input, back from
+        the host;
       - the loss head's backward: for the logits of one chunk (train.loss_chunk; else of all n
         tokens), [rows, V/tp], their gradient in fp32 and in the compute dtype (without TP
         first two fp32 gradients at once: the log-probabilities' and the logits'), with tiling
@@ -465,7 +467,7 @@ def working_bytes(cfg: LctrainConfig, world_size: int, batch: int,
         recompute = max(activation_formula(plain, world_size, batch, i)
                         - activation_formula(cfg, world_size, batch, i)
                         for i, _ in layer_kinds(m, range(m.n_layers)))
-    block = recompute + 2 * 4 * n * m.dim / s
+    block = recompute + 2 * 4 * n * m.dim / s + 5 * 4 * min(n * m.dim / s, NORM_TILE_ELEMENTS)
     rows = batch * min(t.loss_chunk, t.seq_len // p.cp) if t.loss_chunk else n
     # the cross-entropy's backward: the fp32 gradient of the log-probabilities and of the
     # logits at once (8 bytes; torch's vocab-parallel loss fuses the two: 4), then the fp32
@@ -482,8 +484,9 @@ def working_bytes(cfg: LctrainConfig, world_size: int, batch: int,
 def in_flight_moments(schedule: str, pp: int, microbatches: int, virtual: int,
                       pp_rank: int) -> tuple[tuple[int, ...], ...]:
     """Micro-batches whose activations each stage of pipeline rank `pp_rank` keeps (in
-    `rank_stages` order) each time, from its warm-up's end on, the rank has just run a forward:
-    its peak is one of them. Activations live from a micro-batch's forward to its backward, to
+    `rank_stages` order) each time, from its warm-up's end on, the rank has just run a forward
+    (and under the interleaved schedules each time it runs a backward of the drain, where the
+    sends it holds grow while its activations shrink): its peak is one of them. Activations live from a micro-batch's forward to its backward, to
     its weight gradient W under the zero-bubble schedules (torch's input-gradient step keeps the
     graph for W: `stage_backward_input`), in the orders torch 2.13's schedules build."""
     p, m, v, r = pp, microbatches, virtual, pp_rank
@@ -507,8 +510,54 @@ def in_flight_moments(schedule: str, pp: int, microbatches: int, virtual: int,
         cycles, rest = divmod(n, q * v)
         return cycles * q + min(q, max(0, rest - j * q))
 
-    return tuple(tuple(on_chunk(k + 1, j) - on_chunk(max(0, k - warmup - lag), v - 1 - j)
-                       for j in range(v)) for k in range(min(warmup, m * v - 1), m * v))
+    return tuple(tuple(on_chunk(min(k + 1, m * v), j)
+                       - on_chunk(min(max(0, k - warmup - lag), m * v), v - 1 - j)
+                       for j in range(v)) for k in _moments(warmup, m * v))
+
+
+def _moments(warmup: int, chunks: int) -> range:
+    """The op indices k of an interleaved schedule's moments: after its warm-up, each forward
+    (k < chunks: the k-th chunk forward has run, then its backward follows), then each backward
+    of the drain (k >= chunks: forwards are done, backward k - warmup is next)."""
+    return range(min(warmup, chunks - 1), chunks + warmup)
+
+
+@cache
+def passes_at_moments(schedule: str, pp: int, microbatches: int, virtual: int,
+                      pp_rank: int) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None:
+    """For each moment of `in_flight_moments` (in its order), the forwards and the input-
+    gradient passes (B) each stage of pipeline rank `pp_rank` has run by then, for the
+    interleaved schedules (interleaved_1f1b, zero_bubble), whose sends all stay until the step
+    ends; None for the others (their sends are waited for soon; ZBV's two moments come from its
+    peak alone)."""
+    if pp == 1 or schedule not in ("interleaved_1f1b", "zero_bubble"):
+        return None
+    p, m, v, r = pp, microbatches, virtual, pp_rank
+    q = m // max(1, m // p)
+    warmup = min((v - 1) * q + (2 if schedule == "interleaved_1f1b" else 1) * (p - 1 - r), m * v)
+
+    def on_chunk(n: int, j: int) -> int:  # as in `in_flight_moments`
+        cycles, rest = divmod(n, q * v)
+        return cycles * q + min(q, max(0, rest - j * q))
+
+    return tuple((tuple(on_chunk(min(k + 1, m * v), j) for j in range(v)),
+                  tuple(on_chunk(min(max(0, k - warmup), m * v), v - 1 - j) for j in range(v)))
+                 for k in _moments(warmup, m * v))
+
+
+def accumulating_share(cfg: LctrainConfig, world_size: int, pp_rank: int) -> list[float]:
+    """At each moment of `in_flight_moments`, the share of the rank's parameters (by stage)
+    whose stage has run a backward pass in the step by then, and so holds gradients accumulated
+    between micro-steps (`accumulated_grad_bytes`): under the interleaved schedules a rank's
+    later stages run their first backward before its earlier ones; 1 for the others."""
+    p = cfg.parallel
+    args = (p.pp_schedule, p.pp, derive(cfg, world_size).grad_accum, p.pp_virtual_stages,
+            pp_rank)
+    passes = passes_at_moments(*args)
+    if passes is None:
+        return [1.0] * len(in_flight_moments(*args))
+    sizes = [stage_params(cfg, s) for s in stages_of(cfg, pp_rank)]
+    return [sum(n for n, b in zip(sizes, bwd) if b) / sum(sizes) for _, bwd in passes]
 
 
 def peak_in_flight(moments: tuple[tuple[int, ...], ...],
@@ -522,8 +571,8 @@ def stage_activation_bytes(cfg: LctrainConfig, world_size: int, batch: int, stag
     """Bytes one micro-batch keeps for the backward on pipeline stage `stage`: its blocks, and the
     loss head (`head_activation_formula`) on the last stage, the RoPE tables alone on the others
     (every stage computes its own); less the stage input when it arrives in a receive buffer
-    (`pipeline_buffer_bytes` counts those) and the first block keeps that very tensor: the fp32
-    residual, or the input a checkpointed block keeps, on the device (docs/parallelism.md §13)."""
+    (`pipeline_buffer_bytes` counts those) and the first block keeps that very tensor on the
+    device: its norm's input, or the input a checkpointed block keeps (docs/parallelism.md §13)."""
     stages, t = split_layers(cfg), cfg.train
     total = sum(n * activation_formula(cfg, world_size, batch, i)
                 for i, n in layer_kinds(cfg.model, stages[stage]))
@@ -531,9 +580,7 @@ def stage_activation_bytes(cfg: LctrainConfig, world_size: int, batch: int, stag
         total += head_activation_formula(cfg, world_size, batch)
     elif cfg.parallel.pp > 1:
         total += rope_table_bytes(cfg, world_size, batch)
-    r = dtype_bytes(cfg, world_size)[1]
-    if _receives(cfg, stage, -1) and not t.offload_activations and (
-            t.activation_checkpointing != "none" or r == 4):
+    if _receives(cfg, stage, -1) and not t.offload_activations:
         total -= _stage_io_bytes(cfg, world_size, batch)
     return total
 
@@ -547,6 +594,34 @@ def pipeline_buffer_bytes(cfg: LctrainConfig, world_size: int, batch: int, pp_ra
     m = derive(cfg, world_size).grad_accum
     links = sum(_receives(cfg, s, -1) + _receives(cfg, s, 1) for s in stages_of(cfg, pp_rank))
     return links * m * _stage_io_bytes(cfg, world_size, batch)
+
+
+def pipeline_send_bytes(cfg: LctrainConfig, world_size: int, batch: int, pp_rank: int
+                        ) -> list[float]:
+    """What the rank's sends and stage outputs hold beyond the blocks' kept bytes, at each
+    moment of `in_flight_moments`. A stage keeps its output until that micro-batch's backward,
+    and a send keeps its tensor until it is waited for, as NCCL does. torch's interleaved
+    schedules (interleaved_1f1b, zero_bubble) wait for every send at the end of the step, so
+    each output sent forward and each input gradient sent back stays until then: one for every
+    forward and B pass the rank has run by that moment (`passes_at_moments`) on a stage whose
+    neighbour runs on another rank. 1F1B and GPipe wait for each send soon, and ZBV's peak
+    comes before its backward passes: the outputs in flight of each stage whose next stage runs
+    elsewhere, and one input gradient being sent back per link (docs/parallelism.md §13)."""
+    p = cfg.parallel
+    stages = stages_of(cfg, pp_rank)
+    forward = [_receives(cfg, s, 1) for s in stages]  # the next stage on another rank
+    backward = [_receives(cfg, s, -1) for s in stages]  # the previous one
+    m = derive(cfg, world_size).grad_accum
+    args = (p.pp_schedule, p.pp, m, p.pp_virtual_stages, pp_rank)
+    passes = passes_at_moments(*args)
+    if passes is None:
+        held = [sum(n for n, sends in zip(counts, forward) if sends) + sum(backward)
+                for counts in in_flight_moments(*args)]
+    else:
+        held = [sum(f * sends for f, sends in zip(fwd, forward))
+                + sum(b * sends for b, sends in zip(bwd, backward)) for fwd, bwd in passes]
+    io = _stage_io_bytes(cfg, world_size, batch)
+    return [n * io for n in held]
 
 
 def _receives(cfg: LctrainConfig, stage: int, step: int) -> bool:

@@ -31,6 +31,7 @@ from lctrain.planning.memory import (
     ALLOCATOR_FIXED_GIB,
     ALLOCATOR_FRACTION,
     accumulated_grad_bytes,
+    accumulating_share,
     active_param_count,
     allocator_allowance,
     attention_buffer_bytes,
@@ -38,8 +39,8 @@ from lctrain.planning.memory import (
     host_state_parts,
     in_flight_moments,
     param_count,
-    peak_in_flight,
     pipeline_buffer_bytes,
+    pipeline_send_bytes,
     stage_activation_bytes,
     stage_params,
     state_bytes_per_rank,
@@ -111,7 +112,16 @@ def rank_memory(cfg: LctrainConfig, world_size: int, pp_rank: int) -> dict:
     per_micro_batch = [stage_activation_bytes(cfg, world_size, t.micro_batch, s) for s in stages]
     moments = in_flight_moments(p.pp_schedule, p.pp, derive(cfg, world_size).grad_accum,
                                 p.pp_virtual_stages, pp_rank)
-    in_flight = peak_in_flight(moments, per_micro_batch)
+    # the rank peaks at the moment whose activations on the device, held sends and
+    # accumulated gradients are the most bytes
+    sends = (pipeline_send_bytes(cfg, world_size, t.micro_batch, pp_rank) if p.pp > 1
+             else [0.0] * len(moments))
+    accumulated = accumulated_grad_bytes(cfg, world_size, pp_rank)
+    share = accumulating_share(cfg, world_size, pp_rank)
+    on_device = 0.0 if t.offload_activations else 1.0
+    peak = max(range(len(moments)), key=lambda i: sends[i] + accumulated * share[i] + on_device
+               * sum(c * b for c, b in zip(moments[i], per_micro_batch)))
+    in_flight = moments[peak]
     activations = [n * b for n, b in zip(in_flight, per_micro_batch)]
     kept = sum(activations)
     on_host = kept if t.offload_activations else 0.0
@@ -119,14 +129,14 @@ def rank_memory(cfg: LctrainConfig, world_size: int, pp_rank: int) -> dict:
     parts = {
         "weights_grads_adam": state_bytes_per_rank(cfg, world_size, pp_rank),
         "fsdp_gathered_weights": gathered_weight_bytes(cfg, world_size, pp_rank),
-        "accumulated_gradients": accumulated_grad_bytes(cfg, world_size, pp_rank),
+        "accumulated_gradients": accumulated * share[peak],
         "activations_kept": kept - on_host,
         "activations_on_host": on_host,
         "backward_working_set": working_bytes(cfg, world_size, t.micro_batch, loss_head),
     }
     if p.pp > 1:
-        parts["pipeline_buffers"] = pipeline_buffer_bytes(cfg, world_size, t.micro_batch,
-                                                          pp_rank)
+        parts["pipeline_buffers"] = (  # received, and sent but not yet waited for
+            pipeline_buffer_bytes(cfg, world_size, t.micro_batch, pp_rank) + sends[peak])
     total = sum(v for k, v in parts.items() if k != "activations_on_host")
     return {"stages": stages, "in_flight": list(in_flight), "activations": activations,
             "bytes": parts | {"total_estimate": total},

@@ -31,7 +31,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.profiler import record_function as _RecordFunction
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -189,25 +188,47 @@ class StepMemory(TorchDispatchMode):
                    if made <= self.peak_op and (freed is None or freed > self.peak_op))
 
 
-class HostMoves(TorchFunctionMode):
+class HostMoves:
     """In a trace the CPU device stands for both the GPU and the host, told apart by storage:
     `tracker.host` holds the host's. `Tensor.to` a CPU device and `Tensor.cpu` on a fake tensor
     then cross sides, as on a GPU: from the device, a copy in host memory (FSDP's offloaded
     gradients, activations saved on the host); from the host, a copy on the device (FSDP's
-    offloaded shards before their all-gather, saved activations coming back)."""
+    offloaded shards before their all-gather, saved activations coming back).
+
+    The two methods are patched on `torch.Tensor` while the block runs: a torch function mode
+    would miss the moves made inside autograd's backward (FSDP offloads each gradient there,
+    in its post-backward hook), where torch runs with no function mode active; and the
+    dispatcher never sees a move to the device a tensor is already on."""
+
+    METHODS = ("to", "cpu")
 
     def __init__(self, tracker: StepMemory):
-        super().__init__()
         self.tracker = tracker
+        self._saved: dict[str, object] = {}
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (Tensor.to, Tensor.cpu) and args and isinstance(args[0], FakeTensor):
-            target = kwargs.get("device", args[1] if len(args) > 1 else torch.device("cpu"))
-            if func is Tensor.cpu or isinstance(target, (str, torch.device)) and \
-                    torch.device(target).type == "cpu":
-                return self._cross(args[0])
-        return func(*args, **kwargs)
+    def __enter__(self):
+        for name in self.METHODS:
+            original = getattr(Tensor, name)
+            self._saved[name] = Tensor.__dict__.get(name)
+            setattr(Tensor, name, self._moving(name, original))
+        return self
+
+    def __exit__(self, *exc):
+        for name, saved in self._saved.items():
+            if saved is None:
+                delattr(Tensor, name)
+            else:
+                setattr(Tensor, name, saved)
+
+    def _moving(self, name: str, original):
+        def method(t, *args, **kwargs):
+            if isinstance(t, FakeTensor):
+                target = kwargs.get("device", args[0] if args else None)
+                if name == "cpu" or isinstance(target, (str, torch.device)) and \
+                        torch.device(target).type == "cpu":
+                    return self._cross(t)
+            return original(t, *args, **kwargs)
+        return method
 
     def _cross(self, t: Tensor) -> Tensor:
         to_host = id(_storage(t)) not in self.tracker.host
