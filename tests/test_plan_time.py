@@ -236,6 +236,13 @@ def test_calibration_round_trip(tmp_path):
     missing = tiny_config(plan={"calibration": str(tmp_path / "none.json")},
                           train={"device": "cpu"})
     assert hardware_for(missing, gpu_available=False).source == "plan.*"
+    # the plan says whose rates its step uses
+    from lctrain.commands.plan import whose_rates
+
+    assert whose_rates(cfg, hw) == f"this CPU's, calibrated in {path}"
+    assert whose_rates(missing, hardware_for(missing, gpu_available=False)) == (
+        f"GPU figures from plan.* (989 TFLOP/s per GPU), not this CPU's: no calibration at "
+        f"{tmp_path / 'none.json'}; `lctrain plan --calibrate` measures this machine")
 
 
 def test_a_zero_rate_or_bandwidth_is_refused_naming_the_key():

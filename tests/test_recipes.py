@@ -181,3 +181,7 @@ def test_without_a_checkpoint_a_production_recipe_exits_2(recipe, command, capsy
 def test_every_omitted_required_key_is_named(recipe, capsys):
     err = _refusal("plan", recipe, capsys)
     assert all(key in err for key in REQUIRED), err
+    # and the command that plans the recipe without them, which plans it
+    command = err.split(f"to plan or trace +recipe={recipe} without them: lctrain ")[1]
+    code, out, _ = run_cli(command.split("\n")[0].split(), capsys)
+    assert code == 0 and "memory per rank" in out

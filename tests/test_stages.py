@@ -114,6 +114,21 @@ def test_the_plan_reports_every_stage(capsys):
     assert all(r["verdict"] == "FITS" and r["stage_s"] > 0 for r in rows)
 
 
+def test_each_stage_says_its_length_and_the_eval_lengths_it_skips():
+    from lctrain.config.derived import stage_banner, stages_of
+
+    cfg = with_overrides(_staged(), eval={"every": 2, "lengths": [16, 48, 64]})
+    banners = [stage_banner(cfg, stage) for stage in stages_of(cfg)]
+    assert banners[0] == [
+        "lctrain: stage 1 of 3: steps 1-2 at train.seq_len=16, 8 sequences per step",
+        "lctrain: eval.lengths 48, 64 skipped in stage 1: longer than its sequences of 16 "
+        "tokens (scored from the stage that trains at that length on)"]
+    assert banners[1][1].startswith("lctrain: eval.lengths 48, 64 skipped in stage 2")
+    assert banners[2] == ["lctrain: stage 3 of 3: steps 5-6 at train.seq_len=64, 2 sequences "
+                          "per step"]
+    assert stage_banner(tiny_config(), stages_of(tiny_config())[0]) == []
+
+
 @pytest.mark.slow  # 7 s on 2 cores: the README's demo with 2 + 2 steps, in this process
 def test_the_readme_extends_a_context_as_written(tmp_path, monkeypatch, capsys):
     """README's "Extend a model's context" commands, run as written in a fresh folder, the

@@ -235,11 +235,34 @@ def test_cli_exits_2_before_any_process(name, capsys, no_launch, tmp_path):
     ("train.steps=abc", "train.steps"),
     ("+recipe=nope", "recipe"),
     ("parallel.nonsense=2", "nonsense"),
+    # a mistyped key, set or added, names the keys it is closest to
+    ("parallel.cpp=2", "unknown key parallel.cpp (did you mean parallel.cp or parallel.pp?)"),
+    ("+parallel.cpp=2", "unknown key parallel.cpp (did you mean parallel.cp or parallel.pp?)"),
+    ("paralel.cp=2", "unknown key paralel (did you mean parallel?); valid keys: model"),
+    ("train.stepss=3", "unknown key train.stepss (did you mean train.steps?)"),
 ])
 def test_cli_rejects_unknown_keys_and_bad_types(override, expected, capsys, no_launch):
     code, _, err = run_cli(["train", *CLI_BASE, override], capsys)
     assert code == 2
     assert expected in err
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["train.stages=[{seq_len: 128, steps: 300}, {seq_len: 256, steps: -50}]", "train.steps=250"],
+     "train.stages[1].steps=-50 must be a positive integer"),
+    (["train.stages=[{seq_len: 0, steps: 100}, {seq_len: 256, steps: 150}]", "train.steps=250"],
+     "train.stages[0].seq_len=0 must be a positive integer"),
+    (["eval.lengths=[128, 0]"], "eval.lengths contains 0, which must be a positive integer"),
+    (["data.answer_len=0"], "data.answer_len=0 must be a positive integer"),
+    (["data.source=tokens", "data.path=/nowhere", "data.length_mix=[{max_len: -1, weight: 1}]"],
+     "data.length_mix[0].max_len=-1 must be a positive integer"),
+])
+def test_counts_in_stage_and_length_keys_must_be_positive(overrides, expected, capsys,
+                                                          no_launch):
+    """A negative stage length used to add up (300 - 50 = 250 steps) and train."""
+    code, _, err = run_cli(["train", *CLI_BASE, *overrides], capsys)
+    assert code == 2
+    assert expected in err, err
 
 
 def test_cli_reports_several_unknown_keys_together(capsys, no_launch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
+from lctrain import device
 from lctrain.commands.args import CommandArgs
 from lctrain.commands.checks import preflight, search_preflight, with_corpus
 from lctrain.commands.plan_trace import trace_lines, trace_plan
@@ -107,7 +108,7 @@ def stage_lines(rows: list[dict]) -> list[str]:
 def step_time_lines(t: dict) -> list[str]:
     """The predicted step: its terms, tokens/s and MFU."""
     comm = ", ".join(f"{g} {v:.3g}" for g, v in t["comm_s"].items())
-    return ["", f"predicted step time (docs/parallelism.md §15; hardware: {t['hardware']}):",
+    return ["", "predicted step time (docs/parallelism.md §15):", f"  rates: {t['rates']}",
             f"  {t['total_s']:.4g} s = compute {t['compute_s']:.4g} (recompute "
             f"{t['recompute_s']:.3g}) + exposed communication {t['exposed_comm_s']:.3g}"
             + (f" (of {comm})" if comm else "")
@@ -186,6 +187,22 @@ def plan_hardware(cfg: LctrainConfig) -> tuple[Hardware, list[str]]:
         return hw, [f"a CPU run, but no calibration at {calibration_path(cfg)}: the step time "
                     "uses plan.* (a GPU's numbers); run `lctrain plan --calibrate` first"]
     return hw, []
+
+
+def whose_rates(cfg: LctrainConfig, hw: Hardware) -> str:
+    """Whose rates the predicted step uses, in words: this CPU's calibration, or plan.*'s GPU
+    figures (for a CPU run without a calibration, with how to get one)."""
+    if hw.source != "plan.*":
+        return f"this CPU's, calibrated in {hw.source}"
+    figures = f"GPU figures from plan.* ({hw.device_tflops:g} TFLOP/s per GPU)"
+    if plans_gpu_nodes(cfg):
+        if cfg.train.device == "auto" and device.count() == 0:
+            figures += ("; this machine has no GPU, so `lctrain train` runs here on the CPU "
+                        "(train.device=cpu plans that, at this CPU's rates after `lctrain plan "
+                        "--calibrate`)")
+        return figures
+    return (f"{figures}, not this CPU's: no calibration at {calibration_path(cfg)}; "
+            "`lctrain plan --calibrate` measures this machine")
 
 
 def layout_label(o: dict[str, object]) -> str:
@@ -273,7 +290,7 @@ def run(args: CommandArgs) -> int:
     cfg = with_corpus(cfg)
     plan = build_plan(cfg, world)
     hw, hw_notes = plan_hardware(cfg)
-    plan["step_time"] = step_time_summary(cfg, world, hw)
+    plan["step_time"] = step_time_summary(cfg, world, hw) | {"rates": whose_rates(cfg, hw)}
     plan["model"] = {name: {"value": getattr(cfg.model, name),
                             "origin": composed.origins.get(name, "default")}
                      for name in composed.origins}

@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 from lctrain.config.errors import ConfigError
 from lctrain.config.paths import conf_dir, recipes_dir
 from lctrain.config.schema import LctrainConfig
+from lctrain.config.suggest import did_you_mean
 
 
 @dataclass
@@ -54,19 +55,52 @@ def unknown_keys(node: object, schema: type, prefix: str = "") -> list[str]:
     for key, value in node.items():
         dotted = f"{prefix}{key}"
         if key not in fields:
-            out.append(f"unknown key {dotted}; valid keys{' under ' + prefix[:-1] if prefix else ''}"
-                       f": {', '.join(fields)}")
+            out.append(_unknown(dotted, fields, prefix))
             continue
-        sub = fields[key].type
-        sub_type = getattr(sys.modules[LctrainConfig.__module__], sub, None) if isinstance(
-            sub, str) else sub
+        sub_type = _section_type(fields[key])
         if isinstance(value, dict) and dataclasses.is_dataclass(sub_type):
             out += unknown_keys(value, sub_type, dotted + ".")
     return out
 
 
+def _unknown(dotted: str, fields: dict, prefix: str) -> str:
+    near = did_you_mean(dotted[len(prefix):], fields, prefix)
+    return (f"unknown key {dotted}{near}; valid keys"
+            f"{' under ' + prefix[:-1] if prefix else ''}: {', '.join(fields)}")
+
+
+def _section_type(f: dataclasses.Field):
+    sub = f.type
+    return getattr(sys.modules[LctrainConfig.__module__], sub, None) if isinstance(
+        sub, str) else sub
+
+
+def override_key_problems(overrides: list[str]) -> list[str]:
+    """The keys of `section.key=value` overrides that the schema does not define, each with the
+    known key it is closest to: Hydra itself refuses them with "Could not override" and no
+    suggestion (`+section.key=value` adds a key, which `unknown_keys` reports after composing)."""
+    out = []
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        if "=" not in override or key.startswith(("+", "~", "hydra.")) or "." not in key:
+            continue  # additions, deletions, Hydra's own keys, config groups (model=NAME)
+        schema, prefix = LctrainConfig, ""
+        for part in key.split("."):
+            fields = {f.name: f for f in dataclasses.fields(schema)}
+            if part not in fields:
+                out.append(_unknown(prefix + part, fields, prefix))
+                break
+            schema, prefix = _section_type(fields[part]), f"{prefix}{part}."
+            if not dataclasses.is_dataclass(schema):
+                break  # a value (a list or a dict inside it is the schema's to check)
+    return out
+
+
 def compose(overrides: list[str]) -> Composed:
     """Compose, check keys and types, and return a `Composed`; raises ConfigError."""
+    problems = override_key_problems(overrides)
+    if problems:
+        raise ConfigError(problems)
     _register()
     GlobalHydra.instance().clear()
     try:
@@ -100,8 +134,16 @@ def required_keys(recipe: str | None, overrides: list[str]) -> list[str]:
         return []
     path = recipes_dir() / f"{recipe}.yaml"
     given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-    return [f"{key} is required by +recipe={recipe} (??? in recipes/{path.name}); set {key}=..."
-            for key in sorted(OmegaConf.missing_keys(OmegaConf.load(path)) - given)]
+    missing = sorted(OmegaConf.missing_keys(OmegaConf.load(path)) - given)
+    out = [f"{key} is required by +recipe={recipe} (??? in recipes/{path.name}); set {key}=..."
+           for key in missing]
+    if missing:  # a plan needs neither: what to give it instead
+        instead = [f"{key}=null" for key in missing]
+        instead += ["model.hf_overrides=[]"] * ("model.init_from" in missing)
+        instead += ["data.source=synthetic"] * ("data.path" in missing)
+        out.append(f"to plan or trace +recipe={recipe} without them: lctrain plan "
+                   f"+recipe={recipe} {' '.join(instead)}")
+    return out
 
 
 def _hydra_message(e: BaseException) -> str:

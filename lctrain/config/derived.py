@@ -170,6 +170,24 @@ def stage_problems(cfg: LctrainConfig) -> list[str]:
     return problems
 
 
+def stage_banner(cfg: LctrainConfig, stage: Stage) -> list[str]:
+    """What a staged run (`cfg`, with train.stages) says as `stage` starts: its steps, length
+    and batch, and the eval lengths it skips (longer than its sequences); nothing without
+    stages."""
+    if len(cfg.train.stages) < 2:
+        return []
+    t = stage.cfg.train
+    lines = [f"lctrain: stage {stage.index + 1} of {len(cfg.train.stages)}: steps "
+             f"{stage.first}-{stage.last} at train.seq_len={t.seq_len}, {t.global_batch} "
+             "sequences per step"]
+    skipped = [n for n in cfg.eval.lengths if n > t.seq_len]
+    if skipped and cfg.eval.every:
+        lines.append(f"lctrain: eval.lengths {', '.join(map(str, skipped))} skipped in stage "
+                     f"{stage.index + 1}: longer than its sequences of {t.seq_len} tokens "
+                     "(scored from the stage that trains at that length on)")
+    return lines
+
+
 def stages_of(cfg: LctrainConfig) -> list[Stage]:
     """train.stages as configs (one stage, `cfg` itself, without them); `stage_problems` must
     hold. A stage scores only the eval.lengths that fit it (its seq_len when none does)."""

@@ -4,8 +4,8 @@ that change what a block holds, so that validation, the parameter and FLOP count
 formulas and the planner ask the entry instead of comparing names.
 
 The code of a family (its blocks, its Hugging Face names, its config.json rules, its TP plan
-entries) is registered under the same name in `lctrain.models.families`; docs/extending.md is
-the checklist for adding one. This module imports nothing from lctrain but the registry: it sits
+entries) is registered under the same name in `lctrain.models.registry` (the entry's fields:
+`lctrain.models.families.FamilyCode`); docs/extending.md is the checklist for adding one. This module imports nothing from lctrain but the registry: it sits
 in the config layer, so that the schema reads its names (`one_of(registry=MODEL_FAMILIES)`).
 """
 

@@ -289,7 +289,7 @@ class MixtureEntry:
 
 @dataclass
 class LengthBucket:
-    max_len: int | None = None
+    max_len: int | None = at_least(1, None)
     """Documents longer than the bucket before's max_len and at most this many tokens; null: no
     bound (the last bucket)."""
     weight: float = 1.0
@@ -348,20 +348,20 @@ class DataConfig:
     (eval.every), by a split seeded with train.seed; they are never trained on."""
     document_masking: bool = False
     """Packed documents do not attend to each other, and RoPE positions restart per document."""
-    doc_len_min: int = 32
+    doc_len_min: int = at_least(1, 32)
     """synthetic, passkey, recall: shortest generated document in tokens."""
-    doc_len_max: int = 256
+    doc_len_max: int = at_least(1, 256)
     """synthetic, passkey, recall: longest generated document in tokens."""
     doc_len_dist: str = one_of("uniform", "loguniform")
     """synthetic, passkey, recall: how document lengths are drawn: uniform | loguniform (as
     many short documents as long ones per octave: short ones teach a task fast, long ones teach
     it over the whole context)."""
-    branching: int = 4
+    branching: int = at_least(1, 4)
     """synthetic (and the filler text of the tasks): successors each token may have in the
     hidden bigram chain (entropy floor about ln b)."""
-    answer_len: int = 1
+    answer_len: int = at_least(1, 1)
     """passkey: tokens in the passkey; recall: tokens in each value."""
-    recall_pairs: int = 4
+    recall_pairs: int = at_least(1, 4)
     """recall: key-value pairs hidden in each document (all are queried at its end)."""
 
 
@@ -373,7 +373,7 @@ class EvalConfig:
     """Tasks to score: passkey | recall (lctrain.data.tasks: token ids of the built-in data, with
     data.answer_len and data.recall_pairs) | needle (lctrain.data.needle: real held-out text and
     the model's tokenizer, for a pretrained model; needs validation data and data.tokenizer)."""
-    lengths: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list, metadata={"min": 1, "hint": None})
     """Context lengths to score (each <= train.seq_len); empty = [train.seq_len]."""
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     """Needle depths as fractions of the context (0 = first token, 1 = just before the query)."""

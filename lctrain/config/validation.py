@@ -34,6 +34,12 @@ def _field_checks(node, prefix: str):
         key, value = prefix + f.name, getattr(node, f.name)
         if dataclasses.is_dataclass(value):
             yield from _field_checks(value, key + ".")
+        elif isinstance(value, list) and value and dataclasses.is_dataclass(value[0]):
+            for i, item in enumerate(value):  # train.stages, data.length_mix, data.mixture
+                yield from _field_checks(item, f"{key}[{i}].")
+        elif isinstance(value, list) and "min" in f.metadata:  # eval.lengths
+            yield from ((f"{key} contains {v}, which must be a positive integer; drop it", True)
+                        for v in value if v < f.metadata["min"])
         elif "choices" in f.metadata:
             allowed = f.metadata["choices"]
             if isinstance(value, list):

@@ -1,8 +1,8 @@
 """Single-device Llama: RMSNorm, RoPE, GQA, SwiGLU, and the decoder every registered family
-builds from it (a family brings its own attention block: `lctrain.models.families`). Plain
-model code: tensor parallelism, activation checkpointing and data parallelism are applied to it
-from outside (`lctrain.parallel.parallelize`), and the untouched model is every test's
-reference.
+builds from it (a family brings its own attention block: its entry in
+`lctrain.models.registry`). Plain model code: tensor parallelism, activation checkpointing and
+data parallelism are applied to it from outside (`lctrain.parallel.parallelize`), and the
+untouched model is every test's reference.
 
 Parameter names follow torchtitan (`tok_embeddings`, `layers.{i}.attention.wq`, ...); layers live
 in a ModuleDict keyed by their global id so that a pipeline split deletes modules without

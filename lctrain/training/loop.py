@@ -25,7 +25,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from lctrain import device
 from lctrain.config import LctrainConfig, ModelConfig
-from lctrain.config.derived import Stage, stages_of
+from lctrain.config.derived import Stage, stage_banner, stages_of
 from lctrain.config.resolved import as_dict, to_yaml
 from lctrain.data.batch import IGNORE_INDEX, MicroBatch
 from lctrain.data.loader import DataLoader, build_loader
@@ -327,10 +327,8 @@ def _train_stage(full: LctrainConfig, stage: Stage, run_dir: str | os.PathLike,
                                                            metrics.info)
         evaluator = Evaluator(cfg, rt)
         checkpointer.continue_data = stage.index > 0
-        if len(full.train.stages) > 1:
-            metrics.info(f"lctrain: stage {stage.index + 1} of {len(full.train.stages)}: steps "
-                         f"{stage.first}-{stage.last} at train.seq_len={cfg.train.seq_len}, "
-                         f"{cfg.train.global_batch} sequences per step")
+        for line in stage_banner(full, stage):
+            metrics.info(line)
         state = checkpointer.maybe_resume(model, optimizer, scheduler, loader)
         metrics.start(state.step)  # metrics.jsonl keeps each step once
         meter.start()
