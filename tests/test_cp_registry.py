@@ -19,7 +19,8 @@ from lctrain.attention import CP_ATTENTION, registered
 from lctrain.attention import kernels as kernels_module
 from lctrain.config import ParallelConfig, TrainConfig, choices_of, derive
 from lctrain.config.cp_algorithms import CP_ALGORITHMS, HEADS_OVER, LayerShape
-from lctrain.config.device_rules import CUDA_KERNELS, kernel_device_problems
+from lctrain.config.device_rules import kernel_device_problems
+from lctrain.config.kernel_backends import KERNEL_BACKENDS, backends_on
 from lctrain.config.keys import keys
 from lctrain.config.validation import validate
 from lctrain.layout.topology import GROUPS
@@ -113,17 +114,54 @@ def test_every_algorithm_is_tested(name):
 
 
 def test_every_kernel_backend_is_in_the_schema_the_tables_and_the_device_rules():
-    backends = kernels_module.BACKENDS
+    backends = tuple(KERNEL_BACKENDS)
+    assert tuple(kernels_module.KERNEL_CODE) == backends  # facts and code, name by name
     assert set(choices_of(TrainConfig, "attention_kernel")) == {"auto", *backends}
-    assert set(kernels_module._VARLEN) <= set(backends)
-    assert set(CUDA_KERNELS) <= set(backends)
+    for b in backends:  # a varlen backend has a varlen kernel, and only then
+        assert (kernels_module.KERNEL_CODE[b].varlen is not None) == KERNEL_BACKENDS[b].varlen
     doc = _key_doc("train.attention_kernel")
     for b in backends:
         assert b in doc, b
         cfg = tiny_config(train={"attention_kernel": b})
-        cuda_only = b in CUDA_KERNELS
+        cuda_only = b in backends_on("cuda")
         assert bool(kernel_device_problems(cfg, "cpu")) == cuda_only, b
         assert bool(kernel_device_problems(cfg, "cuda")) != cuda_only, b
+
+
+def test_a_registered_kernel_backend_is_valid_and_runs_the_attention():
+    """A kernel backend is its facts and its code, each registered under its name: the schema,
+    the device rules and the kernel layer take it from there (docs/extending.md)."""
+    import torch
+
+    from lctrain.attention.calls import Block
+    from lctrain.attention.kernels import KernelCode, KernelOptions
+    from lctrain.attention.local import local_attention
+    from lctrain.config.kernel_backends import KernelBackend
+
+    cpu, calls = kernels_module.KERNEL_CODE["cpu"], []
+
+    def counted(i):
+        return lambda *args: calls.append(i) or cpu.dense[i](*args)
+
+    facts = KernelBackend("toy_cpu", "cpu", "the cpu kernels, counted")
+    code = KernelCode("toy_cpu", (counted(0), counted(1)))
+    q, k, v = (torch.randn(1, 8, h, 4, dtype=torch.float64, requires_grad=True)
+               for h in (4, 2, 2))
+    block = Block(torch.arange(8), None)
+
+    def attend(backend):
+        out, _ = local_attention(q, k, v, block, block, causal=True, scale=0.5,
+                                 options=KernelOptions(backend=backend))
+        return out, torch.autograd.grad(out.sum(), (q, k, v))
+
+    with KERNEL_BACKENDS.registered(facts), kernels_module.KERNEL_CODE.registered(code):
+        cfg = tiny_config(train={"attention_kernel": "toy_cpu", "device": "cpu"})
+        assert validate(cfg, cfg.parallel.cp) == []
+        assert kernel_device_problems(cfg, "cuda")  # a CPU backend, refused on CUDA
+        (out, grads), (want, want_grads) = attend("toy_cpu"), attend("cpu")
+        assert calls == [0, 1] and torch.equal(out, want)
+        assert all(torch.equal(a, b) for a, b in zip(grads, want_grads))
+    assert "toy_cpu" not in choices_of(TrainConfig, "attention_kernel")
 
 
 def test_a_registration_is_undone_and_a_name_registers_once():

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lctrain.attention import ContextParallelAttention, cuda_kernels
+from lctrain.attention import ContextParallelAttention, cuda_kernels, kernels
 from lctrain.attention.kernels import KernelOptions
 from lctrain.commands import train as train_command
 from lctrain.config.validation import validate
@@ -146,7 +146,7 @@ def test_selective_checkpointing_keeps_the_cuda_attention_ops():
                "_scaled_dot_product_cudnn_attention",
                "_scaled_dot_product_flash_attention_for_cpu"):
         assert getattr(torch.ops.aten, op).default in kept, op
-    torch_ops = cuda_kernels.forward_ops("torch")  # what the torch backend's forward calls
+    torch_ops = kernels.forward_ops("torch")  # what the torch backend's forward calls
     assert torch_ops == {torch.ops.aten._flash_attention_forward.default}
     assert torch_ops <= saved_ops("selective", 1, torch_ops)
     assert not torch_ops & saved_ops("selective", 2, torch_ops)  # cp > 1: core recomputed

@@ -158,13 +158,13 @@ def test_the_flash_kernels_contract_is_checked_in_the_trace(monkeypatch):
     """lctrain checks the contract of torch's flash ops in a trace, which their meta kernels do
     not: a query in fp32, or K/V heads that do not divide the query heads, fail it."""
     cfg = FAST[0]
-    forward, backward = kernels._VARLEN["torch"]
-    monkeypatch.setitem(kernels._VARLEN, "torch", (lambda q, *a: forward(q.float(), *a),
-                                                   backward))
+    torch_code = kernels.KERNEL_CODE["torch"]
+    forward, backward = torch_code.varlen
+    monkeypatch.setattr(torch_code, "varlen", (lambda q, *a: forward(q.float(), *a), backward))
     with pytest.raises(RankFailure, match="fp16 or bf16"):
         _in_child(_traced, [cfg], 4, True)
-    monkeypatch.setitem(kernels._VARLEN, "torch", (lambda q, k, v, *a: forward(q[:, :3], k, v, *a),
-                                                   backward))
+    monkeypatch.setattr(torch_code, "varlen",
+                        (lambda q, k, v, *a: forward(q[:, :3], k, v, *a), backward))
     with pytest.raises(RankFailure, match="GQA"):
         _in_child(_traced, [cfg], 4, True)
 

@@ -45,10 +45,11 @@ import torch.distributed as dist  # noqa: E402
 from lctrain.attention import ContextParallelAttention  # noqa: E402
 from lctrain.attention.calls import Block  # noqa: E402
 from lctrain.attention.cuda_kernels import flash_attn_installed  # noqa: E402
-from lctrain.attention.kernels import KernelOptions  # noqa: E402
+from lctrain.attention.kernels import KERNEL_CODE, KernelOptions  # noqa: E402
 from lctrain.attention.local import local_attention  # noqa: E402
 from lctrain.attention.varlen_reference import register_cpu_flash_ops  # noqa: E402
 from lctrain.config import LctrainConfig, ModelConfig  # noqa: E402
+from lctrain.config.kernel_backends import backends_on  # noqa: E402
 from lctrain.data.batch import micro_batch_from_tokens  # noqa: E402
 from lctrain.data.loader import build_loader  # noqa: E402
 from lctrain.layout import sequence  # noqa: E402
@@ -93,7 +94,7 @@ class Context:
         torch backend through its CPU implementation beside the CPU ones."""
         if self.dry_run:
             return ["torch", "reference", "cpu"]
-        return ["torch"] + (["flash_attn"] if flash_attn_installed() else [])
+        return [n for n in backends_on("cuda") if KERNEL_CODE[n].installed()]
 
     @property
     def kernel(self) -> KernelOptions:

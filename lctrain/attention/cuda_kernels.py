@@ -22,8 +22,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
-FLASH_INSTALL = ("pip install flash-attn --no-build-isolation (after torch; or the prebuilt wheel "
-                 "matching your torch, CUDA and Python from the flash-attention releases)")
+from lctrain.config.kernel_backends import FLASH_INSTALL
 
 
 @cache
@@ -153,13 +152,16 @@ def flash_varlen_backward(dout, q, k, v, out, lse, group, cu_q, cu_k, scale, opt
     return dq, dk, dv
 
 
-def forward_ops(backend: str) -> set:
-    """The ops a backend's forward dispatches, whose outputs selective checkpointing keeps."""
-    if backend == "torch":
-        return {torch.ops.aten._flash_attention_forward.default}
-    if backend == "flash_attn" and flash_attn_installed():
-        flash_attn_interface()  # registers flash-attn's custom ops (flash-attn >= 2.7)
-        names = ("_flash_attn_forward", "_flash_attn_varlen_forward")
-        return {getattr(torch.ops.flash_attn, n).default for n in names
-                if hasattr(torch.ops.flash_attn, n)}
-    return set()
+def torch_forward_ops() -> set:
+    """The op the torch backend's forward dispatches."""
+    return {torch.ops.aten._flash_attention_forward.default}
+
+
+def flash_forward_ops() -> set:
+    """The ops flash-attn's forward dispatches (none when it is not installed)."""
+    if not flash_attn_installed():
+        return set()
+    flash_attn_interface()  # registers flash-attn's custom ops (flash-attn >= 2.7)
+    names = ("_flash_attn_forward", "_flash_attn_varlen_forward")
+    return {getattr(torch.ops.flash_attn, n).default for n in names
+            if hasattr(torch.ops.flash_attn, n)}

@@ -16,6 +16,7 @@ report such rows with lse = +inf: mapped).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,16 +26,20 @@ from lctrain import device
 from lctrain.attention import cuda_kernels as cuda
 from lctrain.attention.calls import ALL_ROWS, Block, KernelCall, VarlenGroup
 from lctrain.attention.varlen_reference import varlen_backward, varlen_forward, visible
+from lctrain.config.kernel_backends import KERNEL_BACKENDS, backends_on
+from lctrain.config.registry import Registry
 
 _NEG_INF = float("-inf")
 
 
 def auto_backend(on: torch.device) -> str:
-    """`auto`: flash-attn on CUDA when it is installed, else torch's own kernels; cpu on the
-    CPU."""
-    if not device.gpu_path(on):
-        return "cpu"
-    return "flash_attn" if cuda.flash_attn_installed() else "torch"
+    """`auto`: of the backends of the device's kind (`KernelBackend.device`) whose code is
+    installed, the one `auto` ranks first: flash-attn on CUDA when it is installed, else
+    torch's own kernels; cpu on the CPU."""
+    kind = "cuda" if device.gpu_path(on) else "cpu"
+    ranked = sorted((KERNEL_BACKENDS[n].auto_rank, n) for n in backends_on(kind)
+                    if KERNEL_BACKENDS[n].auto_rank is not None and KERNEL_CODE[n].installed())
+    return ranked[0][1]
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,7 @@ class KernelOptions:
     def backend_for(self, device: torch.device) -> str:
         if self.backend == "auto":
             return auto_backend(device)
-        assert self.backend in BACKENDS, self.backend
+        assert self.backend in KERNEL_CODE, self.backend
         return self.backend
 
 
@@ -142,24 +147,46 @@ def _reference_varlen_bwd(dout, q, k, v, out, lse, group, cu_q, cu_k, scale, opt
     return varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, scale, group.causal, group.band)
 
 
-_DENSE = {"cpu": (_cpu_fwd, _cpu_bwd), "reference": (_cpu_fwd, _cpu_bwd),
-          "torch": (cuda.torch_forward, cuda.torch_backward),
-          "flash_attn": (cuda.flash_forward, cuda.flash_backward)}
-_VARLEN = {"reference": (_reference_varlen_fwd, _reference_varlen_bwd),
-           "torch": (cuda.torch_varlen_forward, cuda.torch_varlen_backward),
-           "flash_attn": (cuda.flash_varlen_forward, cuda.flash_varlen_backward)}
-"""The kernel registry: backend -> (forward, backward) for dense calls and for packed
-(variable-length) calls; a backend without a varlen entry runs documents call by call."""
-BACKENDS = tuple(_DENSE)
-"""Every backend: train.attention_kernel's values but auto (which of them run on CUDA only is
-`lctrain.config.device_rules.CUDA_KERNELS`)."""
+@dataclass
+class KernelCode:
+    """A backend's code, registered under the name of its facts
+    (`lctrain.config.kernel_backends`): (forward, backward) for dense calls, and for packed
+    (variable-length) calls when its facts say `varlen` (else documents run call by call); the
+    ops its forward dispatches, whose outputs selective checkpointing keeps; whether it can run
+    here (its optional package imports)."""
+
+    name: str
+    dense: tuple[Callable, Callable]
+    varlen: tuple[Callable, Callable] | None = None
+    forward_ops: Callable[[], set] = set
+    installed: Callable[[], bool] = lambda: True
+
+
+KERNEL_CODE: Registry[KernelCode] = Registry("attention kernel implementation")
+for _code in (
+        KernelCode("torch", (cuda.torch_forward, cuda.torch_backward),
+                   (cuda.torch_varlen_forward, cuda.torch_varlen_backward),
+                   forward_ops=cuda.torch_forward_ops),
+        KernelCode("flash_attn", (cuda.flash_forward, cuda.flash_backward),
+                   (cuda.flash_varlen_forward, cuda.flash_varlen_backward),
+                   forward_ops=cuda.flash_forward_ops,
+                   installed=lambda: cuda.flash_attn_installed()),  # read when asked
+        KernelCode("cpu", (_cpu_fwd, _cpu_bwd)),
+        KernelCode("reference", (_cpu_fwd, _cpu_bwd),
+                   (_reference_varlen_fwd, _reference_varlen_bwd))):
+    KERNEL_CODE.add(_code)
+
+
+def forward_ops(backend: str) -> set:
+    """The ops `backend`'s forward dispatches, whose outputs selective checkpointing keeps."""
+    return KERNEL_CODE[backend].forward_ops()
 
 
 def _packed(qb: Block, kb: Block, causal: bool, window: int | None,
             backend: str) -> list[VarlenGroup] | None:
     """The varlen groups to run instead of per-document calls (None: run the calls)."""
     calls = qb.calls(kb, causal, window)
-    if backend not in _VARLEN or not calls or calls[0].rows == ALL_ROWS:
+    if KERNEL_CODE[backend].varlen is None or not calls or calls[0].rows == ALL_ROWS:
         return None
     return qb.varlen_groups(kb, causal, window)
 
@@ -193,7 +220,7 @@ def attend_whole(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal: 
     call = _whole_call(q, k, qb, kb, causal, window)
     if call is None:
         return None
-    out, lse = _DENSE[options.backend_for(q.device)][0](q, k, v, call.kind == "causal", scale,
+    out, lse = KERNEL_CODE[options.backend_for(q.device)].dense[0](q, k, v, call.kind == "causal", scale,
                                                          options, call.band)
     return out, lse.to(acc_dtype(q))
 
@@ -206,7 +233,7 @@ def attend_whole_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     call = _whole_call(q, k, qb, kb, causal, window)
     if call is None:
         return None
-    return _DENSE[options.backend_for(q.device)][1](dout, q, k, v, out, lse,
+    return KERNEL_CODE[options.backend_for(q.device)].dense[1](dout, q, k, v, out, lse,
                                                     call.kind == "causal", scale, options,
                                                     call.band)
 
@@ -223,7 +250,7 @@ def attend_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal
     backend = options.backend_for(q.device)
     groups = _packed(qb, kb, causal, window, backend)
     if groups is not None:
-        fwd = _VARLEN[backend][0]
+        fwd = KERNEL_CODE[backend].varlen[0]
         flat_out = out_acc.view(-1, *out_acc.shape[2:])
         for g in groups:
             q_index, k_index, cu_q, cu_k = g.on(q.device)
@@ -236,7 +263,7 @@ def attend_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal
             flat_out.index_copy_(0, q_index, rows_out[0])
             _lse_scatter(lse_acc, q_index, rows_lse[0].t())
         return len(groups)
-    fwd = _DENSE[backend][0]
+    fwd = KERNEL_CODE[backend].dense[0]
     calls = qb.calls(kb, causal, window)
     for bs, qs, ks, kind, band in calls:
         out, lse = fwd(q[bs, qs], k[bs, ks], v[bs, ks], kind == "causal", scale, options, band)
@@ -264,7 +291,7 @@ def attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     backend = options.backend_for(q.device)
     groups = _packed(qb, kb, causal, window, backend)
     if groups is not None:
-        bwd = _VARLEN[backend][1]
+        bwd = KERNEL_CODE[backend].varlen[1]
         for g in groups:
             q_index, k_index, cu_q, cu_k = g.on(q.device)
             dq, dk, dv = bwd(_rows(dout, q_index), _rows(q, q_index), _rows(k, k_index),
@@ -275,7 +302,7 @@ def attend_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
                                      (dv_acc, dv, k_index)):
                 acc.view(-1, *acc.shape[2:]).index_add_(0, index, grad.to(acc.dtype))
         return
-    bwd = _DENSE[backend][1]
+    bwd = KERNEL_CODE[backend].dense[1]
     for bs, qs, ks, kind, band in qb.calls(kb, causal, window):
         dq, dk, dv = bwd(dout[bs, qs], q[bs, qs], k[bs, ks], v[bs, ks], out[bs, qs],
                          lse[bs, :, qs], kind == "causal", scale, options, band)

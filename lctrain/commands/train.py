@@ -18,13 +18,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from lctrain.attention.cuda_kernels import FLASH_INSTALL, flash_attn_installed
+from lctrain.attention.kernels import KERNEL_CODE
 from lctrain.commands import run_lock
 from lctrain.commands.args import CommandArgs
 from lctrain.commands.checks import preflight
 from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.derived import local_world_size
 from lctrain.config.device_rules import cuda_problems, kernel_device_problems
+from lctrain.config.kernel_backends import backends_on, kernel_backend
 from lctrain.config.validation import warnings_for
 from lctrain.data.ingest import DataError
 from lctrain.parallel import launch, progress
@@ -55,10 +56,20 @@ def cuda_host_problems(cfg: LctrainConfig, nproc: int | None) -> list[str]:
         problems.append(f"launch.nproc={nproc} local ranks need {nproc} GPUs, this machine has "
                         f"{gpus}; lower the parallel sizes or launch with torchrun/srun across "
                         "nodes")
-    if cfg.train.attention_kernel == "flash_attn" and not flash_attn_installed():
-        problems.append("train.attention_kernel=flash_attn, and flash-attn is not installed: "
-                        f"{FLASH_INSTALL}; or train.attention_kernel=torch (no extra package)")
+    problems += kernel_install_problems(cfg.train.attention_kernel)
     return problems
+
+
+def kernel_install_problems(name: str) -> list[str]:
+    """A named attention kernel whose package does not import here: what to install, or the
+    backend of the same device that needs no package."""
+    if name == "auto" or KERNEL_CODE[name].installed():
+        return []
+    facts = kernel_backend(name)
+    plain = [n for n in backends_on(facts.device) if kernel_backend(n).package is None]
+    return [f"train.attention_kernel={name}, and {facts.package} is not installed: "
+            f"{facts.install}" + (f"; or train.attention_kernel={plain[0]} (no extra package)"
+                                   if plain else "")]
 
 
 def host_problems(cfg: LctrainConfig, nproc: int) -> list[str]:

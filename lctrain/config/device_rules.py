@@ -6,12 +6,11 @@ names the device; `lctrain train` runs them again once train.device=auto is reso
 
 from __future__ import annotations
 
+from lctrain.config.kernel_backends import backends_on, kernel_backend
 from lctrain.config.schema import LctrainConfig
 from lctrain.config.suggest import nearest_multiple
 
 FLASH_HEAD_DIM_MAX = 256
-CUDA_KERNELS = ("torch", "flash_attn")
-"""train.attention_kernel values that run on CUDA only (cpu and reference run on the CPU only)."""
 
 
 def uses_lctrain_kernels(cfg: LctrainConfig) -> bool:
@@ -24,13 +23,14 @@ def uses_lctrain_kernels(cfg: LctrainConfig) -> bool:
 def kernel_device_problems(cfg: LctrainConfig, device: str) -> list[str]:
     """train.attention_kernel against the device the run trains on (cpu | cuda)."""
     kernel = cfg.train.attention_kernel
-    if device == "cuda" and kernel in ("cpu", "reference"):
+    if kernel == "auto" or kernel_backend(kernel).device == device:
+        return []
+    if device == "cuda":
         return [f"train.attention_kernel={kernel} runs on the CPU only, and this run trains on "
-                "CUDA; use train.attention_kernel=auto (or torch, flash_attn)"]
-    if device == "cpu" and kernel in CUDA_KERNELS:
-        return [f"train.attention_kernel={kernel} runs on CUDA only, and this run trains on the "
-                "CPU; use train.attention_kernel=auto (or cpu, reference) or train.device=cuda"]
-    return []
+                f"CUDA; use train.attention_kernel=auto (or {', '.join(backends_on('cuda'))})"]
+    return [f"train.attention_kernel={kernel} runs on CUDA only, and this run trains on the "
+            f"CPU; use train.attention_kernel=auto (or {', '.join(backends_on('cpu'))}) or "
+            "train.device=cuda"]
 
 
 def cuda_problems(cfg: LctrainConfig) -> list[str]:

@@ -9,12 +9,27 @@ from dataclasses import field, fields
 from lctrain.config.registry import Registry
 
 
+class _WithRegistry:
+    """Fixed choices followed by a registry's names, read when asked (`in`, iteration)."""
+
+    def __init__(self, fixed: tuple[str, ...], registry: Registry):
+        self.fixed, self.registry = fixed, registry
+
+    def __iter__(self):
+        return iter((*self.fixed, *self.registry))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.fixed or name in self.registry
+
+
 def one_of(*choices: str, default: str | None = None, registry: Registry | None = None):
-    """A string field whose value must be one of `choices` (the first is the default), or one
-    of the names in `registry` when it is read (a choice that grows: docs/extending.md)."""
+    """A string field whose value must be one of `choices` (the first is the default), and with
+    a `registry` one of the names in it when it is read (a choice that grows:
+    docs/extending.md); a registry field without fixed choices names its default."""
     if registry is not None:
-        assert not choices and default is not None, "a registry field names its default"
-        return field(default=default, metadata={"choices": registry})
+        assert choices or default is not None, "a registry field names its default"
+        return field(default=choices[0] if default is None else default,
+                     metadata={"choices": _WithRegistry(choices, registry)})
     return field(default=choices[0] if default is None else default,
                  metadata={"choices": choices})
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from lctrain.config.cp_algorithms import CP_ALGORITHMS
 from lctrain.config.fields import at_least, each_one_of, one_of
+from lctrain.config.kernel_backends import KERNEL_BACKENDS
 from lctrain.config.model_families import MODEL_FAMILIES
 from lctrain.config.schema_launch import LaunchConfig, PlanConfig, SlurmConfig
 
@@ -267,13 +268,14 @@ class TrainConfig:
     for attention_kernel=torch, torch's deterministic-algorithms switch set around each
     attention backward call only. Either way attention runs lctrain's kernel layer, never SDPA.
     CPU kernels are deterministic anyway."""
-    attention_kernel: str = one_of("auto", "torch", "flash_attn", "cpu", "reference")
+    attention_kernel: str = one_of("auto", registry=KERNEL_BACKENDS)
     """Attention kernels under lctrain's attention layer (context parallelism, packed documents,
     deterministic): auto (CUDA: flash_attn when installed, else torch; CPU: cpu) | torch
     (CUDA: PyTorch's built-in flash attention, no extra package) | flash_attn (CUDA: the
     flash-attn package, the `gpu` extra) | cpu (PyTorch's CPU flash-attention op) | reference
-    (CPU: plain-torch varlen kernel, for checks). Anything but auto also routes plain local
-    attention through lctrain's kernels instead of SDPA."""
+    (CPU: plain-torch varlen kernel, for checks), or a backend registered in
+    lctrain.config.kernel_backends. Anything but auto also routes plain local attention
+    through lctrain's kernels instead of SDPA."""
     activation_checkpointing: str = one_of("none", "selective", "full")
     """none | selective (save matmul and attention outputs, recompute the rest) | full (whole
     blocks recomputed in backward)."""

@@ -45,7 +45,7 @@ def _policy(save: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:
 def saved_ops(mode: str, cp: int, kernel_ops: set = frozenset()) -> set | None:
     """The ops whose outputs selective checkpointing keeps (None: full recompute); at cp = 1
     also `kernel_ops`, the forward ops of lctrain's kernel backend (documents, or a named
-    train.attention_kernel: lctrain.attention.cuda_kernels.forward_ops)."""
+    train.attention_kernel: lctrain.attention.kernels.forward_ops)."""
     if mode == "full":
         return None
     return MATMULS | (LOCAL_ATTENTION | set(kernel_ops) if cp == 1 else set())

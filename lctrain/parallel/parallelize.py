@@ -16,8 +16,7 @@ from torch import nn
 
 from lctrain import device
 from lctrain.attention import ContextParallelAttention
-from lctrain.attention.cuda_kernels import forward_ops
-from lctrain.attention.kernels import KernelOptions
+from lctrain.attention.kernels import KernelOptions, forward_ops
 from lctrain.config import LctrainConfig
 from lctrain.config.derived import load_balance_of
 from lctrain.layout.comm import sum_passing_grad
