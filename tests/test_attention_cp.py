@@ -18,7 +18,7 @@ from lctrain.attention.calls import Block, kernel_calls
 from lctrain.attention.kernels import KernelOptions
 from lctrain.attention.local import local_attention
 from lctrain.attention.varlen_reference import register_cpu_flash_ops
-from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm
+from lctrain.config.cp_algorithms import algorithm_layouts, cp_algorithm
 from lctrain.layout import sequence
 from lctrain.layout.comm import record_traffic
 from lctrain.layout.halo import halo_tokens
@@ -230,12 +230,7 @@ def run_cases(cases: list[dict]) -> int:
 def layouts_for(world: int) -> list[tuple[str, int, int]]:
     """(algorithm, ring size, Ulysses size) of every registered algorithm on `world` ranks, at
     each Ulysses degree the layout search tries (USP: 2 on 4 ranks, 2 and 4 on 8; none on 2)."""
-    out = []
-    for a in CP_ALGORITHMS.entries():
-        for setting in a.searched_degrees(world):
-            u = a.degree(world, setting)
-            out.append((a.name, world // u, u))
-    return out
+    return [(name, world // u, u) for name, u in algorithm_layouts(world)]
 
 
 def cases_for(world: int) -> list[dict]:

@@ -8,7 +8,6 @@ formula says, then leaves no trace once unregistered.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import re
 from pathlib import Path
@@ -47,12 +46,16 @@ def _key_doc(name: str) -> str:
     return next(k for k in keys(name.split(".")[0]) if k.name == name).doc
 
 
-def _literal(path: Path, name: str):
-    """The literal value assigned to `name` at the top of a Python file (read, not imported)."""
-    tree = ast.parse(path.read_text())
-    node = next(n for n in tree.body if isinstance(n, ast.Assign)
-                and any(isinstance(t, ast.Name) and t.id == name for t in n.targets))
-    return ast.literal_eval(node.value)
+def _gpu_check():
+    """tools/gpu_check.py, imported (its case lists come from the registries)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("gpu_check", module)
+    spec.loader.exec_module(module)
+    return module
 
 
 SHAPE = LayerShape(batch=2, seq_len=64, cp=4, ulysses=2, tp=1, dim=64, heads=4, kv_heads=2,
@@ -109,7 +112,7 @@ def test_every_algorithm_is_tested(name):
     (tests/test_train_parity.py) and on a GPU (tools/gpu_check.py)."""
     assert any(c["algorithm"] == name for w in (2, 4, 8) for c in cases_for(w))
     assert any(par.get("attention") == name for _, par in CP_LAYOUTS)
-    assert any(case[0] == name for case in _literal(ROOT / "tools/gpu_check.py", "CP_CASES"))
+    assert any(case[0] == name for case in _gpu_check().CP_CASES)
     assert any(a == name for cp in (2, 4, 8) for a, _ in attentions(cp))  # plan.search
 
 

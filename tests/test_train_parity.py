@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from lctrain.config import derive
+from lctrain.config.cp_algorithms import algorithm_layouts, layout_overrides
 from lctrain.config.derived import load_balance_of
 from lctrain.data.batch import IGNORE_INDEX, MicroBatch, micro_batch_from_tokens
 from lctrain.parallel.data_parallel import gradient_sync
@@ -95,13 +96,10 @@ def test_bf16_autocast_trains(tmp_path):
 
 
 CP_LAYOUTS = [  # (world, parallel overrides)
-    (2, {"cp": 2, "attention": "ring"}),
-    (2, {"cp": 2, "attention": "ulysses"}),
-    (2, {"cp": 2, "attention": "allgather", "load_balance": "none"}),
-    (4, {"cp": 4, "attention": "ring"}),
-    (4, {"cp": 4, "attention": "ulysses"}),  # 2 KV heads replicated x2 for Ulysses degree 4
-    (4, {"cp": 4, "attention": "usp", "ulysses_degree": 2}),
-    (4, {"cp": 4, "attention": "allgather"}),
+    # every registered algorithm on 2 and 4 ranks at each Ulysses degree the search tries
+    # (Ulysses at 4: the 2 KV heads replicated x2), the contiguous split on 2, and DDP
+    *((cp, {**layout_overrides(name, cp, u), "load_balance": "none" if cp == 2 else "auto"})
+      for cp in (2, 4) for name, u in algorithm_layouts(cp)),
     (4, {"cp": 2, "dp": 2, "attention": "ring", "dp_engine": "ddp"}),
 ]
 
@@ -112,7 +110,8 @@ def test_context_parallel_training_matches_one_process(tmp_path, document_maskin
     data = {"document_masking": document_masking}
     base = tiny_config(train={"steps": 3, "global_batch": 2, "micro_batch": 2}, data=data)
     ref = on_ranks(_train, 1, base, str(tmp_path / "ref"))[0]
-    layouts = [CP_LAYOUTS[i] for i in (3, 5, 6)] if document_masking else CP_LAYOUTS
+    layouts = [(w, par) for w, par in CP_LAYOUTS if w == 4 and par["cp"] == 4] \
+        if document_masking else CP_LAYOUTS
     for i, (world, par) in enumerate(layouts):
         train_over = {"micro_batch": 1} if par.get("dp", 1) > 1 else {}
         cfg = tiny_config(train={"steps": 3, "global_batch": 2, "micro_batch": 2, **train_over},

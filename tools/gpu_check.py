@@ -49,6 +49,7 @@ from lctrain.attention.kernels import KERNEL_CODE, KernelOptions  # noqa: E402
 from lctrain.attention.local import local_attention  # noqa: E402
 from lctrain.attention.varlen_reference import register_cpu_flash_ops  # noqa: E402
 from lctrain.config import LctrainConfig, ModelConfig  # noqa: E402
+from lctrain.config.cp_algorithms import algorithm_layouts  # noqa: E402
 from lctrain.config.kernel_backends import backends_on  # noqa: E402
 from lctrain.data.batch import micro_batch_from_tokens  # noqa: E402
 from lctrain.data.loader import build_loader  # noqa: E402
@@ -199,9 +200,10 @@ def check_kernels(ctx: Context) -> dict:
                       f"backward bit-identical: {deterministic}{missing}"}
 
 
-CP_CASES = [("ring", 2, 1), ("ulysses", 2, 2), ("allgather", 2, 1), ("ring", 4, 1),
-            ("ulysses", 4, 4), ("allgather", 4, 1), ("usp", 4, 2)]
-"""(algorithm, ranks, Ulysses degree): every algorithm on 2 and 4 ranks (USP needs 4)."""
+CP_CASES = [(name, ranks, ulysses) for ranks in (2, 4)
+            for name, ulysses in algorithm_layouts(ranks)]
+"""(algorithm, ranks, Ulysses degree): every registered algorithm on 2 and 4 ranks at each
+Ulysses degree the layout search tries (USP: 2 on 4 ranks)."""
 
 
 def _cp_rank(algorithm: str, ulysses: int, dry_run: bool) -> float:

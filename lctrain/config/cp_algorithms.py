@@ -176,6 +176,21 @@ CP_ALGORITHMS: Registry[CPAlgorithm] = Registry("context-parallel attention algo
 """The registered algorithms; their names are the values `parallel.attention` takes."""
 
 
+def algorithm_layouts(cp: int) -> list[tuple[str, int]]:
+    """(algorithm, Ulysses degree) of every registered algorithm on `cp` ranks, at each
+    parallel.ulysses_degree `plan.search` tries (USP: 2 on 4 ranks, 2 and 4 on 8, none on 2):
+    the cases the tests and the GPU check run every algorithm at."""
+    return [(a.name, a.degree(cp, setting)) for a in CP_ALGORITHMS.entries()
+            for setting in a.searched_degrees(cp)]
+
+
+def layout_overrides(name: str, cp: int, ulysses: int) -> dict:
+    """The parallel.* values of algorithm `name` on `cp` ranks at Ulysses degree `ulysses`."""
+    key = CP_ALGORITHMS[name].degree_key
+    return {"cp": cp, "attention": name, **({key.split(".")[1]: ulysses}
+                                            if key == "parallel.ulysses_degree" else {})}
+
+
 def cp_algorithm(name: str) -> CPAlgorithm:
     return CP_ALGORITHMS[name]
 
