@@ -22,8 +22,8 @@ from lctrain.commands.plot import read_metrics
 from lctrain.data.loader import DataLoader
 from lctrain.data.shards import DatasetChangedError, ShardWriter, TokenStore
 from lctrain.parallel.launch import RankFailure, run_ranks
+from lctrain.rundir import files
 from lctrain.training import checkpoint as ck
-from lctrain.training import files
 from lctrain.training import metrics as M
 from tests.helpers import dp2_config, on_ranks, with_overrides
 
@@ -99,7 +99,7 @@ class _TornFile:
 
 
 def _full_disk_for(match):
-    """A fault: in the run dir's writers (lctrain.training.files: write_atomic, the manifest),
+    """A fault: in the run dir's writers (lctrain.rundir.files: write_atomic, the manifest),
     files whose path `match`es are written halfway, then the disk is full."""
     def install(me):
         def torn_open(path, mode="r", *args, **kwargs):
@@ -111,7 +111,7 @@ def _full_disk_for(match):
 
 def _read_only_replace(match):
     """A fault: os.replace(src, dst) fails with EROFS where match(src, dst), in checkpoint.py
-    (a checkpoint's rename) and lctrain.training.files (write_atomic)."""
+    (a checkpoint's rename) and lctrain.rundir.files (write_atomic)."""
     def install(me):
         def replace(src, dst):
             if match(str(src), str(dst)):

@@ -25,7 +25,7 @@ from lctrain.config.derived import local_world_size
 from lctrain.parallel.launch import run_ranks
 from lctrain.planning.hardware import calibration_path, hardware_from_calibration
 from lctrain.planning.timing import CALIBRATED_LAYOUTS, CalibratedLayout, predict_step_time
-from lctrain.training.files import write_atomic
+from lctrain.rundir.files import write_atomic
 from lctrain.training.loop import train
 from lctrain.training.metrics import measure_matmul_tflops
 

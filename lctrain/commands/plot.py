@@ -33,6 +33,7 @@ from pathlib import Path
 
 from lctrain.commands.args import CommandArgs
 from lctrain.config import ConfigError
+from lctrain.rundir import RunDir
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
            "#17becf")
@@ -112,13 +113,13 @@ def load_runs(paths: list[str]) -> list[Run]:
     for given, d in zip(paths, dirs):
         if not d.exists():
             problems.append(f"{given}: no such file or directory")
-        elif not (d / "metrics.jsonl").is_file():
+        elif not RunDir(d).metrics.is_file():
             problems.append(f"{given}: not a run dir (no metrics.jsonl); a run dir is the "
                             "hydra.run.dir of `lctrain train`, holding metrics.jsonl (one JSON "
                             "row per logged step) beside its checkpoints")
         else:
             try:
-                rows.append(read_metrics(d / "metrics.jsonl"))
+                rows.append(read_metrics(RunDir(d).metrics))
             except ConfigError as e:
                 problems += e.problems
     if problems:

@@ -19,9 +19,9 @@ from omegaconf import OmegaConf
 from lctrain.commands import run_lock
 from lctrain.commands.args import CommandArgs
 from lctrain.commands.plot import read_metrics
-from lctrain.commands.submit import JOBS_FILE
 from lctrain.config import ConfigError
 from lctrain.parallel.progress import diagnose, read_records
+from lctrain.rundir import CONFIG, RunDir
 from lctrain.training.checkpoint import complete_checkpoints
 
 RATE_WINDOW = 10
@@ -66,20 +66,20 @@ def _duration(seconds: float) -> str:
 def describe(run_dir: Path) -> list[tuple[str, str]]:
     """(field, value) rows for one run dir; raises ConfigError when it is not a run dir."""
     run_dir = run_dir.resolve()
-    config = run_dir / "config.yaml"
+    room = RunDir(run_dir)
+    config = room.config
     if not config.is_file():
-        raise ConfigError([f"{run_dir} is not a run dir: it has no config.yaml (a run dir holds "
-                           "config.yaml, metrics.jsonl and checkpoints/, written by lctrain train "
+        raise ConfigError([f"{run_dir} is not a run dir: it has no {CONFIG} (a run dir holds "
+                           f"{CONFIG}, metrics.jsonl and checkpoints/, written by lctrain train "
                            "or lctrain submit)"], header="no status")
     cfg = OmegaConf.load(config)
     steps = int(cfg.train.steps)
     rows = [("run dir", str(run_dir))]
-    jobs = (run_dir / JOBS_FILE).read_text().split() if (run_dir / JOBS_FILE).is_file() else []
+    jobs = room.jobs.read_text().split() if room.jobs.is_file() else []
     if jobs:
         rows.append(("job", f"{jobs[-1]}: {job_state(jobs[-1])}"
                      + (f"; earlier jobs {', '.join(jobs[:-1])}" if len(jobs) > 1 else "")))
-    path = run_dir / "metrics.jsonl"
-    metrics = read_metrics(path) if path.is_file() else []
+    metrics = read_metrics(room.metrics) if room.metrics.is_file() else []
     if metrics:
         last = metrics[-1]
         recent = metrics[-RATE_WINDOW:]
@@ -95,14 +95,14 @@ def describe(run_dir: Path) -> list[tuple[str, str]]:
         ]
     else:
         rows.append(("step", f"none logged yet (0 / {steps})"))
-    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.get("dir") else run_dir / "checkpoints"
+    root = room.checkpoints(cfg.checkpoint.get("dir"))
     found = complete_checkpoints(root)
     rows.append(("checkpoint", f"{found[0]} ({_ago(time.time() - found[0].stat().st_mtime)})"
                  if found else f"none complete in {root}"))
     rows.append(("lock", lock_row(run_dir)))
     rows += rank_rows(read_records(run_dir), time.time())
-    if (run_dir / "STOP").exists():
-        rows.append(("stop file", f"{run_dir / 'STOP'}: training stops after its current step"))
+    if room.stop.exists():
+        rows.append(("stop file", f"{room.stop}: training stops after its current step"))
     return rows
 
 

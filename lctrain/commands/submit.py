@@ -48,13 +48,14 @@ from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.compose import Composed, compose
 from lctrain.config.derived import local_world_size, slurm_ranks_per_node, slurm_world
 from lctrain.config.resolved import to_yaml
+from lctrain.rundir import RunDir
+from lctrain.rundir.files import write_atomic
 from lctrain.training.preemption import STOPPED
 
 STOP_TOKEN = "${SLURM_JOB_ID}.${SLURM_RESTART_COUNT:-0}"
 """What the USR1 trap writes into RUN_DIR/STOP: this job, this start of it."""
 TEMPLATES = Path(__file__).with_name("templates")
 """The batch script's template files (package data: pyproject.toml ships them)."""
-JOBS_FILE = "slurm_jobs"
 """Job ids submitted into a run dir, one per line, oldest first (`lctrain status` reads it)."""
 
 
@@ -132,7 +133,7 @@ def render_sbatch(cfg: LctrainConfig, overrides: list[str], run_dir: Path) -> st
         requeue_flag="--requeue" if s.requeue else "--no-requeue",
         placement=[f"#SBATCH --{flag}={value}" for flag, value in
                    (("partition", s.partition), ("account", s.account), ("qos", s.qos)) if value],
-        stop_token=STOP_TOKEN, stop_file=shlex.quote(str(run_dir / "STOP")),
+        stop_token=STOP_TOKEN, stop_file=shlex.quote(str(RunDir(run_dir).stop)),
         setup=list(s.setup), exports=[f"export {k}={shlex.quote(str(v))}"
                                       for k, v in s.env.items()],
         omp_num_threads=max(cpus // max(per_node, 1), 1), python=shlex.quote(job_python(cfg)),
@@ -283,14 +284,15 @@ def submit(composed: Composed, sbatch: str) -> str:
     """Save the script and config in the run dir, submit, and return the job id."""
     run_dir = composed.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    room = RunDir(run_dir)
     script = run_dir / "submit.sbatch"
     script.write_text(render_sbatch(composed.cfg, composed.overrides, run_dir))
-    (run_dir / "config.yaml").write_text(to_yaml(composed.cfg))
+    write_atomic(room.config, to_yaml(composed.cfg))  # whole or not at all
     done = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"sbatch {script} failed: {done.stderr.strip()}")
     job_id = done.stdout.strip().split(";")[0]
-    with open(run_dir / JOBS_FILE, "a") as f:
+    with open(room.jobs, "a") as f:
         f.write(job_id + "\n")
     return job_id
 

@@ -30,9 +30,9 @@ from lctrain.config.validation import warnings_for
 from lctrain.data.ingest import DataError
 from lctrain.parallel import launch, progress
 from lctrain.planning.memory import param_count
+from lctrain.rundir.files import RunDirError
 from lctrain.training import loop
 from lctrain.training.checkpoint import CheckpointError
-from lctrain.training.files import RunDirError
 from lctrain.training.loop import NonFiniteError
 
 RUN_ERRORS = (RunDirError, CheckpointError, DataError, NonFiniteError)

@@ -51,6 +51,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from lctrain.parallel import deepspeed_engine
+from lctrain.rundir import CONFIG, RunDir
+from lctrain.rundir.files import describe_os_error, errnos_in, write_advice, write_synced
 from lctrain.training.checkpoint_format import (
     MANIFEST,
     STATE,
@@ -65,7 +67,6 @@ from lctrain.training.checkpoint_format import (
     tensor_state,
     write_json,
 )
-from lctrain.training.files import describe_os_error, errnos_in, write_advice, write_synced
 from lctrain.training.optim import resume_scheduler
 
 __all__ = [  # with checkpoint_format's names, which commands, tools and bench import here
@@ -105,7 +106,7 @@ class Checkpointer:
     def __init__(self, cfg, rt, run_dir: Path, config_yaml: str, log=print):
         c = cfg.checkpoint
         self.cfg, self.rt, self.config_yaml, self.log = cfg, rt, config_yaml, log
-        self.root = Path(c.dir) if c.dir else Path(run_dir) / "checkpoints"
+        self.root = RunDir(run_dir).checkpoints(c.dir)
         self.layout = {"world_size": rt.world_size, "shape": list(rt.topology.shape),
                        "dp_engine": cfg.parallel.dp_engine}
         if cfg.parallel.dp_engine == "deepspeed":
@@ -213,10 +214,10 @@ class Checkpointer:
     def _publish(self, tmp: Path, step: int, extra: dict, files: dict) -> None:
         """Rank 0: the remaining files, the manifest last, then the rename that makes it real."""
         write_json(tmp / STATE, extra)
-        write_synced(tmp / "config.yaml", self.config_yaml.encode())
+        write_synced(tmp / CONFIG, self.config_yaml.encode())
         engine_files = sorted(str(f.relative_to(tmp)) for f in (tmp / deepspeed_engine.TAG).rglob(
             "*") if f.is_file())
-        for name in [n for n in (".metadata", STATE, "config.yaml") if (tmp / n).is_file()] + \
+        for name in [n for n in (".metadata", STATE, CONFIG) if (tmp / n).is_file()] + \
                 engine_files:
             files[name] = {"size": (tmp / name).stat().st_size, "sha256": sha256_file(tmp / name)}
         write_json(tmp / MANIFEST, {"step": step, "files": files})

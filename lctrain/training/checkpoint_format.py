@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 
 from lctrain import device
 from lctrain.models.registry import new_model
-from lctrain.training.files import write_synced
+from lctrain.rundir.files import write_synced
 
 MANIFEST = "manifest.json"
 STATE = "train_state.json"

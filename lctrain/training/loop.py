@@ -45,10 +45,11 @@ from lctrain.parallel.pipeline import PipelinedModel
 from lctrain.parallel.runtime import Runtime, setup_distributed
 from lctrain.parallel.tensor import loss_value, plus_aux, vocab_parallel
 from lctrain.planning.memory import param_count
+from lctrain.rundir import RunDir
+from lctrain.rundir.files import write_atomic
 from lctrain.training.checkpoint import Checkpointer, TrainState
 from lctrain.training.checkpoint_format import complete_checkpoints
 from lctrain.training.evals import Evaluator, format_table
-from lctrain.training.files import write_atomic
 from lctrain.training.metrics import MetricsLogger, StepMeter
 from lctrain.training.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from lctrain.training.preemption import PreemptionWatcher
@@ -295,7 +296,7 @@ def _newest_step(cfg: LctrainConfig, run_dir: Path) -> int:
     c = cfg.checkpoint
     if c.load is not None or c.resume != "auto":
         return 0
-    found = complete_checkpoints(Path(c.dir) if c.dir else run_dir / "checkpoints")
+    found = complete_checkpoints(RunDir(run_dir).checkpoints(c.dir))
     return int(found[0].name.split("-")[1]) if found else 0
 
 
@@ -315,7 +316,7 @@ def _train_stage(full: LctrainConfig, stage: Stage, run_dir: str | os.PathLike,
     stopped = False
     try:
         # ---- setup, in data-flow order
-        closing.watcher = watcher = PreemptionWatcher(run_dir / "STOP", rt.rank)
+        closing.watcher = watcher = PreemptionWatcher(RunDir(run_dir).stop, rt.rank)
         closing.record = _progress_record(cfg, rt, run_dir)
         _write_config(full, rt, run_dir)
         model, optimizer, scheduler, loader = build_training(cfg, rt)
@@ -403,7 +404,7 @@ def _progress_record(cfg: LctrainConfig, rt: Runtime, run_dir: Path) -> progress
 def _write_config(cfg: LctrainConfig, rt: Runtime, run_dir: Path) -> None:
     if rt.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(run_dir / "config.yaml", to_yaml(cfg))  # a failed write keeps the old
+        write_atomic(RunDir(run_dir).config, to_yaml(cfg))  # a failed write keeps the old
 
 
 def build_training(cfg: LctrainConfig, rt: Runtime) -> tuple[nn.Module, torch.optim.AdamW,

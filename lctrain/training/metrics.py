@@ -46,7 +46,8 @@ from lctrain.config import LctrainConfig, LoggingConfig
 from lctrain.parallel.runtime import Runtime
 from lctrain.planning.flops import datasheet_peak_tflops, mfu, train_flops_per_step
 from lctrain.planning.traffic import step_traffic_bytes
-from lctrain.training.files import RunDirError, describe_os_error, write_advice, write_atomic
+from lctrain.rundir import RunDir
+from lctrain.rundir.files import RunDirError, describe_os_error, write_advice, write_atomic
 
 WANDB_ID_FILE = "wandb_run_id"
 """The W&B run id in the run dir: a restarted run continues that W&B run."""
@@ -193,7 +194,7 @@ class MetricsLogger:
                  config_dict: dict | None = None):
         self.cfg, self.rank, self.total_steps = cfg, rank, total_steps
         self.enabled = rank == 0
-        self.run_dir, self.path = run_dir, run_dir / "metrics.jsonl"
+        self.run_dir, self.path = run_dir, RunDir(run_dir).metrics
         self._fd: int | None = None
         self._progress = self._task = self._wandb = self._tensorboard = None
         if not self.enabled:

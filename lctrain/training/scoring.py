@@ -18,9 +18,9 @@ from lctrain.config import LctrainConfig
 from lctrain.config.resolved import as_dict, to_yaml
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
+from lctrain.rundir.files import write_atomic
 from lctrain.training.checkpoint import Checkpointer
 from lctrain.training.evals import Evaluator, format_table
-from lctrain.training.files import write_atomic
 from lctrain.training.metrics import MetricsLogger
 
 EVAL_FILE = "eval.json"

@@ -1,0 +1,53 @@
+"""The run directory's room: the names of the files a run keeps in its directory and where its
+checkpoints go, in one place for every command and the training loop, and (`files`) how its
+files are written whole or not at all. Pure paths and files: it imports nothing from lctrain
+and no torch, so the commands that only read a run (`lctrain status`, `lctrain plot`) can use
+it without the training stack.
+
+    RUN_DIR/config.yaml      the resolved config (written whole or not at all)
+    RUN_DIR/metrics.jsonl    one JSON row per logged step
+    RUN_DIR/STOP             a request to stop after the current step (`lctrain stop`)
+    RUN_DIR/slurm_jobs       the Slurm jobs `lctrain submit` started for the run
+    RUN_DIR/checkpoints/     the checkpoints, unless checkpoint.dir puts them elsewhere
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIG = "config.yaml"
+METRICS = "metrics.jsonl"
+STOP = "STOP"
+JOBS = "slurm_jobs"
+CHECKPOINTS = "checkpoints"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """The files of one run directory."""
+
+    path: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "path", Path(self.path))
+
+    @property
+    def config(self) -> Path:
+        return self.path / CONFIG
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def stop(self) -> Path:
+        return self.path / STOP
+
+    @property
+    def jobs(self) -> Path:
+        return self.path / JOBS
+
+    def checkpoints(self, checkpoint_dir: str | None = None) -> Path:
+        """Where the run's checkpoints go: checkpoint.dir when set, else RUN_DIR/checkpoints."""
+        return Path(checkpoint_dir) if checkpoint_dir else self.path / CHECKPOINTS
