@@ -545,6 +545,20 @@ def passes_at_moments(schedule: str, pp: int, microbatches: int, virtual: int,
                  for k in _moments(warmup, m * v))
 
 
+def backward_stages(schedule: str, pp: int, microbatches: int, virtual: int,
+                    pp_rank: int) -> list[int | None]:
+    """At each moment of `in_flight_moments`, the position (in `rank_stages` order) of the
+    stage whose backward the rank runs next, for the interleaved schedules (the b-th backward
+    runs chunk (b // q) mod v, its stage v - 1 less that); None where it is not known (the other schedules), which counts
+    every stage's working set."""
+    p, m, v, r = pp, microbatches, virtual, pp_rank
+    if p == 1 or schedule not in ("interleaved_1f1b", "zero_bubble"):
+        return [None] * len(in_flight_moments(schedule, pp, microbatches, virtual, pp_rank))
+    q = m // max(1, m // p)
+    warmup = min((v - 1) * q + (2 if schedule == "interleaved_1f1b" else 1) * (p - 1 - r), m * v)
+    return [v - 1 - (max(0, k - warmup) // q) % v for k in _moments(warmup, m * v)]
+
+
 def accumulating_share(cfg: LctrainConfig, world_size: int, pp_rank: int) -> list[float]:
     """At each moment of `in_flight_moments`, the share of the rank's parameters (by stage)
     whose stage has run a backward pass in the step by then, and so holds gradients accumulated

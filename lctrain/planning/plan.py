@@ -35,6 +35,7 @@ from lctrain.planning.memory import (
     active_param_count,
     allocator_allowance,
     attention_buffer_bytes,
+    backward_stages,
     gathered_weight_bytes,
     host_state_parts,
     in_flight_moments,
@@ -119,20 +120,28 @@ def rank_memory(cfg: LctrainConfig, world_size: int, pp_rank: int) -> dict:
     accumulated = accumulated_grad_bytes(cfg, world_size, pp_rank)
     share = accumulating_share(cfg, world_size, pp_rank)
     on_device = 0.0 if t.offload_activations else 1.0
-    peak = max(range(len(moments)), key=lambda i: sends[i] + accumulated * share[i] + on_device
-               * sum(c * b for c, b in zip(moments[i], per_micro_batch)))
+    # the backward working set: the loss head's (on the rank of the last stage) only at the
+    # moments whose next backward is the last stage's, when the schedule tells
+    last = len(split_layers(cfg)) - 1
+    loss_head = last in stages
+    next_backward = backward_stages(p.pp_schedule, p.pp, derive(cfg, world_size).grad_accum,
+                                    p.pp_virtual_stages, pp_rank)
+    working = [working_bytes(cfg, world_size, t.micro_batch,
+                             loss_head and (j is None or stages[j] == last))
+               for j in next_backward]
+    peak = max(range(len(moments)), key=lambda i: sends[i] + accumulated * share[i] + working[i]
+               + on_device * sum(c * b for c, b in zip(moments[i], per_micro_batch)))
     in_flight = moments[peak]
     activations = [n * b for n, b in zip(in_flight, per_micro_batch)]
     kept = sum(activations)
     on_host = kept if t.offload_activations else 0.0
-    loss_head = len(split_layers(cfg)) - 1 in stages
     parts = {
         "weights_grads_adam": state_bytes_per_rank(cfg, world_size, pp_rank),
         "fsdp_gathered_weights": gathered_weight_bytes(cfg, world_size, pp_rank),
         "accumulated_gradients": accumulated * share[peak],
         "activations_kept": kept - on_host,
         "activations_on_host": on_host,
-        "backward_working_set": working_bytes(cfg, world_size, t.micro_batch, loss_head),
+        "backward_working_set": working[peak],
     }
     if p.pp > 1:
         parts["pipeline_buffers"] = (  # received, and sent but not yet waited for
