@@ -126,9 +126,9 @@ def rank_memory(cfg: LctrainConfig, world_size: int, pp_rank: int) -> dict:
     loss_head = last in stages
     next_backward = backward_stages(p.pp_schedule, p.pp, derive(cfg, world_size).grad_accum,
                                     p.pp_virtual_stages, pp_rank)
-    working = [working_bytes(cfg, world_size, t.micro_batch,
-                             loss_head and (j is None or stages[j] == last))
-               for j in next_backward]
+    block, head = (working_bytes(cfg, world_size, t.micro_batch, with_head)
+                   for with_head in (False, loss_head))
+    working = [head if j is None or stages[j] == last else block for j in next_backward]
     peak = max(range(len(moments)), key=lambda i: sends[i] + accumulated * share[i] + working[i]
                + on_device * sum(c * b for c, b in zip(moments[i], per_micro_batch)))
     in_flight = moments[peak]
