@@ -502,17 +502,25 @@ def in_flight_moments(schedule: str, pp: int, microbatches: int, virtual: int,
     # then a forward and a backward per op: w + 1 at each moment; zero bubble: (p-1-r) and each
     # W r ops behind its backward: (v-1) q + p. The k-th forward runs chunk (k // q) mod v, the
     # k-th backward chunk v-1 - (k // q) mod v (docs/parallelism.md §13).
-    q = m // max(1, m // p)
-    warmup = min((v - 1) * q + (2 if schedule == "interleaved_1f1b" else 1) * (p - 1 - r), m * v)
+    q, warmup, on_chunk = _interleaved(schedule, p, m, v, r)
     lag = r if schedule == "zero_bubble" else 0
-
-    def on_chunk(n: int, j: int) -> int:  # of the rank's first n chunk ops, those on chunk j
-        cycles, rest = divmod(n, q * v)
-        return cycles * q + min(q, max(0, rest - j * q))
-
     return tuple(tuple(on_chunk(min(k + 1, m * v), j)
                        - on_chunk(min(max(0, k - warmup - lag), m * v), v - 1 - j)
                        for j in range(v)) for k in _moments(warmup, m * v))
+
+
+def _interleaved(schedule: str, p: int, m: int, v: int, r: int):
+    """(q, w, on_chunk) of an interleaved schedule at pipeline rank r: q micro-batches per
+    round, w warm-up chunk forwards, and on_chunk(n, j), of the rank's first n chunk ops those
+    on chunk j."""
+    q = m // max(1, m // p)
+    warmup = min((v - 1) * q + (2 if schedule == "interleaved_1f1b" else 1) * (p - 1 - r), m * v)
+
+    def on_chunk(n: int, j: int) -> int:
+        cycles, rest = divmod(n, q * v)
+        return cycles * q + min(q, max(0, rest - j * q))
+
+    return q, warmup, on_chunk
 
 
 def _moments(warmup: int, chunks: int) -> range:
@@ -533,13 +541,7 @@ def passes_at_moments(schedule: str, pp: int, microbatches: int, virtual: int,
     if pp == 1 or schedule not in ("interleaved_1f1b", "zero_bubble"):
         return None
     p, m, v, r = pp, microbatches, virtual, pp_rank
-    q = m // max(1, m // p)
-    warmup = min((v - 1) * q + (2 if schedule == "interleaved_1f1b" else 1) * (p - 1 - r), m * v)
-
-    def on_chunk(n: int, j: int) -> int:  # as in `in_flight_moments`
-        cycles, rest = divmod(n, q * v)
-        return cycles * q + min(q, max(0, rest - j * q))
-
+    _, warmup, on_chunk = _interleaved(schedule, p, m, v, r)
     return tuple((tuple(on_chunk(min(k + 1, m * v), j) for j in range(v)),
                   tuple(on_chunk(min(max(0, k - warmup), m * v), v - 1 - j) for j in range(v)))
                  for k in _moments(warmup, m * v))
@@ -549,13 +551,12 @@ def backward_stages(schedule: str, pp: int, microbatches: int, virtual: int,
                     pp_rank: int) -> list[int | None]:
     """At each moment of `in_flight_moments`, the position (in `rank_stages` order) of the
     stage whose backward the rank runs next, for the interleaved schedules (the b-th backward
-    runs chunk (b // q) mod v, its stage v - 1 less that); None where it is not known (the other schedules), which counts
-    every stage's working set."""
+    runs chunk (b // q) mod v, its stage v - 1 less that); None where it is not known (the
+    other schedules), which counts every stage's working set."""
     p, m, v, r = pp, microbatches, virtual, pp_rank
     if p == 1 or schedule not in ("interleaved_1f1b", "zero_bubble"):
         return [None] * len(in_flight_moments(schedule, pp, microbatches, virtual, pp_rank))
-    q = m // max(1, m // p)
-    warmup = min((v - 1) * q + (2 if schedule == "interleaved_1f1b" else 1) * (p - 1 - r), m * v)
+    q, warmup, _ = _interleaved(schedule, p, m, v, r)
     return [v - 1 - (max(0, k - warmup) // q) % v for k in _moments(warmup, m * v)]
 
 
