@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 from lctrain.commands.args import CommandArgs
 from lctrain.commands.init_from import resolve_model
-from lctrain.commands.run_lock import RunDirLocked
 from lctrain.config import ConfigError
 from lctrain.config.compose import compose
 from lctrain.config.paths import recipe_names
 from lctrain.config.resolved import to_yaml
+from lctrain.rundir.lock import RunDirLocked
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""One job per run dir (lctrain.commands.run_lock): take and release, refusal naming the holder,
+"""One job per run dir (lctrain.rundir.lock): take and release, refusal naming the holder,
 takeover of a dead or silent holder's lock (exactly one of many racers wins), release on
 exception and after SIGKILL, the requeued Slurm job's wait for its previous start, `lctrain
 status`'s lock row, and `lctrain train` end to end: a second job in a live run dir exits 3 (a
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from lctrain import cli
-from lctrain.commands import run_lock
-from lctrain.commands.run_lock import LOCK_FILE, Holder, RunDirLocked
 from lctrain.commands.status import lock_row
 from lctrain.config import ConfigError
+from lctrain.rundir import lock as run_lock
+from lctrain.rundir.lock import LOCK_FILE, Holder, RunDirLocked
 from tests.helpers import run_cli
 
 FORK = mp.get_context("fork")

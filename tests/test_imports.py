@@ -14,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKED = ("hydra", "omegaconf", "wandb", "datasets")
-PACKAGES = ("attention", "config", "data", "layout", "models", "parallel", "planning", "training")
+PACKAGES = ("attention", "config", "data", "layout", "models", "parallel", "planning", "rundir",
+            "training")
 
 BLOCK = f"""
 import importlib, importlib.util, json, pkgutil, sys

@@ -9,6 +9,7 @@ from matplotlib import colors
 from matplotlib import image as mpimg
 
 from lctrain.commands import plot
+from lctrain.rundir.metrics import read_metrics
 from tests.helpers import run_cli
 
 
@@ -83,7 +84,7 @@ def test_default_out_is_the_first_runs_plots_and_skips_are_said(tmp_path, capsys
 
 def test_a_resumed_step_keeps_its_last_row(tmp_path):
     a, _ = _two_runs(tmp_path)
-    rows = plot.read_metrics(a / "metrics.jsonl")
+    rows = read_metrics(a / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert "eval/passkey/acc" not in rows[3]  # the step-4 row before the resume had evals
     assert rows[5]["eval/passkey/acc"] == 0.9

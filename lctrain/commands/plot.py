@@ -25,7 +25,6 @@ imported only once there is something to draw.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from pathlib import Path
 from lctrain.commands.args import CommandArgs
 from lctrain.config import ConfigError
 from lctrain.rundir import RunDir
+from lctrain.rundir.metrics import read_metrics
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
            "#17becf")
@@ -74,26 +74,6 @@ class Line:
     linestyle: str
     steps: list[int]
     values: list[float]
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """The rows of a metrics.jsonl, one per step (the last one logged), ascending by step."""
-    by_step: dict[int, dict] = {}
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError([f"{path}:{number}: not valid JSON ({e.msg}); fix or delete "
-                                   "that line"], header="unreadable metrics") from None
-            if not isinstance(row, dict) or type(row.get("step")) is not int:
-                raise ConfigError([f"{path}:{number}: not a JSON object with an integer "
-                                   "\"step\"; fix or delete that line"],
-                                  header="unreadable metrics")
-            by_step[row["step"]] = row
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def labels(dirs: list[Path]) -> list[str]:

@@ -16,13 +16,13 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from lctrain.commands import run_lock
 from lctrain.commands.args import CommandArgs
-from lctrain.commands.plot import read_metrics
 from lctrain.config import ConfigError
-from lctrain.parallel.progress import diagnose, read_records
 from lctrain.rundir import CONFIG, RunDir
-from lctrain.training.checkpoint import complete_checkpoints
+from lctrain.rundir import lock as run_lock
+from lctrain.rundir.checkpoints import complete_checkpoints
+from lctrain.rundir.metrics import read_metrics
+from lctrain.rundir.progress import diagnose, read_records
 
 RATE_WINDOW = 10
 """Logged steps whose mean step time estimates the time left."""

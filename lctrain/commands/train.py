@@ -5,7 +5,7 @@ Started under torchrun or srun, this process is one rank. Started plainly with a
 than one rank, it starts `launch.nproc` local ranks itself and exits non-zero, naming the rank,
 as soon as any of them fails. Before any rank starts, the launching process (under torchrun or
 srun: global rank 0) takes the run dir's lock, so that a second job in the same run dir exits 3
-naming the first (`lctrain.commands.run_lock`).
+naming the first (`lctrain.rundir.lock`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from pathlib import Path
 import torch.distributed as dist
 
 from lctrain.attention.kernels import KERNEL_CODE
-from lctrain.commands import run_lock
 from lctrain.commands.args import CommandArgs
 from lctrain.commands.checks import preflight
 from lctrain.config import ConfigError, LctrainConfig
@@ -28,8 +27,10 @@ from lctrain.config.device_rules import cuda_problems, kernel_device_problems
 from lctrain.config.kernel_backends import backends_on, kernel_backend
 from lctrain.config.validation import warnings_for
 from lctrain.data.ingest import DataError
-from lctrain.parallel import launch, progress
+from lctrain.parallel import launch
 from lctrain.planning.memory import param_count
+from lctrain.rundir import lock as run_lock
+from lctrain.rundir import progress
 from lctrain.rundir.files import RunDirError
 from lctrain.training import loop
 from lctrain.training.checkpoint import CheckpointError
@@ -181,7 +182,7 @@ def run_ranks(args: CommandArgs, work: RankWork, checks: Callable[[LctrainConfig
 
 
 def _lock_run_dir(run_dir: Path, rank: int) -> contextlib.AbstractContextManager:
-    """The run dir's lock (lctrain.commands.run_lock), taken before any rank or process group
+    """The run dir's lock (lctrain.rundir.lock), taken before any rank or process group
     exists by this process when it launches the ranks, by global rank 0 under torchrun or srun
     (if it refuses, torchrun stops the others); held until the ranks have ended."""
     if rank != 0:

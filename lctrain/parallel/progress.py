@@ -1,19 +1,12 @@
-"""Where every rank is, cheaply, for diagnosing a stalled job: each rank's step, micro-step and
-phase, and per process group the sequence number of the last collective it entered.
+"""Where every rank is, cheaply, for diagnosing a stalled job: this rank's progress record
+(`lctrain.rundir.progress` says what it holds and reads it), written by a daemon thread.
 
-Each rank owns one fixed-size record, RUN_DIR/.progress/rank-NNNNN.json, memory-mapped: a daemon
-thread rewrites it every `INTERVAL_S` (a memcpy, no system call) with the step, micro-step and
-phase the training loop marked (`mark`) and each group's sequence number, read from the process
-group itself (torch counts the collectives every backend issues, FSDP's and DTensor's included,
-so nothing wraps a collective). `advanced_at` is the last time any of those changed; `written_at`
-the last time the thread ran. A rank blocked in a collective keeps writing (its `written_at`
-moves, its `advanced_at` does not); a stopped or wedged process stops writing altogether.
-
-`stall_report` reads every rank's record and says which ranks are behind, where they were, and
-which collective the others are waiting in: in each group, the ranks at the highest sequence
-number have entered a collective that the ranks below it never reached. The local launcher
-builds it when a rank fails or when no rank has advanced for launch.stall_s, rank 0's thread
-under torchrun/srun, and `lctrain status` for a live job.
+The record, RUN_DIR/.progress/rank-NNNNN.json, is memory-mapped: the thread rewrites it every
+INTERVAL_S (a memcpy, no system call) with the step, micro-step and phase the training loop
+marked (`mark`) and each group's sequence number, read from the process group itself (torch
+counts the collectives every backend issues, FSDP's and DTensor's included, so nothing wraps a
+collective). With stall_s set, the thread also watches every rank's record and ends the job with
+a stall report when none has advanced for that long.
 """
 
 from __future__ import annotations
@@ -30,12 +23,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-RECORD_BYTES = 8192
-INTERVAL_S = 0.5
-PROGRESS_DIR = ".progress"
-REPORT_FILE = "stall-report.txt"
-ENDED = ("done", "stopped", "failed")
-"""Phases of a rank that left training (its record's last write)."""
+from lctrain.rundir import RunDir
+from lctrain.rundir.progress import (
+    INTERVAL_S,
+    RECORD_BYTES,
+    read_records,
+    stall_report,
+    stalled_for,
+    write_report,
+)
 
 _current: ProgressRecord | None = None
 
@@ -87,7 +83,7 @@ class ProgressRecord:
         local launcher watches its ranks itself)."""
         global _current
         self.run_dir, self.rank, self.groups, self.stall_s = run_dir, rank, groups, stall_s
-        directory = run_dir / PROGRESS_DIR
+        directory = RunDir(run_dir).progress
         directory.mkdir(parents=True, exist_ok=True)
         if rank == 0:  # records of ranks a previous, larger world left behind
             for stale in directory.glob("rank-*.json"):
@@ -141,7 +137,7 @@ class ProgressRecord:
                                            f"launch.stall_s={self.stall_s:g}")
             write_report(self.run_dir, report)
             print(f"{report}\nlctrain: ending the job (report in "
-                  f"{self.run_dir / REPORT_FILE})", file=sys.stderr, flush=True)
+                  f"{RunDir(self.run_dir).stall_report})", file=sys.stderr, flush=True)
             os._exit(1)  # from this thread: the main thread is stuck; torchrun ends the rest
 
     def close(self, phase: str) -> None:
@@ -154,81 +150,3 @@ class ProgressRecord:
             self._map.close()
         if _current is self:
             _current = None
-
-
-def read_records(run_dir: Path) -> list[dict]:
-    """Every rank's last record, by rank (a record caught mid-write is read again)."""
-    records = []
-    for path in sorted((run_dir / PROGRESS_DIR).glob("rank-*.json")):
-        for _ in range(5):
-            try:
-                records.append(json.loads(path.read_bytes().strip() or b"null"))
-                break
-            except (json.JSONDecodeError, OSError):
-                time.sleep(0.01)  # the owner was rewriting it
-    return [r for r in records if r]
-
-
-def stalled_for(records: list[dict], now: float | None = None) -> float:
-    """Seconds since any rank last advanced (0 without records)."""
-    if not records:
-        return 0.0
-    return (now or time.time()) - max(r["advanced_at"] for r in records)
-
-
-def diagnose(records: list[dict], now: float | None = None) -> tuple[list[int], list[str]]:
-    """(ranks behind, report lines): the ranks that stopped writing their record, and in each
-    group the ranks below the highest sequence number, which the others wait for."""
-    now = now or time.time()
-    lines = [f"  {'rank':>4} {'host':<12} {'pid':>7} {'step':>6} {'micro':>5} {'phase':<10} "
-             f"{'advanced':>10} {'updated':>10}"]
-    silent = {r["rank"] for r in records if now - r["written_at"] > 5 * INTERVAL_S + 2
-              and r["phase"] not in ENDED}
-    for r in records:
-        note = "  <- not responding: stopped, hung, or dead" if r["rank"] in silent else ""
-        lines.append(f"  {r['rank']:>4} {r['host'][:12]:<12} {r['pid']:>7} {r['step']:>6} "
-                     f"{r['micro_step']:>5} {r['phase'][:10]:<10} "
-                     f"{now - r['advanced_at']:>9.1f}s {now - r['written_at']:>9.1f}s{note}")
-    by_rank = {r["rank"]: r for r in records}
-    instances = sorted({(name, tuple(ranks)) for r in records
-                        for name, ranks in r["groups"].items()})
-    waits, late_ranks, waiting_ranks = [], set(), set()
-    for name, ranks in instances:
-        known = {k: by_rank[k]["seq"].get(name) for k in ranks if k in by_rank}
-        known = {k: s for k, s in known.items() if s is not None}
-        if len(set(known.values())) < 2:
-            continue
-        top = max(known.values())
-        late = sorted(k for k, s in known.items() if s < top)
-        late_ranks.update(late)
-        waiting_ranks.update(k for k, s in known.items() if s == top)
-        waits.append(f"  group {name} {list(ranks)}: rank(s) "
-                     f"{sorted(k for k, s in known.items() if s == top)} entered collective "
-                     f"#{top}; rank(s) {late} did not (at #{min(known[k] for k in late)})")
-    if waits:
-        lines += ["waiting:", *waits]
-    # a rank late in one group but itself waiting in another is a victim, not the cause; a
-    # rank that ended (its own error, or done) is not behind: its error says why it left
-    ended = {r["rank"] for r in records if r["phase"] in ENDED}
-    behind = silent | ((late_ranks - waiting_ranks or late_ranks) - ended)
-    if behind:
-        lines.append("behind: " + "; ".join(
-            f"rank {k} ({by_rank[k]['host']} pid {by_rank[k]['pid']}) at step "
-            f"{by_rank[k]['step']} micro-step {by_rank[k]['micro_step']} "
-            f"({by_rank[k]['phase']})" for k in sorted(behind)))
-    else:
-        lines.append("behind: no rank is behind in any group's collectives: every rank waits "
-                     "at the same point (the filesystem, the data loader, or a deadlock outside "
-                     "collectives)")
-    return sorted(behind), lines
-
-
-def stall_report(records: list[dict], why: str, now: float | None = None) -> str:
-    """`diagnose` as text, headed by why it was made."""
-    return "\n".join([f"lctrain: stall report ({why})", *diagnose(records, now)[1]])
-
-
-def write_report(run_dir: Path, report: str) -> Path:
-    path = run_dir / REPORT_FILE
-    path.write_text(report + "\n")
-    return path

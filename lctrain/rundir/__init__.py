@@ -1,14 +1,18 @@
 """The run directory's room: the names of the files a run keeps in its directory and where its
-checkpoints go, in one place for every command and the training loop, and (`files`) how its
-files are written whole or not at all. Pure paths and files: it imports nothing from lctrain
-and no torch, so the commands that only read a run (`lctrain status`, `lctrain plot`) can use
-it without the training stack.
+checkpoints go, in one place for every command and the training loop; how its files are written
+whole or not at all (`files`); the one-job lock (`lock`); and the readers of what a run leaves
+(`metrics`, `checkpoints`, `progress`). Pure paths and files: it imports only lctrain.config
+(for ConfigError) and no torch, so the commands that only read a run (`lctrain status`,
+`lctrain plot`) use it without the training stack.
 
     RUN_DIR/config.yaml      the resolved config (written whole or not at all)
     RUN_DIR/metrics.jsonl    one JSON row per logged step
     RUN_DIR/STOP             a request to stop after the current step (`lctrain stop`)
     RUN_DIR/slurm_jobs       the Slurm jobs `lctrain submit` started for the run
     RUN_DIR/checkpoints/     the checkpoints, unless checkpoint.dir puts them elsewhere
+    RUN_DIR/.lctrain.lock    who holds the run dir (`lock`)
+    RUN_DIR/.progress/       each rank's progress record (`progress`)
+    RUN_DIR/stall-report.txt the last stall report
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ METRICS = "metrics.jsonl"
 STOP = "STOP"
 JOBS = "slurm_jobs"
 CHECKPOINTS = "checkpoints"
+LOCK = ".lctrain.lock"
+PROGRESS = ".progress"
+STALL_REPORT = "stall-report.txt"
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,18 @@ class RunDir:
     @property
     def jobs(self) -> Path:
         return self.path / JOBS
+
+    @property
+    def lock(self) -> Path:
+        return self.path / LOCK
+
+    @property
+    def progress(self) -> Path:
+        return self.path / PROGRESS
+
+    @property
+    def stall_report(self) -> Path:
+        return self.path / STALL_REPORT
 
     def checkpoints(self, checkpoint_dir: str | None = None) -> Path:
         """Where the run's checkpoints go: checkpoint.dir when set, else RUN_DIR/checkpoints."""

@@ -52,24 +52,26 @@ from torch.distributed.checkpoint.state_dict import (
 
 from lctrain.parallel import deepspeed_engine
 from lctrain.rundir import CONFIG, RunDir
-from lctrain.rundir.files import describe_os_error, errnos_in, write_advice, write_synced
-from lctrain.training.checkpoint_format import (
+from lctrain.rundir.checkpoints import (
     MANIFEST,
     STATE,
-    SafeReader,
     complete_checkpoints,
     damaged_files,
+    sha256_file,
+    step_dir,
+)
+from lctrain.rundir.files import describe_os_error, errnos_in, write_advice, write_synced
+from lctrain.training.checkpoint_format import (
+    SafeReader,
     full_weights,
     rng_state,
     set_rng_state,
-    sha256_file,
-    step_dir,
     tensor_state,
     write_json,
 )
 from lctrain.training.optim import resume_scheduler
 
-__all__ = [  # with checkpoint_format's names, which commands, tools and bench import here
+__all__ = [  # with checkpoint_format's and rundir.checkpoints' names, which tools and bench import here
     "MANIFEST", "STATE", "CheckpointError", "Checkpointer", "SafeReader", "TrainState",
     "complete_checkpoints", "damaged_files", "full_weights", "rng_state", "set_rng_state",
     "step_dir", "tensor_state",

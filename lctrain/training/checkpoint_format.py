@@ -1,6 +1,7 @@
-"""What a checkpoint directory holds and how it is read: the file names (the layout is listed in
-lctrain.training.checkpoint's docstring), the manifest check, a DCP metadata reader that runs no
-code, the per-rank RNG states, the tensors DCP saves, and whole weights read by one process.
+"""What a checkpoint directory holds and how it is read: the file names and the manifest check
+(from lctrain.rundir.checkpoints; the layout is listed in lctrain.training.checkpoint's
+docstring), a DCP metadata reader that runs no code, the per-rank RNG states, the tensors DCP
+saves, and whole weights read by one process.
 
 Pure file access with no collectives, so the checkpointer, `lctrain status`, tools/export_hf.py
 and the fault benchmarks all verify and read checkpoints the same way.
@@ -8,12 +9,10 @@ and the fault benchmarks all verify and read checkpoints the same way.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import pickle
 import random
-import re
 from pathlib import Path
 
 import numpy as np
@@ -26,22 +25,6 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 from lctrain import device
 from lctrain.models.registry import new_model
 from lctrain.rundir.files import write_synced
-
-MANIFEST = "manifest.json"
-STATE = "train_state.json"
-_NAME = re.compile(r"^step-(\d{8})$")
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:08d}"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def write_json(path: Path, value: object) -> None:
@@ -104,33 +87,6 @@ def tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[di
     """({"model": ..., "optim": ...} tensors for DCP, the optimizer's full state dict)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": model_sd, "optim": optim_sd["state"]}, optim_sd
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Checkpoint directories under `root` that have a manifest, newest first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if _NAME.match(p.name) and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: p.name, reverse=True)
-
-
-def damaged_files(path: Path, rank: int = 0, world: int = 1, hashes: bool = True) -> list[str]:
-    """What is wrong with a checkpoint's files (this rank checks every world-th file)."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError) as e:
-        return [f"{path / MANIFEST}: unreadable ({e})"]
-    problems = []
-    for i, (name, entry) in enumerate(sorted(files.items())):
-        file = path / name
-        if not file.is_file():
-            problems.append(f"{file} is missing")
-        elif file.stat().st_size != entry["size"]:
-            problems.append(f"{file} holds {file.stat().st_size} bytes, not {entry['size']}")
-        elif hashes and i % world == rank and sha256_file(file) != entry["sha256"]:
-            problems.append(f"{file} does not match its sha256 (the file is corrupt)")
-    return problems
 
 
 def full_weights(path: Path, cfg) -> dict[str, torch.Tensor]:

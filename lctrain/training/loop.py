@@ -46,9 +46,9 @@ from lctrain.parallel.runtime import Runtime, setup_distributed
 from lctrain.parallel.tensor import loss_value, plus_aux, vocab_parallel
 from lctrain.planning.memory import param_count
 from lctrain.rundir import RunDir
+from lctrain.rundir.checkpoints import complete_checkpoints
 from lctrain.rundir.files import write_atomic
 from lctrain.training.checkpoint import Checkpointer, TrainState
-from lctrain.training.checkpoint_format import complete_checkpoints
 from lctrain.training.evals import Evaluator, format_table
 from lctrain.training.metrics import MetricsLogger, StepMeter
 from lctrain.training.optim import build_optimizer, build_scheduler, clip_grad_norm_

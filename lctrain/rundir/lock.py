@@ -52,8 +52,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from lctrain.config import ConfigError
+from lctrain.rundir import LOCK as LOCK_FILE
+from lctrain.rundir import RunDir
 
-LOCK_FILE = ".lctrain.lock"
 HEARTBEAT_S = 5.0
 """How often the holder refreshes the lock file's mtime."""
 STALE_AFTER_S = 3 * HEARTBEAT_S + 15.0
@@ -150,7 +151,7 @@ def inspect(run_dir: str | os.PathLike, now: float | None = None,
             stale_after_s: float = STALE_AFTER_S) -> LockState | None:
     """The run dir's lock, or None when there is none. Read-only unless `now` is None, when the
     file server's clock is read by creating (and removing) a probe file beside the lock."""
-    path = Path(run_dir) / LOCK_FILE
+    path = RunDir(run_dir).lock
     try:
         fd = os.open(path, os.O_RDONLY)  # an open revalidates NFS's cached attributes
     except FileNotFoundError:
@@ -240,7 +241,7 @@ def acquire(run_dir: str | os.PathLike, *, heartbeat_s: float = HEARTBEAT_S,
     """Take the run dir's lock (creating the run dir), taking over a stale one; raises
     RunDirLocked naming the holder when a live job holds it."""
     run_dir = Path(run_dir)
-    path = run_dir / LOCK_FILE
+    path = RunDir(run_dir).lock
     me = Holder.this_process()
     took_over, wait_until = None, None
     try:
