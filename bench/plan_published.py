@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lctrain.config import LctrainConfig, derive  # noqa: E402
 from lctrain.config.compose import compose  # noqa: E402
 from lctrain.config.validation import layout_problems  # noqa: E402
+from lctrain.planning.estimate import rank_memory  # noqa: E402
 from lctrain.planning.flops import train_flops_per_step  # noqa: E402
 from lctrain.planning.hardware import hardware_from_plan  # noqa: E402
-from lctrain.planning.plan import rank_memory  # noqa: E402
 from lctrain.planning.search import memory_gib  # noqa: E402
 from lctrain.planning.timing import StepTime, predict_step_time  # noqa: E402
 

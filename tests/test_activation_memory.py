@@ -10,11 +10,11 @@ import itertools
 
 import pytest
 
-from lctrain.parallel.memory import (
+from lctrain.planning.memory import activation_formula, head_activation_formula, planning_bytes
+from lctrain.training.measure import (
     build_measured_model,
     measure_activations,
 )
-from lctrain.planning.memory import activation_formula, head_activation_formula, planning_bytes
 from tests.helpers import HEADS_8, on_ranks, tiny_config
 
 MODEL = HEADS_8

@@ -12,7 +12,7 @@ from lctrain.commands.submit import render_sbatch
 from lctrain.config.compose import compose
 from lctrain.config.derived import local_world_size
 from lctrain.config.paths import conf_dir, recipe_names, recipes_dir
-from lctrain.planning.plan import build_plan
+from lctrain.planning.estimate import build_plan
 from tests.helpers import run_cli
 
 MODELS = sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))

@@ -23,8 +23,8 @@ from lctrain.config.kernel_backends import KERNEL_BACKENDS, backends_on
 from lctrain.config.keys import keys
 from lctrain.config.validation import validate
 from lctrain.layout.topology import GROUPS
+from lctrain.planning.estimate import build_plan
 from lctrain.planning.hardware import Hardware
-from lctrain.planning.plan import build_plan
 from lctrain.planning.search import attentions
 from lctrain.planning.timing import (
     CALIBRATED_LAYOUTS,

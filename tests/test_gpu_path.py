@@ -16,10 +16,10 @@ from lctrain.data.batch import MicroBatch, micro_batch_from_tokens
 from lctrain.layout.comm import all_gather, check_collective_devices
 from lctrain.parallel import launch
 from lctrain.parallel.checkpointing import saved_ops
-from lctrain.parallel.memory import build_measured_model
 from lctrain.parallel.parallelize import build_attention_core
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.training import loop
+from lctrain.training.measure import build_measured_model
 from tests.helpers import exit_code, on_ranks, run_cli, tiny_config
 
 CLI = ["+recipe=tiny", "model.vocab_size=128", "model.dim=64", "model.n_layers=2",

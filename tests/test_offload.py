@@ -15,11 +15,11 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lctrain.data.loader import build_loader
-from lctrain.parallel.memory import measure_host_state
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.planning.memory import host_state_parts
 from lctrain.training.loop import train_step
+from lctrain.training.measure import measure_host_state
 from lctrain.training.optim import build_optimizer, build_scheduler
 from tests.helpers import on_ranks, run_cli, tiny_config, train_on_ranks, with_overrides
 

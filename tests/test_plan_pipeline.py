@@ -15,6 +15,7 @@ from lctrain.config.compose import compose
 from lctrain.config.validation import validate
 from lctrain.layout.stages import rank_stages
 from lctrain.parallel.pipeline import SCHEDULES
+from lctrain.planning.estimate import GIB, build_plan
 from lctrain.planning.memory import (
     activation_formula,
     head_activation_formula,
@@ -24,7 +25,6 @@ from lctrain.planning.memory import (
     peak_in_flight,
     stage_params,
 )
-from lctrain.planning.plan import GIB, build_plan
 from tests.helpers import run_cli, tiny_config
 
 

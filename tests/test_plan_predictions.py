@@ -11,8 +11,8 @@ import pytest
 
 from lctrain.config import derive
 from lctrain.config.validation import validate
+from lctrain.planning.estimate import GIB, build_plan
 from lctrain.planning.memory import allocator_allowance, state_bytes_per_rank
-from lctrain.planning.plan import GIB, build_plan
 from tests.helpers import on_ranks, run_cli, tiny_config, train_each
 
 WORLD = 4

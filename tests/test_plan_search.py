@@ -17,8 +17,8 @@ from lctrain.config import derive
 from lctrain.config.compose import compose
 from lctrain.config.validation import validate
 from lctrain.planning import search as search_module
+from lctrain.planning.estimate import build_plan
 from lctrain.planning.hardware import hardware_from_plan
-from lctrain.planning.plan import build_plan
 from lctrain.planning.search import search
 from lctrain.planning.timing import step_time_summary
 from tests.helpers import run_cli, tiny_config

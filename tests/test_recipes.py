@@ -21,8 +21,8 @@ from lctrain.commands.plan import plan_world_size
 from lctrain.config.compose import compose
 from lctrain.config.paths import recipe_names, recipes_dir
 from lctrain.data.shards import ShardWriter
+from lctrain.planning.estimate import build_plan
 from lctrain.planning.hardware import hardware_from_plan
-from lctrain.planning.plan import build_plan
 from lctrain.planning.timing import step_time_summary
 from tests.helpers import run_cli
 

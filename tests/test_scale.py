@@ -5,9 +5,9 @@ offload, compile) against the plain path: losses, grad norms and every gradient.
 import pytest
 import torch
 
-from lctrain.parallel.memory import measure_peak
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
+from lctrain.training.measure import measure_peak
 from tests.helpers import HEADS_8, on_ranks, reference_model, tiny_config, train_each
 
 MODEL = HEADS_8

@@ -115,10 +115,10 @@ def test_the_plan_reports_every_stage(capsys):
 
 
 def test_each_stage_says_its_length_and_the_eval_lengths_it_skips():
-    from lctrain.config.derived import stage_banner, stages_of
+    from lctrain.config.derived import context_stages, stage_banner
 
     cfg = with_overrides(_staged(), eval={"every": 2, "lengths": [16, 48, 64]})
-    banners = [stage_banner(cfg, stage) for stage in stages_of(cfg)]
+    banners = [stage_banner(cfg, stage) for stage in context_stages(cfg)]
     assert banners[0] == [
         "lctrain: stage 1 of 3: steps 1-2 at train.seq_len=16, 8 sequences per step",
         "lctrain: eval.lengths 48, 64 skipped in stage 1: longer than its sequences of 16 "
@@ -126,7 +126,7 @@ def test_each_stage_says_its_length_and_the_eval_lengths_it_skips():
     assert banners[1][1].startswith("lctrain: eval.lengths 48, 64 skipped in stage 2")
     assert banners[2] == ["lctrain: stage 3 of 3: steps 5-6 at train.seq_len=64, 2 sequences "
                           "per step"]
-    assert stage_banner(tiny_config(), stages_of(tiny_config())[0]) == []
+    assert stage_banner(tiny_config(), context_stages(tiny_config())[0]) == []
 
 
 @pytest.mark.slow  # 7 s on 2 cores: the README's demo with 2 + 2 steps, in this process

@@ -18,7 +18,7 @@ from lctrain.attention import kernels
 from lctrain.config.device_rules import VARLEN_TOKENS_MAX, cuda_problems
 from lctrain.parallel.launch import RankFailure, run_ranks
 from lctrain.parallel.runtime import setup_distributed
-from lctrain.planning.plan import rank_memory
+from lctrain.planning.estimate import rank_memory
 from lctrain.training import loop, trace
 from tests.helpers import HEADS_8, on_ranks, run_cli, tiny_config
 

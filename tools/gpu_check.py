@@ -58,18 +58,18 @@ from lctrain.layout.comm import check_collective_devices  # noqa: E402
 from lctrain.models.moe import grouped_matmul  # noqa: E402
 from lctrain.parallel.data_parallel import unwrap  # noqa: E402
 from lctrain.parallel.launch import RankFailure, run_ranks  # noqa: E402
-from lctrain.parallel.memory import (  # noqa: E402
+from lctrain.parallel.parallelize import build_model  # noqa: E402
+from lctrain.parallel.runtime import setup_distributed  # noqa: E402
+from lctrain.planning.estimate import rank_memory  # noqa: E402
+from lctrain.planning.hardware import hardware_for  # noqa: E402
+from lctrain.planning.memory import activation_formula, host_state_parts  # noqa: E402
+from lctrain.planning.timing import predict_step_time  # noqa: E402
+from lctrain.training import loop  # noqa: E402
+from lctrain.training.measure import (  # noqa: E402
     build_measured_model,
     measure_activations,
     measure_host_state,
 )
-from lctrain.parallel.parallelize import build_model  # noqa: E402
-from lctrain.parallel.runtime import setup_distributed  # noqa: E402
-from lctrain.planning.hardware import hardware_for  # noqa: E402
-from lctrain.planning.memory import activation_formula, host_state_parts  # noqa: E402
-from lctrain.planning.plan import rank_memory  # noqa: E402
-from lctrain.planning.timing import predict_step_time  # noqa: E402
-from lctrain.training import loop  # noqa: E402
 from lctrain.training.optim import build_optimizer, build_scheduler  # noqa: E402
 from tests.reference import reference_attention  # noqa: E402
 

@@ -4,8 +4,8 @@
 q [B, S/cp, H, d], k/v [B, S/cp, H_kv, d] laid out by `lctrain.layout.sequence`, and the global
 document ids [B, S] when documents are packed, and runs the configured algorithm over the
 kernels of kernels.py. It asks two registries, both keyed by the algorithm's name: the facts in
-`lctrain.config.cp_algorithms` (its Ulysses degree) and the implementation in algorithms.py
-(its blocks and its function). The implementations are registered here, one line each
+`lctrain.config.cp_algorithms` (which the layout's groups follow) and the implementation in
+algorithms.py (its blocks and its function). The implementations are registered here, one line each
 (docs/extending.md).
 """
 
@@ -24,7 +24,6 @@ from lctrain.attention.local import local_attention
 from lctrain.attention.ring import RING
 from lctrain.attention.ulysses import ULYSSES, check_heads
 from lctrain.attention.usp import USP
-from lctrain.config.cp_algorithms import cp_algorithm
 from lctrain.layout import sequence
 from lctrain.layout.comm import traffic_tag
 
@@ -56,8 +55,10 @@ class ContextParallelAttention:
         self.load_balance, self.causal, self.kv_replication = load_balance, causal, kv_replication
         self.options = options
         self._run = CP_ATTENTION[algorithm]
-        self.ulysses_degree = cp_algorithm(algorithm).degree(groups.cp_size, groups.ulysses_size)
-        """Ranks the heads are split over (1 for ring and all-gather)."""
+        self.ulysses_degree = groups.ulysses_size
+        """Ranks the heads are split over: the groups' Ulysses size, which the layout
+        (`lctrain.config.derived.ulysses_degree`) sets from the algorithm (1 for ring and
+        all-gather)."""
         # without a per-row split every micro-batch's blocks share their positions: made once
         self._fixed_pos = None if self.per_row else self._block_positions(None)
         self._planned_for: Tensor | None = None

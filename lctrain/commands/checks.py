@@ -9,7 +9,7 @@ import dataclasses
 import os
 
 from lctrain.config import LctrainConfig
-from lctrain.config.derived import stage_problems, stages_of
+from lctrain.config.derived import context_stages, stage_problems
 from lctrain.config.eval_rules import has_validation
 from lctrain.config.validation import field_problems, validate
 from lctrain.data.needle import needle_problems
@@ -42,7 +42,7 @@ def input_problems(cfg: LctrainConfig) -> list[str]:
     problems = data_problems(cfg)
     if cfg.eval.every and "needle" in cfg.eval.tasks and not problems and not field_problems(
             cfg) and cfg.data.tokenizer is not None and has_validation(cfg):
-        stages = stages_of(cfg) if not stage_problems(cfg) else []
+        stages = context_stages(cfg) if not stage_problems(cfg) else []
         for stage in stages:  # each stage scores the lengths that fit it
             named = f"train.stages[{stage.index}]: " if len(stages) > 1 else ""
             problems += [named + p for p in needle_problems(stage.cfg)]

@@ -12,7 +12,7 @@ metrics.jsonl and eval.json (`lctrain.training.scoring`) and to W&B when logging
 from __future__ import annotations
 
 from lctrain.commands.args import CommandArgs
-from lctrain.commands.train import run_ranks
+from lctrain.commands.train import run_on_ranks
 from lctrain.config import LctrainConfig
 from lctrain.config.eval_rules import has_validation
 from lctrain.training.scoring import evaluate
@@ -34,4 +34,4 @@ def scoring_problems(cfg: LctrainConfig) -> list[str]:
 
 
 def run(args: CommandArgs) -> int:
-    return run_ranks(args, evaluate, scoring_problems)
+    return run_on_ranks(args, evaluate, scoring_problems)

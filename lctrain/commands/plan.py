@@ -13,11 +13,11 @@ from lctrain.commands.checks import preflight, search_preflight, with_corpus
 from lctrain.commands.plan_trace import trace_lines, trace_plan
 from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.cp_algorithms import cp_algorithm
-from lctrain.config.derived import plans_gpu_nodes, slurm_world, stages_of
+from lctrain.config.derived import context_stages, plans_gpu_nodes, slurm_world
 from lctrain.layout.topology import AXES
 from lctrain.parallel.launch import RankFailure
+from lctrain.planning.estimate import build_plan
 from lctrain.planning.hardware import Hardware, calibration_path, hardware_for
-from lctrain.planning.plan import build_plan
 from lctrain.planning.search import SearchResult, search
 from lctrain.planning.timing import step_time_summary
 
@@ -81,7 +81,7 @@ def stage_rows(cfg: LctrainConfig, world: int, hw: Hardware) -> list[dict]:
     """train.stages: each stage's steps, shape, memory per rank and predicted step time (the
     plan above is the last stage's)."""
     rows = []
-    for stage in stages_of(cfg):
+    for stage in context_stages(cfg):
         plan, t = build_plan(stage.cfg, world), stage.cfg.train
         memory = plan["memory_per_rank"]
         time = step_time_summary(stage.cfg, world, hw)

@@ -9,7 +9,7 @@ import time
 from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.derived import plans_gpu_nodes
 from lctrain.config.device_rules import cuda_problems
-from lctrain.planning.plan import rank_memory
+from lctrain.planning.estimate import rank_memory
 from lctrain.training import trace
 
 GIB = 2**30

@@ -1,5 +1,5 @@
-"""`lctrain train`: resolve the world size, check everything, then run the ranks (`run_ranks`,
-which `lctrain eval` runs with its own work on each rank).
+"""`lctrain train`: resolve the world size, check everything, then run the ranks
+(`run_on_ranks`, which `lctrain eval` runs with its own work on each rank).
 
 Started under torchrun or srun, this process is one rank. Started plainly with a layout of more
 than one rank, it starts `launch.nproc` local ranks itself and exits non-zero, naming the rank,
@@ -149,11 +149,11 @@ def _stall_watchdog(run_dir: Path, stall_s: int):
 
 
 def run(args: CommandArgs) -> int:
-    return run_ranks(args, loop.train)
+    return run_on_ranks(args, loop.train)
 
 
-def run_ranks(args: CommandArgs, work: RankWork, checks: Callable[[LctrainConfig], list[str]]
-              = lambda _cfg: []) -> int:
+def run_on_ranks(args: CommandArgs, work: RankWork,
+                 checks: Callable[[LctrainConfig], list[str]] = lambda _cfg: []) -> int:
     """`work` on every rank of the world the config asks for, after every check (the
     command's own `checks` included): `lctrain train`, and `lctrain eval`."""
     composed = args.composed

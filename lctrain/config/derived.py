@@ -188,7 +188,7 @@ def stage_banner(cfg: LctrainConfig, stage: Stage) -> list[str]:
     return lines
 
 
-def stages_of(cfg: LctrainConfig) -> list[Stage]:
+def context_stages(cfg: LctrainConfig) -> list[Stage]:
     """train.stages as configs (one stage, `cfg` itself, without them); `stage_problems` must
     hold. A stage scores only the eval.lengths that fit it (its seq_len when none does)."""
     t = cfg.train

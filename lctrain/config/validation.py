@@ -19,7 +19,7 @@ import os
 
 from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm
 from lctrain.config.deepspeed import conflicts
-from lctrain.config.derived import load_balance_of, stage_problems, stages_of, ulysses_degree
+from lctrain.config.derived import context_stages, load_balance_of, stage_problems, ulysses_degree
 from lctrain.config.device_rules import cuda_problems, kernel_device_problems
 from lctrain.config.eval_rules import eval_problems, has_validation
 from lctrain.config.model_families import model_family
@@ -465,7 +465,7 @@ def _stages(cfg: LctrainConfig, world_size: int) -> list[str]:
     problems = stage_problems(cfg)
     if problems or not cfg.train.stages:
         return problems
-    for stage in stages_of(cfg)[:-1]:  # the last one is cfg's own layout
+    for stage in context_stages(cfg)[:-1]:  # the last one is cfg's own layout
         seq = stage.cfg.train.seq_len
         problems += [f"train.stages[{stage.index}] (seq_len={seq}): {p}"
                      for p in validate(stage.cfg, world_size)]

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from lctrain.config import LctrainConfig, ParallelConfig, derive
 from lctrain.config.cp_algorithms import CP_ALGORITHMS
 from lctrain.config.validation import layout_problems, offload_problems
+from lctrain.planning.estimate import rank_memory
 from lctrain.planning.hardware import Hardware
-from lctrain.planning.plan import rank_memory
 from lctrain.planning.timing import StepTime, predict_step_time
 
 SCHEDULES = (("1f1b", 1), ("gpipe", 1), *(("interleaved_1f1b", v) for v in (1, 2, 4)),

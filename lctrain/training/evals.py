@@ -29,7 +29,7 @@ from lctrain.data.batch import build_micro_batch
 from lctrain.data.needle import NeedleTask
 from lctrain.data.tasks import TASKS, EvalExample, eval_examples
 from lctrain.parallel.runtime import Runtime
-from lctrain.training.validation import ValidationLoss
+from lctrain.training.heldout import ValidationLoss
 
 
 def cell_key(ex: EvalExample) -> str:

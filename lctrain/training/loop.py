@@ -25,7 +25,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from lctrain import device
 from lctrain.config import LctrainConfig, ModelConfig
-from lctrain.config.derived import Stage, stage_banner, stages_of
+from lctrain.config.derived import Stage, context_stages, stage_banner
 from lctrain.config.resolved import as_dict, to_yaml
 from lctrain.data.batch import IGNORE_INDEX, MicroBatch
 from lctrain.data.loader import DataLoader, build_loader
@@ -276,7 +276,7 @@ def train(cfg: LctrainConfig, run_dir: str | os.PathLike) -> list[dict]:
     continuing at the same token); a resumed run skips the stages its newest checkpoint has
     finished. Without stages, the one stage is the run."""
     history: list[dict] = []
-    stages = stages_of(cfg)
+    stages = context_stages(cfg)
     for stage in stages:
         if stage.index > 0:  # from the run's own checkpoints, whatever checkpoint.* says
             stage = dataclasses.replace(stage, cfg=dataclasses.replace(

@@ -40,13 +40,13 @@ from lctrain.config import LctrainConfig
 from lctrain.layout.stages import stages_of
 from lctrain.parallel.data_parallel import unwrap
 from lctrain.parallel.launch import run_ranks
-from lctrain.parallel.memory import (
+from lctrain.parallel.runtime import setup_distributed
+from lctrain.training import loop
+from lctrain.training.measure import (
     holding_tensor,
     host_state_tensors,
     optimizer_state_tensors,
 )
-from lctrain.parallel.runtime import setup_distributed
-from lctrain.training import loop
 
 PARTS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 """The traced peak's parts: the local parameters (their fp32 shards and buffers), the gradients
