@@ -147,9 +147,10 @@ def peak_tables(cap: float, chunk: int) -> None:
     for name, train in combos.items():
         peaks[name] = run_ranks(_peaks, 1, ({}, train, [*fit, check]), timeout_s=600)[0]
         cfg = make_cfg({}, train, check)
-        mem = build_plan(cfg, 1)["memory_gib"]
-        plan = 2**30 * (mem["total_estimate"] - mem["weights_grads_adam"]) + 4 * sum(
-            local_params(cfg))  # gradients, which the measurement includes
+        mem = build_plan(cfg, 1)["memory_per_rank"]["bytes"]
+        plan = mem["modelled"] - sum(mem[k] for k in (  # what the measurement sees, and
+            "weights", "gradients", "optimizer_state", "attention_buffers")) + 4 * sum(
+            local_params(cfg))  # the fp32 gradients, which it includes
         print(f"{name:<22} {check:>6} {peaks[name][-1] / MIB:>13.2f} {plan / MIB:>10.2f} "
               f"{plan / peaks[name][-1]:>14.3f}")
 
@@ -199,9 +200,9 @@ LAYOUT_ONLY = ["model.init_from=null", "model.hf_overrides=[]", "data.source=syn
 
 def recipe_table(chunk: int) -> None:
     print("\n## lctrain plan per rank, recipes/llama-256k.yaml (GiB)")
-    keys = ("weights_grads_adam", "fsdp_gathered_weights", "activations_kept",
-            "activations_on_host", "backward_working_set", "total_estimate")
-    heads = ("states", "gathered", "kept", "on host", "working", "total")
+    keys = ("states", "fsdp_gathered_weights", "activations_kept", "activations_on_host",
+            "backward_working_set", "allocator_allowance", "total")
+    heads = ("states", "gathered", "kept", "on host", "working", "allowance", "total")
     print(f"{'overrides':<82} " + " ".join(f"{h:>9}" for h in heads))
     rows = [[], ["train.activation_checkpointing=full"],
             ["train.activation_checkpointing=full", f"train.loss_chunk={chunk * 16}"],
@@ -213,7 +214,10 @@ def recipe_table(chunk: int) -> None:
         cfg = compose(["+recipe=llama-256k", *LAYOUT_ONLY, *overrides]).cfg
         world = plan_world_size(cfg)
         assert not validate(cfg, world), overrides
-        mem = build_plan(cfg, world)["memory_gib"]
+        plan = build_plan(cfg, world)
+        mem = plan["memory_gib"]
+        mem["states"] = mem["weights"] + mem["gradients"] + mem["optimizer_state"]
+        mem["activations_on_host"] = plan["memory_per_rank"]["activations_on_host_bytes"] / 2**30
         name = " ".join(o.split(".")[-1] for o in overrides) or "recipe as shipped"
         print(f"{name:<82} " + " ".join(f"{mem[k]:>9.2f}" for k in keys))
 

@@ -144,7 +144,7 @@ def test_plan_prints_the_pipeline_stage_by_stage(capsys):
     in_flight = [row["micro_batches_in_flight"] for row in pipe["stages"]]
     assert in_flight == [8, 5, 4, 4, 3, 4, 3, 1]
     totals = {row["pp_rank"]: row["rank_total_gib"] for row in pipe["stages"]}
-    assert plan["memory_gib"]["total_estimate"] == max(totals.values())
+    assert plan["memory_gib"]["total"] == max(totals.values())
     assert totals[pipe["largest_pp_rank"]] == max(totals.values())
     _, text, _ = run_cli(["plan", *PP4], capsys)
     assert "pipeline: interleaved_1f1b, 2 stage(s) per rank, 16 micro-batches per step" in text

@@ -41,15 +41,14 @@ def render_text(plan: dict, max_rows: int) -> str:
         + f"  (cp={lay['cp']}, sp={lay['sp']})",
         f"attention {plan['attention']}, load balance {plan['load_balance']}, grad accumulation "
         f"{plan['grad_accum']}, {plan['tokens_per_step']:,} tokens/step",
+        f"parameters {plan['params_billion']:.3f} B"
+        + (f" ({plan['active_params_billion']:.3f} B active per token)"
+           if "active_params_billion" in plan else ""),
         "", "per-rank shapes:",
         *(f"  {k}: {v}" for k, v in plan["shapes"].items()),
-        "", f"memory per rank (GiB, estimate; activation checkpointing "
-            f"{plan['activation_checkpointing']}"
-            + (f"; pipeline rank {plan['pipeline']['largest_pp_rank']}, the largest"
-               if "pipeline" in plan else "") + "):",
-        *(f"  {k}: {v:,.3f}" for k, v in plan["memory_gib"].items()),
+        *memory_lines(plan),
         *(pipeline_lines(plan["pipeline"]) if "pipeline" in plan else []),
-        *memory_lines(plan["memory_per_rank"]),
+        *host_lines(plan["memory_per_rank"]["host"]),
         "", "predicted per rank per step (bytes, as metrics.jsonl logs them):",
         *(f"  {k}: {v:,.0f}" for k, v in plan["predicted"].items() if k != "cp_collectives"),
         *(["  cp_collectives:"] + [f"    {k}: {v:,.0f}"
@@ -118,13 +117,20 @@ def step_time_lines(t: dict) -> list[str]:
             f"in all, MFU {t['mfu']:.1%}"]
 
 
-def memory_lines(mem: dict) -> list[str]:
-    """One rank's memory item by item, its total and the verdict."""
-    return ["", "memory per rank, itemised (bytes, device):",
-            *(f"  {k}: {v:,.0f}" for k, v in mem["bytes"].items()),
-            f"  {mem['verdict']} in plan.gpu_memory_gib={mem['gpu_memory_gib']:g} "
-            f"(total {mem['total_gib']:,.3f} GiB)",
-            *(f"  - {n}" for n in mem["notes"]), *host_lines(mem["host"])]
+def memory_lines(plan: dict) -> list[str]:
+    """The largest rank's device memory item by item, the allocator allowance as one of the
+    items, the one total with its verdict, and what the items count."""
+    mem = plan["memory_per_rank"]
+    gib = {k: v for k, v in plan["memory_gib"].items() if k not in ("modelled", "total")}
+    return ["", f"memory per rank (GiB, device; activation checkpointing "
+                f"{plan['activation_checkpointing']}"
+                + (f"; pipeline rank {plan['pipeline']['largest_pp_rank']}, the largest"
+                   if "pipeline" in plan else "") + "):",
+            *(f"  {k}: {v:,.3f}" for k, v in gib.items()),
+            f"  total: {mem['total_gib']:,.3f} ({plan['memory_gib']['modelled']:,.3f} modelled "
+            f"and the allocator allowance): {mem['verdict']} in "
+            f"plan.gpu_memory_gib={mem['gpu_memory_gib']:g}",
+            *(f"  - {n}" for n in mem["notes"])]
 
 
 def host_lines(host: dict) -> list[str]:

@@ -44,7 +44,6 @@ from lctrain.planning.memory import (
     pipeline_send_bytes,
     stage_activation_bytes,
     stage_params,
-    state_bytes_per_rank,
     state_parts,
     working_bytes,
 )
@@ -105,9 +104,10 @@ def predicted_traffic(cfg: LctrainConfig, world_size: int) -> dict:
 
 
 def rank_memory(cfg: LctrainConfig, world_size: int, pp_rank: int) -> dict:
-    """Memory of one rank of pipeline rank `pp_rank`: "bytes" (the plan's memory keys), and for
-    each of its stages (`rank_stages` order) the micro-batches in flight at the rank's peak and
-    the activation bytes they keep."""
+    """Memory of one rank of pipeline rank `pp_rank`: "itemised" (`itemised_memory`: its device
+    bytes item by item, the allocator allowance, the one total and the verdict), and for each of
+    its stages (`rank_stages` order) the micro-batches in flight at the rank's peak and the
+    activation bytes they keep."""
     p, t = cfg.parallel, cfg.train
     stages = stages_of(cfg, pp_rank)
     per_micro_batch = [stage_activation_bytes(cfg, world_size, t.micro_batch, s) for s in stages]
@@ -136,7 +136,6 @@ def rank_memory(cfg: LctrainConfig, world_size: int, pp_rank: int) -> dict:
     kept = sum(activations)
     on_host = kept if t.offload_activations else 0.0
     parts = {
-        "weights_grads_adam": state_bytes_per_rank(cfg, world_size, pp_rank),
         "fsdp_gathered_weights": gathered_weight_bytes(cfg, world_size, pp_rank),
         "accumulated_gradients": accumulated * share[peak],
         "activations_kept": kept - on_host,
@@ -146,19 +145,18 @@ def rank_memory(cfg: LctrainConfig, world_size: int, pp_rank: int) -> dict:
     if p.pp > 1:
         parts["pipeline_buffers"] = (  # received, and sent but not yet waited for
             pipeline_buffer_bytes(cfg, world_size, t.micro_batch, pp_rank) + sends[peak])
-    total = sum(v for k, v in parts.items() if k != "activations_on_host")
     return {"stages": stages, "in_flight": list(in_flight), "activations": activations,
-            "bytes": parts | {"total_estimate": total},
             "itemised": itemised_memory(cfg, world_size, pp_rank, parts)}
 
 
 def itemised_memory(cfg: LctrainConfig, world_size: int, pp_rank: int, parts: dict) -> dict:
     """One rank's device bytes item by item (`rank_memory`'s parts, the state split into
     weights, gradients and optimizer state, plus `attention_buffer_bytes`), the allocator
-    allowance (`allocator_allowance`), the total, and the verdict against plan.gpu_memory_gib:
-    FITS when the total is at most that many GiB."""
+    allowance (`allocator_allowance`), the total (the modelled bytes and the allowance: the one
+    total the plan gives), and the verdict against plan.gpu_memory_gib: FITS when the total is at
+    most that many GiB."""
     items = state_parts(cfg, world_size, pp_rank) | {
-        k: v for k, v in parts.items() if k not in ("weights_grads_adam", "activations_on_host")}
+        k: v for k, v in parts.items() if k != "activations_on_host"}
     items["attention_buffers"] = attention_buffer_bytes(cfg, world_size, cfg.train.micro_batch)
     modelled = sum(items.values())
     allowance = allocator_allowance(modelled)
@@ -201,12 +199,12 @@ def pipeline_table(cfg: LctrainConfig, world_size: int, ranks: list[dict]) -> di
                          "embedding": stage == 0, "output": stage == len(layers) - 1,
                          "params": stage_params(cfg, stage), "micro_batches_in_flight": n,
                          "activations_gib": act / GIB,
-                         "rank_total_gib": mem["bytes"]["total_estimate"] / GIB})
+                         "rank_total_gib": mem["itemised"]["total_gib"]})
     return {"schedule": p.pp_schedule, "stages_per_rank": len(ranks[0]["stages"]),
             "micro_batches": m,
             "bubble_fraction": bubble_fraction(p.pp_schedule, p.pp, m, p.pp_virtual_stages),
             "largest_pp_rank": max(range(p.pp),
-                                   key=lambda r: ranks[r]["bytes"]["total_estimate"]),
+                                   key=lambda r: ranks[r]["itemised"]["total_gib"]),
             "stages": sorted(rows, key=lambda row: row["stage"])}
 
 
@@ -220,7 +218,7 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
     tokens = t.micro_batch * d.local_seq_len         # per cp rank
     seq_div = p.tp if (p.sp and p.tp > 1) else 1
     ranks = [rank_memory(cfg, world_size, r) for r in range(p.pp)]
-    worst = max(ranks, key=lambda mem: mem["bytes"]["total_estimate"])
+    worst = max(ranks, key=lambda mem: mem["itemised"]["total_gib"])
     dp_traffic = max(  # of the pipeline rank that sends the most
         data_parallel_traffic(cfg, world_size, r, d.grad_accum) for r in range(p.pp))
     traffic = attention_traffic_per_layer(cfg, world_size) if p.cp > 1 else {}
@@ -236,10 +234,11 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
             notes.append(f"{name} groups span nodes ({per_node} ranks per node); keep "
                          f"tp x cp_ulysses <= {per_node} for intra-node links")
     if p.dp_engine == "deepspeed":
-        notes.append(f"parallel.dp_engine=deepspeed: weights_grads_adam counts ZeRO-"
+        notes.append(f"parallel.dp_engine=deepspeed: weights, gradients and optimizer_state "
+                     f"count ZeRO-"
                      f"{cfg.deepspeed.zero_stage}'s shards on the device (offloaded parts "
                      "excluded); DeepSpeed's step traffic and buffers are not modelled")
-    if p.pp > 1 and worst["bytes"]["fsdp_gathered_weights"]:
+    if p.pp > 1 and worst["itemised"]["bytes"]["fsdp_gathered_weights"]:
         notes.append("under pipelining FSDP keeps a stage's weights gathered from its backward "
                      "to its next forward: fsdp_gathered_weights counts all of a rank's stages")
     plan = {
@@ -267,10 +266,9 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
                  t.micro_batch * t.seq_len // (p.cp * seq_div) * m.experts_per_token]}
                if m.n_experts else {}),
         },
-        "memory_gib": {"params_total_billion": n_params / 1e9}
-                      | ({"params_active_billion": active_param_count(m) / 1e9}
-                         if m.n_experts else {})
-                      | {k: v / GIB for k, v in worst["bytes"].items()},
+        "params_billion": n_params / 1e9,
+        **({"active_params_billion": active_param_count(m) / 1e9} if m.n_experts else {}),
+        "memory_gib": {k: v / GIB for k, v in worst["itemised"]["bytes"].items()},
         "memory_per_rank": worst["itemised"],
         "predicted": predicted_traffic(cfg, world_size),
         "traffic_elements_per_rank": {
