@@ -25,11 +25,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lctrain.commands.calibrate import calibrate  # noqa: E402
-from lctrain.commands.plan import layout_label  # noqa: E402
 from lctrain.config.compose import compose  # noqa: E402
 from lctrain.parallel.launch import run_ranks  # noqa: E402
 from lctrain.planning.hardware import hardware_for  # noqa: E402
-from lctrain.planning.search import as_override, search  # noqa: E402
+from lctrain.planning.search import (  # noqa: E402
+    as_override,
+    layout_label,  # noqa: E402
+    search,
+)
 from lctrain.training.loop import train  # noqa: E402
 
 WORLD = 4

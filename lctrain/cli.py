@@ -17,12 +17,12 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from lctrain.commands.args import CommandArgs
-from lctrain.commands.init_from import resolve_model
+from lctrain.commands import CommandArgs
 from lctrain.config import ConfigError
 from lctrain.config.compose import compose
 from lctrain.config.paths import recipe_names
 from lctrain.config.resolved import to_yaml
+from lctrain.prepare.init_from import resolve_model
 from lctrain.rundir.lock import RunDirLocked
 
 
@@ -80,7 +80,7 @@ COMMANDS = {
                     frozenset({"--out"}), composes=False),
 }
 AUTO_LAYOUT = frozenset({"train", "submit"})
-"""The commands on which parallel.auto=true chooses the layout (lctrain.commands.auto)."""
+"""The commands on which parallel.auto=true chooses the layout (lctrain.prepare.auto)."""
 EXIT_RUN_FAILED = 1
 """A run that started and failed (or a data error); the commands return it."""
 EXIT_CONFIG = 2
@@ -112,7 +112,7 @@ def _run_command(name: str, words: list[str], flags: set[str]) -> int:
     if command.composes and not command.composes_itself & flags:
         composed = resolve_model(compose(words))
         if composed.cfg.parallel.auto and name in AUTO_LAYOUT:  # the search imports torch
-            composed = importlib.import_module("lctrain.commands.auto").apply_auto(name,
+            composed = importlib.import_module("lctrain.prepare.auto").apply_auto(name,
                                                                                   composed)
         if "--cfg" in flags:  # the resolved configuration, nothing run
             print(to_yaml(composed.cfg), end="")

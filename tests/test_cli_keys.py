@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from lctrain import cli
-from lctrain.commands.args import CommandArgs
+from lctrain.commands import CommandArgs
 from lctrain.config.schema import LctrainConfig
 from tests.helpers import run_cli
 

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from lctrain.commands.checks import preflight
 from lctrain.commands.plan import plan_world_size
 from lctrain.commands.submit import render_sbatch
 from lctrain.config.compose import compose
 from lctrain.config.derived import local_world_size
 from lctrain.config.paths import conf_dir, recipe_names, recipes_dir
 from lctrain.planning.estimate import build_plan
+from lctrain.prepare.checks import preflight
 from tests.helpers import run_cli
 
 MODELS = sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))

@@ -231,8 +231,8 @@ def test_tasks_place_needles_by_depth_in_any_vocabulary(vocab):
 
 
 def test_validation_of_sources_against_the_model(tmp_path):
-    from lctrain.commands.checks import preflight
     from lctrain.config import MixtureEntry
+    from lctrain.prepare.checks import preflight
     from tests.helpers import tiny_config
 
     small = unique_corpus(tmp_path / "small", [10, 12]).path  # 22 tokens, ids up to 21

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from lctrain.commands.checks import preflight
 from lctrain.parallel import deepspeed_engine
+from lctrain.prepare.checks import preflight
 from lctrain.training.loop import train
 from tests.helpers import on_ranks, run_cli, tiny_config
 

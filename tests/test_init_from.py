@@ -13,14 +13,14 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from lctrain.commands.checks import preflight
-from lctrain.commands.init_from import resolve_model, same_value
 from lctrain.config import ConfigError, ModelConfig
 from lctrain.config.compose import compose
 from lctrain.data.shards import ShardWriter, TokenStore
 from lctrain.data.sources import build_source, build_val_source
 from lctrain.data.splits import held_out
 from lctrain.models.hf import hf_config
+from lctrain.prepare.checks import preflight
+from lctrain.prepare.init_from import resolve_model, same_value
 from lctrain.training import loop
 from tests.helpers import on_ranks, reference_model, run_cli, train_each, train_on_ranks
 

@@ -118,8 +118,8 @@ def test_training_runs_on_mixed_best_fit_data(corpus):
 
 
 def test_bad_length_settings_are_refused_by_name(corpus):
-    from lctrain.commands.checks import preflight
     from lctrain.config.schema import LengthBucket
+    from lctrain.prepare.checks import preflight
 
     cfg = _data_cfg(corpus, length_mix=[LengthBucket(512, 1.0), LengthBucket(128, 0.0)])
     problems = validate(cfg, 4)

@@ -27,8 +27,6 @@ import torch.nn.functional as F
 import transformers
 from torch.distributed.tensor import DTensor
 
-from lctrain.commands.checks import preflight
-from lctrain.commands.init_from import resolve_model
 from lctrain.config import ConfigError
 from lctrain.config.compose import compose
 from lctrain.config.model_families import MODEL_FAMILIES
@@ -48,6 +46,8 @@ from lctrain.parallel.data_parallel import unwrap
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.planning.memory import active_param_count, param_count
+from lctrain.prepare.checks import preflight
+from lctrain.prepare.init_from import resolve_model
 from lctrain.training.loop import Routing, _micro_steps, _token_weighted_loss
 from tests.helpers import on_ranks, run_cli, single_process, train_each
 

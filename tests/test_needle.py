@@ -11,13 +11,13 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch import nn
 
-from lctrain.commands.checks import preflight
 from lctrain.config.eval_rules import NEEDLE_KEYS
 from lctrain.data.batch import array_window
 from lctrain.data.needle import KEYS, NEEDLE, QUESTION, QUESTION_MANY, NeedleTask
 from lctrain.data.shards import ShardWriter
 from lctrain.data.tasks import eval_examples
 from lctrain.parallel.runtime import setup_distributed
+from lctrain.prepare.checks import preflight
 from lctrain.training.evals import Evaluator
 from tests.helpers import on_ranks, reference_model, tiny_config, with_overrides
 from tests.test_evals import _distributed_scores

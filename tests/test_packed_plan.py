@@ -9,7 +9,6 @@ import json
 import numpy as np
 import pytest
 
-from lctrain.commands.checks import with_corpus
 from lctrain.config.compose import compose
 from lctrain.data.shards import ShardWriter
 from lctrain.layout.packed import split_cost
@@ -17,6 +16,7 @@ from lctrain.planning.documents import ROWS, histogram_rows, packed_documents
 from lctrain.planning.hardware import hardware_for
 from lctrain.planning.search import search
 from lctrain.planning.traffic import cp_step_bytes
+from lctrain.prepare.checks import with_corpus
 from tests.helpers import run_cli, tiny_config
 
 WEB = [[2 ** k, 100, 75 * 2 ** k] for k in range(7, 13)]  # 128 to 4K tokens: short documents

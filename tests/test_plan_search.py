@@ -11,8 +11,6 @@ import os
 
 import pytest
 
-from lctrain.commands.checks import preflight
-from lctrain.commands.init_from import resolve_model
 from lctrain.config import derive
 from lctrain.config.compose import compose
 from lctrain.config.validation import validate
@@ -21,6 +19,8 @@ from lctrain.planning.estimate import build_plan
 from lctrain.planning.hardware import hardware_from_plan
 from lctrain.planning.search import search
 from lctrain.planning.timing import step_time_summary
+from lctrain.prepare.checks import preflight
+from lctrain.prepare.init_from import resolve_model
 from tests.helpers import run_cli, tiny_config
 from tests.test_recipes import inputs  # noqa: F401  (the production recipes' required keys)
 

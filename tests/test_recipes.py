@@ -15,8 +15,6 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from lctrain.commands.checks import preflight
-from lctrain.commands.init_from import resolve_model
 from lctrain.commands.plan import plan_world_size
 from lctrain.config.compose import compose
 from lctrain.config.paths import recipe_names, recipes_dir
@@ -24,6 +22,8 @@ from lctrain.data.shards import ShardWriter
 from lctrain.planning.estimate import build_plan
 from lctrain.planning.hardware import hardware_from_plan
 from lctrain.planning.timing import step_time_summary
+from lctrain.prepare.checks import preflight
+from lctrain.prepare.init_from import resolve_model
 from tests.helpers import run_cli
 
 H100_GIB = 79.6  # what an H100 80 GB reports (81,559 MiB)

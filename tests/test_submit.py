@@ -143,6 +143,12 @@ def test_rendezvous_address_and_port():
     done = subprocess.run([sys.executable, "-m", "lctrain.commands.job", "rendezvous",
                            "localhost"], env=env, capture_output=True, text=True)
     assert done.returncode == 2 and "/etc/hosts" in done.stderr
+    # the batch script runs it before torch: the standard library and lctrain's two modules only
+    code = ("import sys, lctrain.commands.job; print(sorted(m.partition('.')[0] for m in "
+            "sys.modules if m.partition('.')[0] in ('lctrain', 'omegaconf', 'hydra', 'torch') "
+            "and m != 'lctrain.commands.job'))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "['lctrain', 'lctrain']", done.stderr
 
 
 def test_sweep_expansion_and_quoted_run_dirs():

@@ -6,10 +6,10 @@ process started (the launcher is replaced by one that fails the test).
 
 import pytest
 
-from lctrain.commands.checks import preflight
 from lctrain.config.suggest import nearest_multiple
 from lctrain.config.validation import warnings_for
 from lctrain.parallel import launch
+from lctrain.prepare.checks import preflight
 from tests.helpers import exit_code, run_cli, tiny_config
 
 # (section overrides, world size, substrings of the single expected message)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lctrain.commands.args import CommandArgs
+from lctrain.commands import CommandArgs
 from lctrain.config import LctrainConfig, ModelConfig
 from lctrain.config.derived import local_world_size
 from lctrain.parallel.launch import run_ranks

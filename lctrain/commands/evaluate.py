@@ -11,7 +11,7 @@ metrics.jsonl and eval.json (`lctrain.training.scoring`) and to W&B when logging
 
 from __future__ import annotations
 
-from lctrain.commands.args import CommandArgs
+from lctrain.commands import CommandArgs
 from lctrain.commands.train import run_on_ranks
 from lctrain.config import LctrainConfig
 from lctrain.config.eval_rules import has_validation

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import textwrap
 
-from lctrain.commands.args import CommandArgs
+from lctrain.commands import CommandArgs
 from lctrain.config import ConfigError
 from lctrain.config.keys import keys, sections
 

@@ -8,18 +8,17 @@ import json
 import sys
 
 from lctrain import device
-from lctrain.commands.args import CommandArgs
-from lctrain.commands.checks import preflight, search_preflight, with_corpus
+from lctrain.commands import CommandArgs
 from lctrain.commands.plan_trace import trace_lines, trace_plan
 from lctrain.config import ConfigError, LctrainConfig
-from lctrain.config.cp_algorithms import cp_algorithm
 from lctrain.config.derived import context_stages, plans_gpu_nodes, slurm_world
 from lctrain.layout.topology import AXES
 from lctrain.parallel.launch import RankFailure
 from lctrain.planning.estimate import build_plan
-from lctrain.planning.hardware import Hardware, calibration_path, hardware_for
-from lctrain.planning.search import SearchResult, search
+from lctrain.planning.hardware import Hardware, calibration_path, plan_hardware
+from lctrain.planning.search import SearchResult, layout_label, search
 from lctrain.planning.timing import step_time_summary
+from lctrain.prepare.checks import preflight, search_preflight, with_corpus
 
 
 def packed_lines(table: dict, chosen: str) -> list[str]:
@@ -183,18 +182,6 @@ def world_note(cfg: LctrainConfig, world: int) -> list[str]:
     return []
 
 
-def plan_hardware(cfg: LctrainConfig) -> tuple[Hardware, list[str]]:
-    """The step-time model's hardware for the run this config describes: GPUs when
-    slurm.gpus_per_node > 0 (plan.*), else this CPU's calibration (plan.calibration); a note
-    when a CPU run has no calibration."""
-    gpu = plans_gpu_nodes(cfg)
-    hw = hardware_for(cfg, gpu_available=gpu)
-    if not gpu and hw.source == "plan.*":
-        return hw, [f"a CPU run, but no calibration at {calibration_path(cfg)}: the step time "
-                    "uses plan.* (a GPU's numbers); run `lctrain plan --calibrate` first"]
-    return hw, []
-
-
 def whose_rates(cfg: LctrainConfig, hw: Hardware) -> str:
     """Whose rates the predicted step uses, in words: this CPU's calibration, or plan.*'s GPU
     figures (for a CPU run without a calibration, with how to get one)."""
@@ -209,27 +196,6 @@ def whose_rates(cfg: LctrainConfig, hw: Hardware) -> str:
         return figures
     return (f"{figures}, not this CPU's: no calibration at {calibration_path(cfg)}; "
             "`lctrain plan --calibrate` measures this machine")
-
-
-def layout_label(o: dict[str, object]) -> str:
-    """A search candidate's overrides in one short line (tp, cp and its algorithm, pp and its
-    schedule, dp, ep and the engine, checkpointing, tiling, what lives on the host)."""
-    cp = (f"cp{o['parallel.cp']} {o['parallel.attention']}"
-          + (f"(u{o['parallel.ulysses_degree']})"
-             if cp_algorithm(o["parallel.attention"]).heads_over == "ulysses_degree" else "")
-          if o["parallel.cp"] > 1 else "cp1")
-    pp = (f"pp{o['parallel.pp']} {o['parallel.pp_schedule']}"
-          + (f"x{o['parallel.pp_virtual_stages']}" if o["parallel.pp_virtual_stages"] > 1
-             else "") if o["parallel.pp"] > 1 else "pp1")
-    engine = o["parallel.dp_engine"] + (f"-z{o['deepspeed.zero_stage']}"
-                                        if "deepspeed.zero_stage" in o else "")
-    ep = f" ep{o['parallel.ep']}" if o.get("parallel.ep", 1) > 1 else ""
-    return (f"tp{o['parallel.tp']}{'+sp' if o['parallel.sp'] else ''} {cp} {pp} "
-            f"dp{o['parallel.dp']}{ep} {engine} ac={o['train.activation_checkpointing']}"
-            + (" tiled" if o["train.loss_chunk"] else "")
-            + (" act->host" if o["train.offload_activations"] else "")
-            + (f" host:{o['parallel.offload_state']}"
-               if o["parallel.offload_state"] != "none" else ""))
 
 
 def search_table(result: SearchResult, cfg: LctrainConfig, hw: Hardware) -> str:

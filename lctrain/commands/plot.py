@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from lctrain.commands.args import CommandArgs
+from lctrain.commands import CommandArgs
 from lctrain.config import ConfigError
 from lctrain.rundir import RunDir
 from lctrain.rundir.metrics import read_metrics

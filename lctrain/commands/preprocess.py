@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from lctrain.commands.args import CommandArgs
+from lctrain.commands import CommandArgs
 from lctrain.config import ConfigError
 from lctrain.data.ingest import TokenizerMismatch
 from lctrain.data.preprocess import preprocess, validate_preprocess

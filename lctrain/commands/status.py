@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from lctrain.commands.args import CommandArgs
+from lctrain.commands import CommandArgs
 from lctrain.config import ConfigError
 from lctrain.rundir import CONFIG, RunDir
 from lctrain.rundir import lock as run_lock

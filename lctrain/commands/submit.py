@@ -41,13 +41,13 @@ from pathlib import Path
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
-from lctrain.commands.args import CommandArgs
-from lctrain.commands.checks import preflight
-from lctrain.commands.init_from import resolve_model, typed_keys
+from lctrain.commands import CommandArgs
 from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.compose import Composed, compose
 from lctrain.config.derived import local_world_size, slurm_ranks_per_node, slurm_world
 from lctrain.config.resolved import to_yaml
+from lctrain.prepare.checks import preflight
+from lctrain.prepare.init_from import resolve_model, typed_keys
 from lctrain.rundir import RunDir
 from lctrain.rundir.files import write_atomic
 from lctrain.training.preemption import STOPPED
@@ -256,7 +256,7 @@ def _sweep(overrides: list[str]) -> list[Composed]:
             job = resolve_model(compose([*combo, run_dir_override(base / name)]))
             if job.cfg.parallel.auto:
                 # here only: the search imports torch, which submitting otherwise never does
-                from lctrain.commands.auto import apply_auto
+                from lctrain.prepare.auto import apply_auto
 
                 job = apply_auto("submit", job)
         except ConfigError as e:

@@ -19,8 +19,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from lctrain.attention.kernels import KERNEL_CODE
-from lctrain.commands.args import CommandArgs
-from lctrain.commands.checks import preflight
+from lctrain.commands import CommandArgs
 from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.derived import local_world_size
 from lctrain.config.device_rules import cuda_problems, kernel_device_problems
@@ -29,6 +28,7 @@ from lctrain.config.validation import warnings_for
 from lctrain.data.ingest import DataError
 from lctrain.parallel import launch
 from lctrain.planning.memory import param_count
+from lctrain.prepare.checks import preflight, uses_cuda
 from lctrain.rundir import lock as run_lock
 from lctrain.rundir import progress
 from lctrain.rundir.files import RunDirError
@@ -38,12 +38,6 @@ from lctrain.training.loop import NonFiniteError
 
 RUN_ERRORS = (RunDirError, CheckpointError, DataError, NonFiniteError)
 """Run failures whose message names the file, step or data and what to do."""
-
-
-def uses_cuda(cfg: LctrainConfig) -> bool:
-    """Whether this run trains on CUDA (train.device=auto: when a GPU is visible)."""
-    return cfg.train.device == "cuda" or (cfg.train.device == "auto"
-                                          and launch.cuda_devices() > 0)
 
 
 def cuda_host_problems(cfg: LctrainConfig, nproc: int | None) -> list[str]:

@@ -36,7 +36,7 @@ class Composed:
     run_dir: Path
     overrides: list[str]
     origins: dict[str, str] = field(default_factory=dict)
-    """Where each model.* value came from (lctrain.commands.init_from)."""
+    """Where each model.* value came from (lctrain.prepare.init_from)."""
     notes: list[str] = field(default_factory=list)
     """What resolving the config changed, for the command to report at start."""
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lctrain.config import LctrainConfig
-from lctrain.config.derived import slurm_ranks_per_node
+from lctrain.config.derived import plans_gpu_nodes, slurm_ranks_per_node
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,3 +90,15 @@ def hardware_for(cfg: LctrainConfig, gpu_available: bool) -> Hardware:
     if cpu and path.is_file():
         return hardware_from_calibration(json.loads(path.read_text()), str(path))
     return hardware_from_plan(cfg)
+
+
+def plan_hardware(cfg: LctrainConfig) -> tuple[Hardware, list[str]]:
+    """The step-time model's hardware for the run this config describes: GPUs when
+    slurm.gpus_per_node > 0 (plan.*), else this CPU's calibration (plan.calibration); a note
+    when a CPU run has no calibration."""
+    gpu = plans_gpu_nodes(cfg)
+    hw = hardware_for(cfg, gpu_available=gpu)
+    if not gpu and hw.source == "plan.*":
+        return hw, [f"a CPU run, but no calibration at {calibration_path(cfg)}: the step time "
+                    "uses plan.* (a GPU's numbers); run `lctrain plan --calibrate` first"]
+    return hw, []

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 
 from lctrain.config import LctrainConfig, ParallelConfig, derive
-from lctrain.config.cp_algorithms import CP_ALGORITHMS
+from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm
 from lctrain.config.validation import layout_problems, offload_problems
 from lctrain.planning.estimate import rank_memory
 from lctrain.planning.hardware import Hardware
@@ -285,3 +285,24 @@ def search(cfg: LctrainConfig, world_size: int, hw: Hardware,
                    key=lambda pair: (pair[1].step.total_s, pair[1].memory_gib, pair[0]))
     return SearchResult(world_size, [c for _, c in found], sum(p.layouts for p in parts),
                         sum(p.evaluated for p in parts), sum(p.too_big for p in parts))
+
+
+def layout_label(o: dict[str, object]) -> str:
+    """A search candidate's overrides in one short line (tp, cp and its algorithm, pp and its
+    schedule, dp, ep and the engine, checkpointing, tiling, what lives on the host)."""
+    cp = (f"cp{o['parallel.cp']} {o['parallel.attention']}"
+          + (f"(u{o['parallel.ulysses_degree']})"
+             if cp_algorithm(o["parallel.attention"]).heads_over == "ulysses_degree" else "")
+          if o["parallel.cp"] > 1 else "cp1")
+    pp = (f"pp{o['parallel.pp']} {o['parallel.pp_schedule']}"
+          + (f"x{o['parallel.pp_virtual_stages']}" if o["parallel.pp_virtual_stages"] > 1
+             else "") if o["parallel.pp"] > 1 else "pp1")
+    engine = o["parallel.dp_engine"] + (f"-z{o['deepspeed.zero_stage']}"
+                                        if "deepspeed.zero_stage" in o else "")
+    ep = f" ep{o['parallel.ep']}" if o.get("parallel.ep", 1) > 1 else ""
+    return (f"tp{o['parallel.tp']}{'+sp' if o['parallel.sp'] else ''} {cp} {pp} "
+            f"dp{o['parallel.dp']}{ep} {engine} ac={o['train.activation_checkpointing']}"
+            + (" tiled" if o["train.loss_chunk"] else "")
+            + (" act->host" if o["train.offload_activations"] else "")
+            + (f" host:{o['parallel.offload_state']}"
+               if o["parallel.offload_state"] != "none" else ""))

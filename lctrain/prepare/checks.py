@@ -15,7 +15,7 @@ from lctrain.config.validation import field_problems, validate
 from lctrain.data.needle import needle_problems
 from lctrain.data.sources import data_problems, length_histogram
 from lctrain.models.hf import check_hf_dir
-from lctrain.parallel import deepspeed_engine
+from lctrain.parallel import deepspeed_engine, launch
 
 
 def preflight(cfg: LctrainConfig, world_size: int) -> list[str]:
@@ -60,3 +60,9 @@ def with_corpus(cfg: LctrainConfig) -> LctrainConfig:
         return cfg
     return dataclasses.replace(cfg, plan=dataclasses.replace(
         cfg.plan, documents=length_histogram(cfg)))
+
+
+def uses_cuda(cfg: LctrainConfig) -> bool:
+    """Whether this run trains on CUDA (train.device=auto: when a GPU is visible)."""
+    return cfg.train.device == "cuda" or (cfg.train.device == "auto"
+                                          and launch.cuda_devices() > 0)

@@ -14,16 +14,20 @@ from __future__ import annotations
 
 import sys
 
-from lctrain.commands.checks import with_corpus
-from lctrain.commands.init_from import resolve_model
-from lctrain.commands.plan import layout_label, plan_hardware
-from lctrain.commands.train import uses_cuda
 from lctrain.config import ConfigError
 from lctrain.config.compose import Composed, compose
 from lctrain.config.derived import local_world_size, slurm_world
 from lctrain.parallel import launch
-from lctrain.planning.hardware import Hardware, calibration_path, hardware_for
-from lctrain.planning.search import SEARCHED_KEYS, Candidate, as_override, search
+from lctrain.planning.hardware import Hardware, calibration_path, hardware_for, plan_hardware
+from lctrain.planning.search import (
+    SEARCHED_KEYS,
+    Candidate,
+    as_override,
+    layout_label,
+    search,
+)
+from lctrain.prepare.checks import uses_cuda, with_corpus
+from lctrain.prepare.init_from import resolve_model
 
 
 def override_key(override: str) -> str:
