@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lctrain.attention import ContextParallelAttention, CPGroups  # noqa: E402
 from lctrain.attention.calls import Block, kernel_calls, pairs_computed  # noqa: E402
 from lctrain.attention.local import local_attention  # noqa: E402
+from lctrain.comm import record_traffic  # noqa: E402
 from lctrain.layout import sequence  # noqa: E402
-from lctrain.layout.comm import record_traffic  # noqa: E402
 from lctrain.layout.topology import Topology  # noqa: E402
 from lctrain.parallel.launch import run_ranks  # noqa: E402
 from lctrain.parallel.runtime import build_mesh, cp_groups  # noqa: E402

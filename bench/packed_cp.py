@@ -75,9 +75,9 @@ import lctrain.attention.ring as ring_module  # noqa: E402
 from lctrain.attention import CP_ATTENTION, ContextParallelAttention, CPGroups  # noqa: E402
 from lctrain.attention.calls import Block, kernel_calls, pairs_computed  # noqa: E402
 from lctrain.attention.travel import Travel, travel_plan  # noqa: E402
+from lctrain.comm import record_traffic  # noqa: E402
 from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm  # noqa: E402
 from lctrain.layout import sequence  # noqa: E402
-from lctrain.layout.comm import record_traffic  # noqa: E402
 from lctrain.layout.packed import LENGTH_MIXES, pack_stream, sample_rows, split_cost  # noqa: E402
 from lctrain.layout.topology import Topology  # noqa: E402
 from lctrain.parallel.launch import run_ranks  # noqa: E402

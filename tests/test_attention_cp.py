@@ -18,9 +18,9 @@ from lctrain.attention.calls import Block, kernel_calls
 from lctrain.attention.kernels import KernelOptions
 from lctrain.attention.local import local_attention
 from lctrain.attention.varlen_reference import register_cpu_flash_ops
+from lctrain.comm import record_traffic
 from lctrain.config.cp_algorithms import algorithm_layouts, cp_algorithm
 from lctrain.layout import sequence
-from lctrain.layout.comm import record_traffic
 from lctrain.layout.halo import halo_tokens
 from lctrain.layout.topology import Topology
 from lctrain.parallel.runtime import build_mesh

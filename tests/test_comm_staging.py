@@ -16,8 +16,7 @@ import torch
 import torch.distributed as dist
 
 from lctrain.attention import ContextParallelAttention
-from lctrain.layout import sequence
-from lctrain.layout.comm import (
+from lctrain.comm import (
     GLOO_CUDA_OPS,
     RingExchange,
     _staged,
@@ -28,6 +27,7 @@ from lctrain.layout.comm import (
     record_traffic,
     reduce_scatter,
 )
+from lctrain.layout import sequence
 from tests.helpers import on_ranks
 from tests.test_attention_cp import cp_groups, doc_ids_from_lengths
 

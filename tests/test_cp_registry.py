@@ -46,16 +46,16 @@ def _key_doc(name: str) -> str:
     return next(k for k in keys(name.split(".")[0]) if k.name == name).doc
 
 
-def _gpu_check():
-    """tools/gpu_check.py, imported (its case lists come from the registries)."""
-    import importlib.util
+def _gpu_check_cases():
+    """tools/gpu_checks/cp.py's cases, imported (they come from the registry)."""
+    import importlib
     import sys
 
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("gpu_check", module)
-    spec.loader.exec_module(module)
-    return module
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        return importlib.import_module("gpu_checks.cp").CP_CASES
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
 
 
 SHAPE = LayerShape(batch=2, seq_len=64, cp=4, ulysses=2, tp=1, dim=64, heads=4, kv_heads=2,
@@ -109,10 +109,10 @@ def test_every_algorithm_has_every_entry(name):
 def test_every_algorithm_is_tested(name):
     """Against the float64 reference with its traffic formula (tests/test_attention_cp.py,
     whose cases come from the registry), in training against one process
-    (tests/test_train_parity.py) and on a GPU (tools/gpu_check.py)."""
+    (tests/test_train_parity.py) and on a GPU (tools/gpu_checks/cp.py)."""
     assert any(c["algorithm"] == name for w in (2, 4, 8) for c in cases_for(w))
     assert any(par.get("attention") == name for _, par in CP_LAYOUTS)
-    assert any(case[0] == name for case in _gpu_check().CP_CASES)
+    assert any(case[0] == name for case in _gpu_check_cases())
     assert any(a == name for cp in (2, 4, 8) for a, _ in attentions(cp))  # plan.search
 
 

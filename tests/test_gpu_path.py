@@ -10,10 +10,10 @@ import torch.distributed as dist
 
 from lctrain.attention import ContextParallelAttention, cuda_kernels, kernels
 from lctrain.attention.kernels import KernelOptions
+from lctrain.comm import all_gather, check_collective_devices
 from lctrain.commands import train as train_command
 from lctrain.config.validation import validate
 from lctrain.data.batch import MicroBatch, micro_batch_from_tokens
-from lctrain.layout.comm import all_gather, check_collective_devices
 from lctrain.parallel import launch
 from lctrain.parallel.checkpointing import saved_ops
 from lctrain.parallel.parallelize import build_attention_core

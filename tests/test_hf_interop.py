@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers
 
+from lctrain.comm import all_gather
 from lctrain.layout import sequence
-from lctrain.layout.comm import all_gather
 from lctrain.models.hf import check_hf_dir, export_hf, full_parameters, hf_config
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lctrain.comm import record_traffic
 from lctrain.config.validation import validate
 from lctrain.data.batch import IGNORE_INDEX
 from lctrain.data.loader import build_loader
-from lctrain.layout.comm import record_traffic
 from lctrain.models.moe import EP_TAG, load_balancing_loss
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed

@@ -170,7 +170,7 @@ def _train_counting_sends(cfg, run_dir):
     from torch.distributed.pipelining import stage
 
     import lctrain.training.loop as T
-    from lctrain.layout.comm import record_dtensor_traffic
+    from lctrain.comm import record_dtensor_traffic
 
     sent, per_step = {"tp": 0, "pp": 0}, []
     real_micro, real_step = T._micro_steps, T.train_step

@@ -7,10 +7,10 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
+from lctrain.comm import record_dtensor_traffic
 from lctrain.config import ModelConfig
 from lctrain.config.derived import load_balance_of
 from lctrain.data.batch import micro_batch_from_tokens
-from lctrain.layout.comm import record_dtensor_traffic
 from lctrain.models.llama import RotaryEmbedding, TransformerBlock
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed

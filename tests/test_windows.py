@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from lctrain.config import ModelConfig
+from lctrain.config.model_size import attention_flops
 from lctrain.layout.halo import halo_tokens
-from lctrain.layout.stages import attention_flops
 
 
 def zigzag_halo(S: int, P: int, W: int) -> list[tuple[int, int]]:

@@ -17,6 +17,7 @@ from lctrain.attention.algorithms import CPAttention, CPGroups, all_keys_blocks
 from lctrain.attention.calls import Block
 from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions, acc_dtype
 from lctrain.attention.local import local_attention
+from lctrain.comm import all_gather, current_tag, reduce_scatter, traffic_tag
 from lctrain.config.cp_algorithms import (
     CPAlgorithm,
     MemoryTerms,
@@ -26,7 +27,6 @@ from lctrain.config.cp_algorithms import (
     gathered_kv_grads,
     own_and_gathered,
 )
-from lctrain.layout.comm import all_gather, current_tag, reduce_scatter, traffic_tag
 
 NAME = "gather_kv"
 KV_TENSORS = 2

@@ -24,8 +24,8 @@ from lctrain.attention.local import local_attention
 from lctrain.attention.ring import RING
 from lctrain.attention.ulysses import ULYSSES, check_heads
 from lctrain.attention.usp import USP
+from lctrain.comm import traffic_tag
 from lctrain.layout import sequence
-from lctrain.layout.comm import traffic_tag
 
 for _entry in (ULYSSES, RING, USP, ALLGATHER):
     register(_entry)

@@ -22,7 +22,7 @@ from lctrain.attention.halo import halo_attention
 from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions, acc_dtype, sink_grad
 from lctrain.attention.local import block_backward, forward_and_save
 from lctrain.attention.travel import Travel, travel_plan
-from lctrain.layout.comm import all_gather, current_tag, reduce_scatter, traffic_tag
+from lctrain.comm import all_gather, current_tag, reduce_scatter, traffic_tag
 
 
 class _AllGatherAttention(torch.autograd.Function):

@@ -35,7 +35,7 @@ from lctrain.attention.kernels import (
 )
 from lctrain.attention.local import save_final
 from lctrain.attention.travel import Travel, padded_travel
-from lctrain.layout.comm import PeerExchange, current_tag, traffic_tag
+from lctrain.comm import PeerExchange, current_tag, traffic_tag
 from lctrain.layout.halo import window_needed
 
 HALO_TAG = 13

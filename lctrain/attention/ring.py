@@ -32,7 +32,7 @@ from lctrain.attention.kernels import (
 )
 from lctrain.attention.local import save_final
 from lctrain.attention.travel import Travel, travel_plan
-from lctrain.layout.comm import RingExchange, current_tag, traffic_tag
+from lctrain.comm import RingExchange, current_tag, traffic_tag
 
 KV_TAG, GRAD_TAG = 11, 12
 

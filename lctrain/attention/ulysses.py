@@ -20,7 +20,7 @@ from lctrain.attention.algorithms import CPAttention, CPGroups, ring_group_block
 from lctrain.attention.calls import Block, Ordered
 from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions
 from lctrain.attention.local import local_attention
-from lctrain.layout.comm import all_to_all_autograd
+from lctrain.comm import all_to_all_autograd
 from lctrain.layout.sequence import take
 
 

@@ -71,7 +71,7 @@ class ModelFamily:
         """(parameters TP shards, parameters TP replicates) one block holds beyond a Llama
         block's: the Q/K/V biases (one per output column), the sinks (one per query head), the
         two head norms, the two sandwich norms and the output projection's bias (the MLP's
-        extras: `lctrain.layout.stages.mlp_params`)."""
+        extras: `lctrain.config.model_size.mlp_params`)."""
         sharded = head_dim * (n_heads + 2 * n_kv_heads) if self.qkv_bias else 0
         sharded += n_heads if self.sinks else 0
         replicated = QK_NORMS * head_dim if self.qk_norm else 0

@@ -4,8 +4,9 @@ stage, and the idle fraction (bubble) of each schedule (docs/parallelism.md §13
 The model is cut into pp x v contiguous stages (v = parallel.pp_virtual_stages). The embedding
 goes with the first stage and the final norm, output layer and loss with the last. Without an
 explicit parallel.pp_layers the cut minimises the most expensive stage, with costs in training
-FLOPs per token: a block costs its matmuls plus causal attention over the whole sequence, the
-output layer its [D, V] matmul, the embedding a row lookup (docs/parallelism.md §13).
+FLOPs per token (`lctrain.config.model_size.layer_costs`: a block costs its matmuls plus causal
+attention over the whole sequence, the output layer its [D, V] matmul, the embedding a row
+lookup; docs/parallelism.md §13).
 """
 
 from __future__ import annotations
@@ -13,115 +14,10 @@ from __future__ import annotations
 from functools import cache
 
 from lctrain.config import LctrainConfig, ModelConfig
-from lctrain.config.model_families import model_family
+from lctrain.config.model_size import unit_costs
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 """Schedules that run one stage per pipeline rank."""
-
-
-MLP_MATRICES = 3
-"""SwiGLU's gate, up and down projections, D x F each."""
-
-
-def expert_params(m: ModelConfig, layer: int, experts: int | None = None) -> int:
-    """Parameters of `experts` experts (all of them by default) of block `layer`: each three
-    D x F_e matrices and, in a family with expert biases, 2 F_e + D biases; 0 for a dense
-    MLP."""
-    if not m.is_moe_layer(layer):
-        return 0
-    bias = 2 * m.expert_dim + m.dim if model_family(m.family).expert_bias else 0
-    count = m.n_experts if experts is None else experts
-    return count * (MLP_MATRICES * m.dim * m.expert_dim + bias)
-
-
-def mlp_params(m: ModelConfig, layer: int, active: bool = False) -> int:
-    """Parameters of block `layer`'s MLP: the gated MLP's three D x F matrices; for a mixture of
-    experts the router (E x D, and a bias) and its experts (`expert_params`), or with `active`
-    the k experts one token runs through."""
-    if not m.is_moe_layer(layer):
-        return MLP_MATRICES * m.dim * m.ffn_dim
-    router = m.n_experts * (m.dim + (1 if model_family(m.family).router_bias else 0))
-    return router + expert_params(m, layer, m.experts_per_token if active else None)
-
-
-def block_split(m: ModelConfig, layer: int = 0) -> tuple[int, int]:
-    """(parameters TP shards, parameters TP replicates) of transformer block `layer`: Q, K, V, O
-    and the MLP's matrices (`mlp_params`), plus the family's biases
-    (`ModelFamily.block_extra_params`); the two norms, plus the family's head norms."""
-    return _block_split(m.family, m.dim, m.d_head, m.n_heads, m.n_kv_heads,
-                        mlp_params(m, layer))
-
-
-@cache  # pure in its arguments; a layout search asks for the same ones many times
-def _block_split(family: str, dim: int, d_head: int, heads: int, kv_heads: int,
-                 mlp: int) -> tuple[int, int]:
-    attention = dim * (2 * heads * d_head + 2 * kv_heads * d_head)
-    sharded, replicated = model_family(family).block_extra_params(dim, d_head, heads, kv_heads)
-    return attention + mlp + sharded, 2 * dim + replicated
-
-
-def layer_kinds(m: ModelConfig, layers) -> list[tuple[int, int]]:
-    """(a layer, how many) for each kind among `layers`: the layers whose blocks hold, compute
-    and keep alike (dense or a mixture of experts, and the same attention window), so that a
-    formula is evaluated once per kind (a layout search evaluates many)."""
-    kinds: dict[tuple[bool, int | None], tuple[int, int]] = {}
-    for i in layers:
-        key = (m.is_moe_layer(i), m.layer_window(i))
-        first, count = kinds.get(key, (i, 0))
-        kinds[key] = (first, count + 1)
-    return list(kinds.values())
-
-
-def block_params(m: ModelConfig, layer: int = 0, active: bool = False) -> int:
-    """Parameters of transformer block `layer`, whole (`block_split`'s two parts); with
-    `active`, those one token's forward multiplies by (a mixture of experts' k experts)."""
-    whole = sum(block_split(m, layer))
-    return whole if not active else whole - mlp_params(m, layer) + mlp_params(m, layer, True)
-
-
-def layer_costs(m: ModelConfig, seq_len: int) -> tuple[float, list[float], float]:
-    """(embedding, [each block], output layer + loss): forward + backward FLOPs per token, 3x the
-    forward's. A block's forward is 2 FLOPs per weight a token meets (a mixture of experts'
-    router and k experts) plus causal attention, 2 S d_model
-    (QK^T and PV over S/2 keys on average; a window layer's over its window's keys); the
-    output layer 2 D V plus the softmax (~5 V)."""
-    embedding, _, output = _unit_costs(m, seq_len)
-    return embedding, [TRAIN_OVER_FORWARD * FLOPS_PER_WEIGHT * block_params(m, i, active=True)
-                       + attention_flops(m, seq_len, m.layer_window(i))
-                       for i in range(m.n_layers)], output
-
-
-TRAIN_OVER_FORWARD = 3
-"""Training FLOPs per forward FLOP: the backward runs two matmuls for each forward one (the
-gradient of the input and that of the weight)."""
-FLOPS_PER_WEIGHT = 2
-"""A matmul's FLOPs per weight and token: a multiply and an add."""
-SOFTMAX_FLOPS = 5
-"""The loss's softmax per vocabulary entry and token: max, subtract, exp, sum, divide."""
-
-
-def attention_flops(m: ModelConfig, seq_len: int, window: int | None = None) -> float:
-    """Training FLOPs per token of one block's causal attention: QK^T and PV take H x d
-    multiply-adds per key each (d_model unless model.head_dim says otherwise), over S/2 keys
-    on average, so 2 x 2 x Hd x S/2 = 2 S Hd forward. A window of W < S keys: each query sees
-    W keys but the first W - 1, so W - W (W - 1) / (2 S) on average (docs/parallelism.md §25)."""
-    keys = seq_len / 2 if window is None or window >= seq_len else (
-        window - window * (window - 1) / (2 * seq_len))
-    return TRAIN_OVER_FORWARD * 4 * keys * m.q_dim
-
-
-def _unit_costs(m: ModelConfig, seq_len: int) -> tuple[float, float, float]:
-    """`layer_costs` with one block's cost (every block costs the same); the embedding a row
-    lookup, d_model per token."""
-    return _unit_costs_of(block_params(m), attention_flops(m, seq_len), m.dim, m.vocab_size)
-
-
-@cache  # a layout search asks for the same ones many times
-def _unit_costs_of(block_weights: int, attention: float, dim: int,
-                   vocab: int) -> tuple[float, float, float]:
-    block = TRAIN_OVER_FORWARD * FLOPS_PER_WEIGHT * block_weights + attention
-    output = TRAIN_OVER_FORWARD * (FLOPS_PER_WEIGHT * dim + SOFTMAX_FLOPS) * vocab
-    return TRAIN_OVER_FORWARD * dim, block, output
 
 
 def stage_count(cfg: LctrainConfig) -> int:
@@ -135,7 +31,7 @@ def split_layers(cfg: LctrainConfig) -> tuple[tuple[int, ...], ...]:
         return _layer_ids(tuple(explicit))
     m = cfg.model  # (balanced_counts, without the copy to a list: a search asks very often)
     return _layer_ids(_best_split(m.n_layers, stage_count(cfg),
-                                  *_unit_costs(m, cfg.train.seq_len)))
+                                  *unit_costs(m, cfg.train.seq_len)))
 
 
 @cache  # a layout search asks for the same split many times
@@ -148,7 +44,7 @@ def balanced_counts(m: ModelConfig, seq_len: int, stages: int) -> list[int]:
     """Layers per stage (each at least one) minimising the largest stage cost, the embedding
     counted in the first stage and the output layer in the last; ties go to earlier stages
     holding fewer layers (the first stage also keeps its micro-batches in flight longest)."""
-    return list(_best_split(m.n_layers, stages, *_unit_costs(m, seq_len)))
+    return list(_best_split(m.n_layers, stages, *unit_costs(m, seq_len)))
 
 
 @cache

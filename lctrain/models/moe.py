@@ -24,8 +24,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lctrain import device
+from lctrain.comm import all_to_all_rows_autograd, traffic_tag
 from lctrain.config import ModelConfig
-from lctrain.layout.comm import all_to_all_rows_autograd, traffic_tag
 from lctrain.models.init import ZEROS
 
 EP_TAG = "ep"

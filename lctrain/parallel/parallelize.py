@@ -17,9 +17,9 @@ from torch import nn
 from lctrain import device
 from lctrain.attention import ContextParallelAttention
 from lctrain.attention.kernels import KernelOptions, forward_ops
+from lctrain.comm import sum_passing_grad
 from lctrain.config import LctrainConfig
 from lctrain.config.derived import load_balance_of
-from lctrain.layout.comm import sum_passing_grad
 from lctrain.models.hf import load_hf_weights
 from lctrain.models.init import init_weights
 from lctrain.models.llama import AttentionCore, Llama, sdpa_attention

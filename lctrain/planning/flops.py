@@ -2,7 +2,7 @@
 utilisation (MFU) the training loop logs (docs/parallelism.md §14). Pure arithmetic on a config
 and a table: no process, device or tensor.
 
-The FLOPs are those of `lctrain.layout.stages.layer_costs`, the same per-token costs that
+The FLOPs are those of `lctrain.config.model_size.layer_costs`, the same per-token costs that
 balance the pipeline stages (one home for the formula): per token, 3 x the forward's (the
 backward computes two matmuls per forward matmul), the forward being 2 FLOPs per matmul weight
 of the blocks and of the output layer plus causal attention, 2 S D per block (QK^T and PV over
@@ -14,7 +14,7 @@ checkpointing is not counted: model FLOPs (MFU), not hardware FLOPs (HFU).
 from __future__ import annotations
 
 from lctrain.config import LctrainConfig
-from lctrain.layout.stages import layer_costs
+from lctrain.config.model_size import layer_costs
 
 
 def train_flops_per_token(cfg: LctrainConfig) -> float:

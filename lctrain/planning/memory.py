@@ -21,12 +21,14 @@ from lctrain.config.derived import (
     reduces_each_micro_step,
 )
 from lctrain.config.model_families import NORM_TILE_ELEMENTS, model_family
-from lctrain.layout.stages import (
+from lctrain.config.model_size import (
     block_params,
     block_split,
     expert_params,
     layer_kinds,
     mlp_params,
+)
+from lctrain.layout.stages import (
     rank_of,
     rank_stages,
     split_layers,

@@ -19,16 +19,14 @@ from dataclasses import dataclass, field
 from lctrain.config import Derived, LctrainConfig, derive
 from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm
 from lctrain.config.derived import data_parallel_engine_of
-from lctrain.layout.stages import (
+from lctrain.config.model_size import (
     FLOPS_PER_WEIGHT,
     MLP_MATRICES,
     TRAIN_OVER_FORWARD,
     attention_flops,
-    bubble_fraction,
     layer_costs,
-    split_layers,
-    stages_of,
 )
+from lctrain.layout.stages import bubble_fraction, split_layers, stages_of
 from lctrain.layout.topology import Topology
 from lctrain.planning.documents import packed_documents
 from lctrain.planning.flops import train_flops_per_step

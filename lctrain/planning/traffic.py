@@ -1,7 +1,7 @@
 """Elements each rank sends: one attention layer per context-parallel algorithm (forward and
 backward), one block's TP/SP collectives, one step of FSDP. Derived in docs/parallelism.md
 §2 and §5-9; `lctrain plan` predicts with these, and tests and bench/attention.py compare them
-with what `lctrain.layout.comm.record_traffic` measures. `step_traffic_bytes` adds them up into
+with what `lctrain.comm.record_traffic` measures. `step_traffic_bytes` adds them up into
 the bytes one rank sends per step in the groups whose collectives lctrain does not issue itself
 (TP, pipeline, data parallelism), which the training loop logs (docs/parallelism.md §14);
 `cp_step_bytes` the context-parallel attention's per step, collective by collective, as
@@ -23,8 +23,9 @@ from lctrain.config.derived import (
     load_balance_of,
     reduces_each_micro_step,
 )
+from lctrain.config.model_size import expert_params
 from lctrain.layout.halo import unit_halo
-from lctrain.layout.stages import expert_params, rank_of, split_layers, stage_count, stages_of
+from lctrain.layout.stages import rank_of, split_layers, stage_count, stages_of
 from lctrain.planning.documents import travelling_share
 from lctrain.planning.memory import (
     compute_bytes,

@@ -4,7 +4,7 @@ they say about a stalled job.
 
 Each rank owns one fixed-size record, RUN_DIR/.progress/rank-NNNNN.json (RECORD_BYTES, one JSON
 object padded with spaces), which its own thread rewrites every INTERVAL_S
-(`lctrain.parallel.progress` writes them). `advanced_at` is the last time the rank's place
+(`lctrain.training.progress` writes them). `advanced_at` is the last time the rank's place
 changed; `written_at` the last time its thread ran. A rank blocked in a collective keeps writing
 (its `written_at` moves, its `advanced_at` does not); a stopped or wedged process stops writing
 altogether.

@@ -24,16 +24,16 @@ from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from lctrain import device
+from lctrain.comm import record_traffic
 from lctrain.config import LctrainConfig, ModelConfig
 from lctrain.config.derived import Stage, context_stages, stage_banner
 from lctrain.config.resolved import as_dict, to_yaml
 from lctrain.data.batch import IGNORE_INDEX, MicroBatch
 from lctrain.data.loader import DataLoader, build_loader
-from lctrain.layout.comm import record_traffic
 from lctrain.layout.stages import split_layers
 from lctrain.models.hf import export_hf, full_parameters
 from lctrain.models.moe import EP_TAG
-from lctrain.parallel import deepspeed_engine, progress
+from lctrain.parallel import deepspeed_engine
 from lctrain.parallel.data_parallel import (
     data_parallel_engine,
     gradient_sync,
@@ -48,6 +48,7 @@ from lctrain.planning.memory import param_count
 from lctrain.rundir import RunDir
 from lctrain.rundir.checkpoints import complete_checkpoints
 from lctrain.rundir.files import write_atomic
+from lctrain.training import progress
 from lctrain.training.checkpoint import Checkpointer, TrainState
 from lctrain.training.evals import Evaluator, format_table
 from lctrain.training.metrics import MetricsLogger, StepMeter

@@ -1,0 +1,76 @@
+"""Every context-parallel algorithm, from the registry, with packed documents on 2 and 4 ranks
+sharing the GPU (gloo, collectives staged through host memory), against float64.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from gpu_checks.context import (
+    Context,
+    error_over_tolerance,
+    qkv,
+)
+from lctrain.attention import ContextParallelAttention
+from lctrain.attention.calls import Block
+from lctrain.attention.varlen_reference import register_cpu_flash_ops
+from lctrain.comm import check_collective_devices
+from lctrain.config.cp_algorithms import algorithm_layouts
+from lctrain.layout import sequence
+from lctrain.parallel.launch import run_ranks
+from tests.reference import reference_attention
+
+CP_CASES = [(name, ranks, ulysses) for ranks in (2, 4)
+            for name, ulysses in algorithm_layouts(ranks)]
+"""(algorithm, ranks, Ulysses degree): every registered algorithm on 2 and 4 ranks at each
+Ulysses degree the layout search tries (USP: 2 on 4 ranks)."""
+
+
+def _cp_rank(algorithm: str, ulysses: int, dry_run: bool) -> float:
+    """One rank of a context-parallel case on the shared device; returns its worst error."""
+    from lctrain.layout.topology import Topology
+    from lctrain.parallel.runtime import build_mesh, cp_groups
+
+    ctx = Context(dry_run, True)
+    if dry_run:
+        register_cpu_flash_ops()
+    else:
+        torch.cuda.set_device(0)
+    world = dist.get_world_size()
+    topo = Topology(cp_ring=world // ulysses, cp_ulysses=ulysses)
+    groups = cp_groups(topo, build_mesh(topo, "cpu"), dist.get_rank())
+    s = 16 * world if dry_run else 1024 * world
+    lengths = [5, s // 2 - 2, s - s // 2 - 3]
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    docs = torch.stack([ids, ids.roll(3)])
+    q, k, v, dout = qkv(2, s, 2 * world, world, 64, ctx.dtype, ctx.device)
+    full = Block(torch.arange(s), docs)
+    ref_in = [x.double().requires_grad_() for x in (q, k, v)]
+    ref_out, _ = reference_attention(*ref_in, full, full, True, 64 ** -0.5)
+    ref_out.backward(dout.double())
+
+    def local(x):
+        return sequence.split(x, 1, groups.cp_rank, groups.cp_size, "zigzag")
+
+    ins = [local(x).detach().requires_grad_() for x in (q, k, v)]
+    attn = ContextParallelAttention(algorithm, groups, s, "zigzag", options=ctx.kernel)
+    with check_collective_devices():
+        out = attn(*ins, docs)
+        out.backward(local(dout))
+    pairs = [(out, local(ref_out))] + [(a.grad, local(b.grad)) for a, b in zip(ins, ref_in)]
+    return error_over_tolerance(pairs, ctx.tol(gqa=True))
+
+
+def check_cp_algorithms(ctx: Context) -> dict:
+    rows = []
+    for algorithm, world, ulysses in CP_CASES:
+        worst = max(run_ranks(_cp_rank, world, (algorithm, ulysses, ctx.dry_run),
+                              start_method="fork" if ctx.dry_run else "spawn",
+                              backend="gloo", timeout_s=120))
+        rows.append({"algorithm": algorithm, "ranks": world, "ulysses": ulysses,
+                     "error_over_tolerance": round(worst, 3)})
+    ok = all(r["error_over_tolerance"] <= 1 for r in rows)
+    return {"status": "PASS" if ok else "FAIL", "cases": rows,
+            "detail": "worst error / tolerance: " + ", ".join(
+                f"{r['algorithm']} x{r['ranks']} {r['error_over_tolerance']:.2f}" for r in rows)}
