@@ -1,7 +1,7 @@
 """Training-step throughput of lctrain's Llama, eager and compiled, vs Hugging Face
 LlamaForCausalLM on CPU.
 
-All models get the identical architecture (`lctrain.hf.hf_config`), the same weights
+All models get the identical architecture (`lctrain.models.hf.hf_config`), the same weights
 (`to_hf_state_dict`), SDPA attention, the same thread count and the same token batch. Compiled is
 lctrain's model as `train.compile=true` builds it (each block and the loss through
 torch.compile: `lctrain.parallel.parallelize.apply_compile`). Before timing, each sequence length

@@ -1,8 +1,8 @@
 """Context-parallel attention against the unsharded float64 reference, on gloo ranks.
 
 Every rank builds the full q, k, v and output gradient, runs `reference_attention` on the whole
-sequence in float64, shards with `lctrain.sequence.split` (the data path's function), runs the
-algorithm, and compares output, lse and dq/dk/dv. Traffic measured by `record_traffic` must equal
+sequence in float64, shards with `lctrain.layout.sequence.split` (the data path's function),
+runs the algorithm, and compares output, lse and dq/dk/dv. Traffic measured by `record_traffic` must equal
 the formulas of `lctrain.planning.traffic` (docs/parallelism.md §5-8) exactly.
 """
 
