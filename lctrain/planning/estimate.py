@@ -235,9 +235,8 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
                          f"tp x cp_ulysses <= {per_node} for intra-node links")
     if p.dp_engine == "deepspeed":
         notes.append(f"parallel.dp_engine=deepspeed: weights, gradients and optimizer_state "
-                     f"count ZeRO-"
-                     f"{cfg.deepspeed.zero_stage}'s shards on the device (offloaded parts "
-                     "excluded); DeepSpeed's step traffic and buffers are not modelled")
+                     f"count ZeRO-{cfg.deepspeed.zero_stage}'s shards on the device (offloaded "
+                     "parts excluded); DeepSpeed's step traffic and buffers are not modelled")
     if p.pp > 1 and worst["itemised"]["bytes"]["fsdp_gathered_weights"]:
         notes.append("under pipelining FSDP keeps a stage's weights gathered from its backward "
                      "to its next forward: fsdp_gathered_weights counts all of a rank's stages")
