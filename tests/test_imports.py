@@ -1,8 +1,9 @@
 """lctrain without its CLI stack: with hydra, omegaconf, wandb and datasets unimportable, every
-module below the commands layer (lctrain.config.compose aside) and tools/gpu_check.py import,
-and a tiny single-process training runs; none of the blocked packages is loaded. A bare GPU box
-with only torch installed runs tools/gpu_check.py this way. Where an optional package is needed
-after all (logging.wandb, a parquet input), its absence says what to install."""
+module below the prepare layer (lctrain.config.compose aside) and tools/gpu_check.py (with its
+gpu_checks) import, and a tiny single-process training runs; none of the blocked packages is
+loaded. A bare GPU box with only torch installed runs tools/gpu_check.py this way. Where an
+optional package is needed after all (logging.wandb, a parquet input), its absence says what to
+install."""
 
 import json
 import os
