@@ -220,8 +220,8 @@ def attend_whole(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal: 
     call = _whole_call(q, k, qb, kb, causal, window)
     if call is None:
         return None
-    out, lse = KERNEL_CODE[options.backend_for(q.device)].dense[0](q, k, v, call.kind == "causal", scale,
-                                                         options, call.band)
+    forward = KERNEL_CODE[options.backend_for(q.device)].dense[0]
+    out, lse = forward(q, k, v, call.kind == "causal", scale, options, call.band)
     return out, lse.to(acc_dtype(q))
 
 
@@ -233,9 +233,8 @@ def attend_whole_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     call = _whole_call(q, k, qb, kb, causal, window)
     if call is None:
         return None
-    return KERNEL_CODE[options.backend_for(q.device)].dense[1](dout, q, k, v, out, lse,
-                                                    call.kind == "causal", scale, options,
-                                                    call.band)
+    backward = KERNEL_CODE[options.backend_for(q.device)].dense[1]
+    return backward(dout, q, k, v, out, lse, call.kind == "causal", scale, options, call.band)
 
 
 def attend_forward(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, causal: bool,

@@ -57,7 +57,9 @@ def unknown_keys(node: object, schema: type, prefix: str = "") -> list[str]:
         if key not in fields:
             out.append(_unknown(dotted, fields, prefix))
             continue
-        sub_type = _section_type(fields[key])
+        sub = fields[key].type
+        sub_type = getattr(sys.modules[LctrainConfig.__module__], sub, None) if isinstance(
+            sub, str) else sub
         if isinstance(value, dict) and dataclasses.is_dataclass(sub_type):
             out += unknown_keys(value, sub_type, dotted + ".")
     return out
@@ -69,12 +71,6 @@ def _unknown(dotted: str, fields: dict, prefix: str) -> str:
             f"{' under ' + prefix[:-1] if prefix else ''}: {', '.join(fields)}")
 
 
-def _section_type(f: dataclasses.Field):
-    sub = f.type
-    return getattr(sys.modules[LctrainConfig.__module__], sub, None) if isinstance(
-        sub, str) else sub
-
-
 def override_key_problems(overrides: list[str]) -> list[str]:
     """The keys of `section.key=value` overrides that the schema does not define, each with the
     known key it is closest to: Hydra itself refuses them with "Could not override" and no
@@ -84,15 +80,10 @@ def override_key_problems(overrides: list[str]) -> list[str]:
         key = override.split("=", 1)[0]
         if "=" not in override or key.startswith(("+", "~", "hydra.")) or "." not in key:
             continue  # additions, deletions, Hydra's own keys, config groups (model=NAME)
-        schema, prefix = LctrainConfig, ""
-        for part in key.split("."):
-            fields = {f.name: f for f in dataclasses.fields(schema)}
-            if part not in fields:
-                out.append(_unknown(prefix + part, fields, prefix))
-                break
-            schema, prefix = _section_type(fields[part]), f"{prefix}{part}."
-            if not dataclasses.is_dataclass(schema):
-                break  # a value (a list or a dict inside it is the schema's to check)
+        nested = None  # section.key as {"section": {"key": None}}, walked as a composed node
+        for part in reversed(key.split(".")):
+            nested = {part: nested}
+        out += unknown_keys(nested, LctrainConfig)
     return out
 
 

@@ -279,11 +279,11 @@ def locked_message(run_dir: Path, state: LockState) -> str:
     h = state.holder
     if h is None:
         return (f"hydra.run.dir={run_dir} is being locked by another lctrain job right now "
-                f"({run_dir / LOCK_FILE} is {state.why}); wait for it or set hydra.run.dir to "
+                f"({RunDir(run_dir).lock} is {state.why}); wait for it or set hydra.run.dir to "
                 "another directory")
     scancel = f", or `scancel {h.slurm_job_id}`" if h.slurm_job_id else ""
     return (f"hydra.run.dir={run_dir} is in use by another lctrain job: {h.describe()} "
-            f"({state.why}; lock file {run_dir / LOCK_FILE}). Two jobs in one run dir would "
+            f"({state.why}; lock file {RunDir(run_dir).lock}). Two jobs in one run dir would "
             f"overwrite each other's checkpoints: wait for it to end, stop it (`kill -TERM "
             f"{h.pid}` on {h.host}{scancel}: it checkpoints and exits), or set hydra.run.dir to "
             "another directory")
