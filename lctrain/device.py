@@ -8,8 +8,9 @@ code path (flash kernels, grouped matmuls, bf16 rules) runs on fake CPU tensors 
 FakeTensorMode and a fake process group, so a whole training step executes symbolically at full
 size on a machine without a GPU. Code that asks `gpu_path(device)` takes the CUDA branch; what
 needs a real GPU (pinning, streams, the allocator's statistics, RNG state) is answered without
-one; host reads of device values (`values`, `all_finite`) return placeholders (ones; finite),
-since a fake tensor has no data.
+one; host reads of device values (`values`, `counts`, `all_finite`) return placeholders (ones;
+a balanced split; finite), since a fake tensor has no data, and are told to the trace's count
+of host syncs (`Traced.on_read`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
@@ -97,6 +98,9 @@ class Accelerator:
     def all_finite(self, *ts: Tensor) -> bool:
         return all(bool(torch.isfinite(t)) for t in ts)
 
+    def counts(self, t: Tensor, total: int) -> list:
+        return t.tolist()
+
     def allocate(self, model: torch.nn.Module, on: torch.device) -> None:
         """Storage (uninitialised) on `on` for the parameters and buffers of a model built on the
         meta device, swapped in place: a tied weight stays one parameter, and the references
@@ -131,6 +135,8 @@ class Traced(Accelerator):
 
     def __init__(self, fake_mode, gpus: int, cuda: bool = True):
         self.fake_mode, self.gpus, self.cuda = fake_mode, gpus, cuda
+        self.on_read = None
+        """Called with the reader's name at each host read of device values (or None)."""
 
     def gpu_path(self, device: torch.device) -> bool:
         return self.cuda
@@ -172,11 +178,29 @@ class Traced(Accelerator):
         pass
 
     def values(self, t: Tensor) -> float | list:
+        if not isinstance(t, FakeTensor):  # the host's own values (the batch's)
+            return t.tolist()
+        self.read("values")
         with unset_fake_temporarily():
             return torch.ones(tuple(t.shape), dtype=t.dtype).tolist()
 
     def all_finite(self, *ts: Tensor) -> bool:
+        self.read("all_finite")
         return True
+
+    def counts(self, t: Tensor, total: int) -> list:
+        """Each [..., n] row of counts summing to `total`, spread as evenly as it goes (a
+        balanced load: a fake tensor has no values)."""
+        self.read("counts")
+        n = t.shape[-1]
+        row = [total // n + (i < total % n) for i in range(n)]
+        with unset_fake_temporarily():
+            return torch.tensor(row).expand(t.shape).tolist()
+
+    def read(self, what: str) -> None:
+        """A host read of device values: told to `on_read` (the trace's sync counter)."""
+        if self.on_read is not None:
+            self.on_read(what)
 
     def allocate(self, model: torch.nn.Module, on: torch.device) -> None:
         """Fake storage from each meta tensor's shape. A DTensor parameter (TP, FSDP) is swapped
@@ -334,6 +358,13 @@ def values(t: Tensor) -> float | list:
 def all_finite(*ts: Tensor) -> bool:
     """Whether every one-element tensor is finite (read on the host)."""
     return _current.all_finite(*ts)
+
+
+def counts(t: Tensor, total: int) -> list:
+    """Counts (an integer tensor [..., n] whose rows each sum to `total`) read on the host as
+    nested lists: the split sizes of an uneven all-to-all or of per-expert matmuls. In a trace,
+    a balanced split of `total`."""
+    return _current.counts(t, total)
 
 
 def allocate(model: torch.nn.Module, on: torch.device) -> None:

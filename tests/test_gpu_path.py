@@ -33,6 +33,12 @@ CLI = ["+recipe=tiny", "model.vocab_size=128", "model.dim=64", "model.n_layers=2
     ({"parallel": {"cp": 2}, "train": {"dtype": "bf16"}, "model": {"dim": 48}},
      ["head dim model.dim / model.n_heads = 12 on CUDA", "try model.dim=64"]),
     ({"launch": {"start_method": "fork"}}, ["launch.start_method=fork with CUDA"]),
+    # at cp=1 without documents, windows and sinks still run lctrain's (flash) kernels
+    ({"model": {"family": "mistral", "sliding_window": 16}},
+     ["train.dtype=fp32 on CUDA", "sliding windows", "train.dtype=bf16"]),
+    ({"model": {"family": "gpt_oss", "n_experts": 4, "experts_per_token": 2,
+                "expert_ffn_dim": 32}},
+     ["train.dtype=fp32 on CUDA", "attention sinks", "train.dtype=bf16"]),
 ])
 def test_validation_names_what_cuda_cannot_run(sections, expected):
     cfg = tiny_config(**sections)
@@ -41,6 +47,14 @@ def test_validation_names_what_cuda_cannot_run(sections, expected):
     assert all(text in problem for text in expected), problem
     cfg.train.device = "cpu"  # the CPU kernels take all of it
     assert validate(cfg, cfg.parallel.cp) == []
+
+
+def test_a_window_as_long_as_the_sequence_keeps_sdpa_in_fp32():
+    """A window covering train.seq_len (and every stage's length) is full causal attention:
+    torch's SDPA runs it, which takes fp32 on CUDA."""
+    cfg = tiny_config(model={"family": "mistral", "sliding_window": 32})
+    cfg.train.device = "cuda"
+    assert validate(cfg, 1) == []
 
 
 def test_ranks_are_spawned_once_cuda_is_in_play(monkeypatch, tmp_path):

@@ -35,7 +35,9 @@ def test_calls_are_planned_once_per_micro_batch(monkeypatch):
     for _layer in range(3):  # three layers, forward and backward: one plan
         attn(q, k, v, docs).sum().backward()
     assert len(planned) == 1
-    attn(q, k, v, docs.clone()).sum().backward()  # the next micro-batch: a new plan
+    attn(q, k, v, docs.clone()).sum().backward()  # the same ids in another tensor: found again
+    assert len(planned) == 1
+    attn(q, k, v, docs.flip(0)).sum().backward()  # the next micro-batch: a new plan
     for _layer in range(3):
         attn(q, k, v).sum().backward()  # no documents: planned once, at construction
     assert len(planned) == 3

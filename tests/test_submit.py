@@ -93,19 +93,6 @@ def test_script_matches_its_golden_file(name):
     assert script == expected
 
 
-def test_templates_ship_with_the_package():
-    tomllib = pytest.importorskip("tomllib")
-    repo = Path(__file__).resolve().parents[1]
-    setuptools = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert "lctrain.commands" in setuptools["packages"]
-    package = repo / "lctrain" / "commands"
-    shipped = {path for pattern in setuptools["package-data"]["lctrain.commands"]
-               for path in package.glob(pattern)}
-    templates = set((package / "templates").iterdir())
-    assert {"submit.sbatch", "submit_requeue.sbatch"} <= {p.name for p in templates}
-    assert templates <= shipped
-
-
 def test_template_fill_keeps_the_shells_own_syntax():
     text = "a={{a}} $HOME ${X:-0} $(pwd)\n{{lines}}\nend\n"
     assert fill(text, {"a": 1, "lines": []}) == "a=1 $HOME ${X:-0} $(pwd)\nend\n"

@@ -18,7 +18,7 @@ from torch import Tensor
 from lctrain import device
 from lctrain.attention.algorithms import CP_ATTENTION, CPGroups, register, registered
 from lctrain.attention.allgather import ALLGATHER
-from lctrain.attention.calls import Block, effective_window
+from lctrain.attention.calls import Block, PlanCache, effective_window
 from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions
 from lctrain.attention.local import local_attention
 from lctrain.attention.ring import RING
@@ -38,7 +38,7 @@ class ContextParallelAttention:
 
     The blocks (positions, and document ids when given) are described on the host and their
     kernel calls planned once: at construction without documents, once per micro-batch with
-    them (the same doc_ids tensor reaches every layer, the backward and any recompute). With
+    them (found again by content for every layer, the backward and any recompute). With
     load_balance=documents the positions themselves come from each micro-batch's documents
     (`lctrain.layout.sequence`, balanced per row over the algorithm's balance units: its ring
     groups).
@@ -61,8 +61,8 @@ class ContextParallelAttention:
         all-gather)."""
         # without a per-row split every micro-batch's blocks share their positions: made once
         self._fixed_pos = None if self.per_row else self._block_positions(None)
-        self._planned_for: Tensor | None = None
         self._blocks = None if self.per_row else self._make_blocks(None)
+        self._doc_blocks = PlanCache(self._make_blocks)
 
     @property
     def per_row(self) -> bool:
@@ -95,16 +95,14 @@ class ContextParallelAttention:
 
     @device.on_host
     def blocks(self, doc_ids: Tensor | None) -> tuple[Block, list[Block]]:
-        """The blocks for these document ids, planned once per doc_ids tensor."""
+        """The blocks for these document ids, planned once per micro-batch (`PlanCache`)."""
         if doc_ids is None:
             if self._blocks is None:
                 raise ValueError("load_balance=documents splits each row by its documents: "
                                  "the attention needs the document ids (data.document_masking"
                                  "=true), or use parallel.load_balance=zigzag")
             return self._blocks
-        if doc_ids is not self._planned_for:
-            self._planned_for, self._doc_blocks = doc_ids, self._make_blocks(doc_ids)
-        return self._doc_blocks
+        return self._doc_blocks(doc_ids)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = None,
                   window: int | None = None,

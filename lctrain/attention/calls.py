@@ -168,6 +168,45 @@ class Block:
         return self._plans[key][1]
 
 
+class PlanCache:
+    """What `make(doc_ids)` plans from a micro-batch's document ids (host tensors, or None),
+    kept for the last `size` micro-batches and found again by content: every layer, the
+    backward, activation recompute and a pipeline stage's later passes get the same plan,
+    whichever tensor object carries the ids. A hit costs an identity check, or an equality
+    test of the ids (no planning)."""
+
+    def __init__(self, make, size: int = 4):
+        self.make, self.size = make, size
+        self._entries: list[tuple[Tensor | None, object]] = []  # newest last
+
+    def __call__(self, doc_ids: Tensor | None):
+        for i, (ids, plan) in enumerate(self._entries):
+            if ids is doc_ids or (ids is not None and doc_ids is not None
+                                  and ids.shape == doc_ids.shape and torch.equal(ids, doc_ids)):
+                self._entries.append(self._entries.pop(i))
+                return plan
+        plan = self.make(doc_ids)
+        kept = self._entries[max(0, len(self._entries) + 1 - self.size):]
+        self._entries = [*kept, (doc_ids, plan)]
+        return plan
+
+
+@device.on_host
+def _local_block(seq_len: int, doc_ids: Tensor | None) -> Block:
+    return Block(torch.arange(seq_len), doc_ids)
+
+
+_LOCAL_BLOCKS: dict[int, PlanCache] = {}
+
+
+def local_block(seq_len: int, doc_ids: Tensor | None) -> Block:
+    """The block of a whole sequence of `seq_len` tokens (cp = 1) with these document ids, made
+    on the host and planned once per micro-batch (not per layer)."""
+    if seq_len not in _LOCAL_BLOCKS:
+        _LOCAL_BLOCKS[seq_len] = PlanCache(lambda doc: _local_block(seq_len, doc))
+    return _LOCAL_BLOCKS[seq_len](None if doc_ids is None else doc_ids.cpu())
+
+
 def _rectangles(qr: Run, kr: Run, causal: bool, window: int | None):
     """(query run, key run, kind, band) rectangles of a query run against a key run."""
     for q, k, kind in _causal_rectangles(qr, kr, causal):

@@ -57,6 +57,7 @@ def trace_plan(cfg: LctrainConfig, world_size: int, plan: dict) -> dict:
                      "parts_bytes": out["parts"], "plan_modelled_bytes": planned["modelled"],
                      "plan_parts_bytes": plan_parts,
                      "traced_over_plan": out["peak"] / planned["modelled"],
+                     "host_syncs": out["host_syncs"],
                      "seconds": out["seconds"] + out["build_seconds"], "ops": out["ops"]})
     return {"path": "cuda" if cuda else "cpu", "world_size": world_size, "roles": rows,
             "allocator_allowance_bytes": plan["memory_per_rank"]["bytes"]["allocator_allowance"],
@@ -84,6 +85,18 @@ def trace_lines(traced: dict) -> list[str]:
         lines.append("    largest made during the step and alive at the peak: " + ", ".join(
             f"{r['bytes'] / GIB:.3f} ({r['op'].removeprefix('aten.')}, {r['phase']})"
             for r in row["largest_at_peak"][:5]))
+        lines += _sync_lines(row["host_syncs"])
     lines.append(f"  not seen by the trace: {traced['unseen']}; the plan's allocator_allowance "
                  f"({traced['allocator_allowance_bytes'] / GIB:.3f} GiB) stands for them")
+    return lines
+
+
+def _sync_lines(syncs: dict | None) -> list[str]:
+    """The host syncs of the traced step, by phase, and where each is asked for."""
+    if syncs is None:  # the CPU path: host and device are one
+        return []
+    phases = ", ".join(f"{phase} {n}" for phase, n in syncs["by_phase"].items())
+    lines = [f"    host syncs per step: {syncs['per_step']}" + (f" ({phases})" if phases else "")]
+    lines += [f"      {site['count']:>4} x {site['what']} in the {site['phase']} at "
+              f"{site['where']}" for site in syncs["sites"]]
     return lines

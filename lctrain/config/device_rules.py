@@ -7,17 +7,28 @@ names the device; `lctrain train` runs them again once train.device=auto is reso
 from __future__ import annotations
 
 from lctrain.config.kernel_backends import backends_on, kernel_backend
+from lctrain.config.model_families import model_family
 from lctrain.config.schema import LctrainConfig
 from lctrain.config.suggest import nearest_multiple
 
 FLASH_HEAD_DIM_MAX = 256
 
 
+def has_window_or_sinks(cfg: LctrainConfig) -> bool:
+    """Whether some layer attends through a sliding window shorter than the longest sequence
+    the run trains on, or the family has attention sinks: both run lctrain's kernels (the
+    window and the sinks' merge are theirs) at every cp."""
+    m, longest = cfg.model, max([cfg.train.seq_len, *(s.seq_len for s in cfg.train.stages)])
+    windows = (m.layer_window(i) for i in range(m.n_layers))
+    return model_family(m.family).sinks or any(w is not None and w < longest for w in windows)
+
+
 def uses_lctrain_kernels(cfg: LctrainConfig) -> bool:
     """Whether attention runs lctrain's kernel layer rather than PyTorch's SDPA: context
-    parallelism, packed documents, deterministic attention, or a kernel chosen by name."""
+    parallelism, packed documents, deterministic attention, a kernel chosen by name, sliding
+    windows or attention sinks."""
     return (cfg.parallel.cp > 1 or cfg.data.document_masking or cfg.train.deterministic
-            or cfg.train.attention_kernel != "auto")
+            or cfg.train.attention_kernel != "auto" or has_window_or_sinks(cfg))
 
 
 def kernel_device_problems(cfg: LctrainConfig, device: str) -> list[str]:
@@ -42,8 +53,9 @@ def cuda_problems(cfg: LctrainConfig) -> list[str]:
                         "CUDA; set launch.start_method=auto (spawn on CUDA)")
     if not uses_lctrain_kernels(cfg):
         return problems
-    why = ("context parallelism, packed documents, deterministic attention and a named "
-           "train.attention_kernel run flash attention on CUDA (torch's built-in or flash-attn)")
+    why = ("context parallelism, packed documents, deterministic attention, a named "
+           "train.attention_kernel, sliding windows and attention sinks run flash attention on "
+           "CUDA (torch's built-in or flash-attn)")
     if cfg.train.dtype == "fp32":
         problems.append(f"train.dtype=fp32 on CUDA: {why}, which takes bf16/fp16 only; set "
                         "train.dtype=bf16 (weights and optimizer state stay fp32)")

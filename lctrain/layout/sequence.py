@@ -294,14 +294,12 @@ class Run(NamedTuple):
 
 
 def runs(pos: Tensor) -> list[Run]:
-    """Maximal runs of consecutive positions in `pos` [S], in local order."""
-    p = pos.tolist()
-    out, start = [], 0
-    for i in range(1, len(p) + 1):
-        if i == len(p) or p[i] != p[i - 1] + 1:
-            out.append(Run(start, p[start], i - start))
-            start = i
-    return out
+    """Maximal runs of consecutive positions in `pos` [S] (a host tensor), in local order:
+    found where a position is not its predecessor's + 1, vectorised."""
+    p = pos.numpy()
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(p) != 1) + 1]).tolist()
+    ends = [*starts[1:], len(p)]
+    return [Run(s, int(p[s]), e - s) for s, e in zip(starts, ends)] if len(p) else []
 
 
 def document_positions(doc_ids: Tensor) -> Tensor:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Partial
 
-from lctrain.attention.calls import Block, effective_window
+from lctrain.attention.calls import effective_window, local_block
 from lctrain.attention.local import local_attention
 from lctrain.config import ModelConfig
 from lctrain.config.model_families import NORM_TILE_ELEMENTS, model_family
@@ -68,7 +68,7 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = Non
     """
     window = effective_window(window, q.shape[1])
     if doc_ids is not None or window is not None or sink is not None:
-        block = Block(torch.arange(q.shape[1]), doc_ids)
+        block = local_block(q.shape[1], doc_ids)
         return local_attention(q, k, v, block, block, causal=True, scale=q.shape[-1] ** -0.5,
                                window=window, sink=sink)[0]
     out = F.scaled_dot_product_attention(
@@ -394,7 +394,7 @@ class Llama(nn.Module):
         sets `expert_counts` and clears the log."""
         log = self.router_log
         self.expert_counts = torch.stack([log.counts[i] for i in sorted(log.counts)])
-        rows = torch.tensor([float(log.tokens)], device=self.expert_counts.device)
+        rows = torch.full((1,), float(log.tokens), device=self.expert_counts.device)
         totals = torch.cat([self.expert_counts.sum(dim=0), torch.stack(log.prob_sums).sum(dim=0),
                             rows])
         log.clear()

@@ -79,6 +79,15 @@ def grouped_matmul(x: Tensor, w: Tensor, counts: Tensor, splits: list[int] | Non
     return torch.cat([piece @ w[e] for e, piece in enumerate(pieces)])
 
 
+def sorted_counts(sorted_ids: Tensor, n: int) -> Tensor:
+    """How many of `sorted_ids` [N] (ascending, in 0..n-1) equal each of 0..n-1: [n] int64.
+    A binary search of the n + 1 boundaries, of fixed size, so it neither waits for the device
+    (CUDA's bincount reads the ids' range on the host) nor depends on data under a trace, and
+    is deterministic (no atomics)."""
+    bounds = torch.arange(n + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    return torch.searchsorted(sorted_ids, bounds).diff()
+
+
 GROUPED_MM_ALIGN = 8
 """bf16 elements in 16 bytes: torch's grouped matmul loads its operands by 16-byte rows (TMA),
 so every static dimension (D and the experts' widths) must be a multiple of this."""
@@ -89,6 +98,15 @@ def uses_grouped_mm(x: Tensor, *widths: int) -> bool:
     `widths` (CUDA, bf16, 16-byte aligned); else one matmul per expert."""
     aligned = all(n % GROUPED_MM_ALIGN == 0 for n in (x.shape[-1], *widths))
     return device.gpu_path(x.device) and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and aligned
+
+
+def _splits(xs: Tensor, counts: Tensor, known: list[int] | None, *widths: int
+            ) -> list[int] | None:
+    """`grouped_matmul`'s splits: None for torch's grouped matmul, else the rows of each expert
+    as numbers (`known` when the host has them, else read from `counts`: a host read)."""
+    if uses_grouped_mm(xs, *widths):
+        return None
+    return known if known is not None else device.counts(counts, xs.shape[0])
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -127,7 +145,10 @@ class Experts(nn.Module):
 
     def forward(self, xs: Tensor, counts: Tensor) -> Tensor:
         """Each expert's MLP over its rows of xs [N k, D] (sorted by expert; counts [E])."""
-        weights = [w.to_local() if isinstance(w, DTensor) else w
+        # in the activations' dtype under every engine: torch's grouped matmul has no autocast
+        # rule and takes one dtype, and autocast would leave fp32 biases promoting the rows (a
+        # no-op under FSDP's bf16 weights)
+        weights = [(w.to_local() if isinstance(w, DTensor) else w).to(xs.dtype)
                    for w in self.parameters(recurse=False)]
         if self.grad_scale != 1.0:
             weights = [_ScaleGrad.apply(w, self.grad_scale) for w in weights]
@@ -142,20 +163,25 @@ class Experts(nn.Module):
         sent = counts.reshape(ep, local)  # rows for each rank's experts
         received = torch.empty_like(sent)  # [source rank, my expert]
         dist.all_to_all_single(received, sent, group=self.group)
-        send, receive = sent.sum(dim=1).tolist(), received.sum(dim=1).tolist()
+        # the layer's one host read: NCCL's uneven all-to-all takes its split sizes as numbers
+        sizes = device.counts(torch.stack([sent, received]).reshape(2, -1), xs.shape[0])
+        by_rank = [[sizes[i][r * local:(r + 1) * local] for r in range(ep)] for i in (0, 1)]
+        send, receive = [sum(row) for row in by_rank[0]], [sum(row) for row in by_rank[1]]
         rows = all_to_all_rows_autograd(xs, self.group, send, receive)
         # from (source, expert) order to (expert, source) order and back
         segment = torch.repeat_interleave(torch.arange(ep * local, device=xs.device),
-                                          received.reshape(-1))
+                                          received.reshape(-1), output_size=sum(receive))
         order = torch.argsort((segment % local) * ep + segment // local, stable=True)
-        out = self.mlp(rows[order], received.sum(dim=0), *weights)
+        mine = [sum(column) for column in zip(*by_rank[1])]  # rows for each of my experts
+        out = self.mlp(rows[order], received.sum(dim=0), *weights, splits=mine)
         out = torch.empty_like(out).index_copy_(0, order, out)
         return all_to_all_rows_autograd(out, self.group, receive, send)
 
-    def mlp(self, xs: Tensor, counts: Tensor, w1: Tensor, w3: Tensor, w2: Tensor) -> Tensor:
+    def mlp(self, xs: Tensor, counts: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
+            splits: list[int] | None = None) -> Tensor:
         """The experts' MLPs over xs sorted by expert, given their (local) parameters in
-        registration order."""
-        splits = None if uses_grouped_mm(xs, w1.shape[-2]) else counts.tolist()
+        registration order; `splits`: counts on the host when they are known there."""
+        splits = _splits(xs, counts, splits, w1.shape[-2])
         gate = self.activation(grouped_matmul(xs, w1.transpose(-2, -1), counts, splits))
         up = grouped_matmul(xs, w3.transpose(-2, -1), counts, splits)
         return grouped_matmul(gate * up, w2.transpose(-2, -1), counts, splits)
@@ -184,9 +210,8 @@ class GptOssExperts(Experts):
         self.group, self.grad_scale = None, 1.0
 
     def mlp(self, xs: Tensor, counts: Tensor, gate_up: Tensor, gate_up_bias: Tensor,
-            down: Tensor, down_bias: Tensor) -> Tensor:
-        splits = None if uses_grouped_mm(xs, gate_up.shape[-1], down.shape[-2]) \
-            else counts.tolist()
+            down: Tensor, down_bias: Tensor, splits: list[int] | None = None) -> Tensor:
+        splits = _splits(xs, counts, splits, gate_up.shape[-1], down.shape[-2])
         rows = torch.arange(counts.shape[0], device=xs.device).repeat_interleave(
             counts, output_size=xs.shape[0])  # each row's expert, for its biases
         h = grouped_matmul(xs, gate_up, counts, splits) + gate_up_bias[rows]
@@ -217,21 +242,21 @@ class MoE(nn.Module):
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, S, D] (its router sees the sequence dim: sequence parallelism's layout) ->
-        (weights [N, k] in x's dtype, experts [N, k], tokens per expert [E]) for its N = B S
-        tokens; records the statistics."""
+        (weights [N, k] in x's dtype, the N k (token, choice) rows in expert order [N k],
+        tokens per expert [E]) for its N = B S tokens; records the statistics."""
         probs = F.softmax(self.router(x).float(), dim=-1).reshape(-1, self.n_experts)
         top, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
-        counts = torch.bincount(experts.reshape(-1), minlength=self.n_experts)
+        sorted_experts, order = experts.reshape(-1).sort(stable=True)
+        counts = sorted_counts(sorted_experts, self.n_experts)
         self.log.record(self.layer, counts, probs.sum(dim=0), probs.shape[0])
-        return top.to(x.dtype), experts, counts
+        return top.to(x.dtype), order, counts
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, experts, counts = self.route(x)
-        order = experts.reshape(-1).argsort(stable=True)
+        weights, order, counts = self.route(x)
         token = order // self.top_k
         y = self.experts(flat[token], counts)
         y = y * weights.reshape(-1)[order, None]

@@ -137,11 +137,14 @@ def state_parts(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict[s
 
 
 def _experts_elsewhere(cfg: LctrainConfig, pp_rank: int) -> int:
-    """Expert parameters of pipeline rank `pp_rank`'s layers that other ranks of its ep group
-    hold ((ep - 1)/ep of them): `local_params` counts every expert."""
+    """Expert parameters that `local_params` counts for pipeline rank `pp_rank` but other ranks
+    of its ep group hold: it counts a 1/tp share of every expert with the TP-sharded
+    matrices, and the rank holds E/ep whole experts (expert parallelism spans the TP ranks and
+    never splits an expert), so 1/tp - 1/ep of them (negative when ep < tp)."""
     m, p = cfg.model, cfg.parallel
     layers = [i for s in stages_of(cfg, pp_rank) for i in split_layers(cfg)[s]]
-    return sum(n * expert_params(m, i) for i, n in layer_kinds(m, layers)) * (p.ep - 1) // p.ep
+    experts = sum(n * expert_params(m, i) for i, n in layer_kinds(m, layers))
+    return experts // p.tp - experts // p.ep
 
 
 def _whole_embedding_extra(cfg: LctrainConfig, pp_rank: int) -> int:
@@ -353,16 +356,12 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int,
     if p.cp > 1:  # what the algorithm keeps besides (`MemoryTerms.kept_per_token`)
         per_token += cp_algorithm(p.attention).memory.kept_per_token(
             layer_shape(cfg, world_size, batch))
-    window = m.layer_window(layer)
-    positions = 8 * cfg.train.seq_len if (  # the position-aware kernel's int64 positions [S]
-        p.cp == 1 and not cfg.data.document_masking
-        and (model_family(m.family).sinks or (window is not None and window < cfg.train.seq_len))
-    ) else 0
+    # (the position-aware kernels' positions are the micro-batch's host block, made once: none
+    # per layer)
     if cfg.train.mlp_chunk:
-        per_block = (8 * cfg.train.seq_len // p.cp + (a * attention_weights if casts else 0)
-                     + positions)
+        per_block = 8 * cfg.train.seq_len // p.cp + (a * attention_weights if casts else 0)
         return n * per_token + per_block
-    per_block = (a * (attention_weights + mlp_weights) if casts else 0) + positions
+    per_block = a * (attention_weights + mlp_weights) if casts else 0
     mlp = _moe_kept(cfg, n, a, mode) if moe else n * a * 4 * F / t
     return n * per_token + mlp + per_block
 

@@ -24,7 +24,10 @@ import dataclasses
 import gc
 import os
 import time
+import traceback
 import weakref
+from collections import Counter
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -60,6 +63,72 @@ def _storage(t: Tensor):
     return holding_tensor(t).untyped_storage()
 
 
+_aten = torch.ops.aten
+HOST_SYNC_OPS = {_aten._local_scalar_dense.default: "item", _aten.nonzero.default: "nonzero",
+                 _aten._unique2.default: "unique", _aten.unique_dim.default: "unique",
+                 _aten.unique_consecutive.default: "unique_consecutive",
+                 _aten.bincount.default: "bincount", _aten.masked_select.default: "masked_select",
+                 _aten.equal.default: "equal", _aten.is_nonzero.default: "is_nonzero"}
+"""Ops that make the host wait for the device when they take a device tensor: a value read
+(item, tolist, bool, a Python number), or an output whose size depends on the values (CUDA
+reads it back before allocating). torch.repeat_interleave without output_size is one too
+(`_sync_name`)."""
+
+_PACKAGE = Path(__file__).resolve().parents[1]
+_SEAMS = (_PACKAGE / "device.py", Path(__file__).resolve())
+
+
+def _caller() -> str:
+    """The innermost line of lctrain outside the device seam and this tracer: where the
+    package asked for the value."""
+    for frame in reversed(traceback.extract_stack()):
+        path = Path(frame.filename).resolve()
+        if path.is_relative_to(_PACKAGE) and path not in _SEAMS:
+            return f"{path.relative_to(_PACKAGE.parent)}:{frame.lineno} ({frame.name})"
+    return "outside lctrain"
+
+
+def _sync_name(func, args, kwargs) -> str | None:
+    """The host sync `func` makes on these arguments, or None: only on device tensors (fake,
+    in a trace; host tensors keep their values and cost no wait)."""
+    if not any(isinstance(t, FakeTensor) for t in tree_flatten((args, kwargs))[0]):
+        return None
+    if func is _aten.repeat_interleave.Tensor and (kwargs or {}).get("output_size") is None:
+        return "repeat_interleave without output_size"
+    return HOST_SYNC_OPS.get(func)
+
+
+class HostSyncs:
+    """Every moment of a traced step at which the host would wait for the GPU: the ops
+    `_sync_name` names, and the reads of device values through `lctrain.device` (values,
+    counts, all_finite), each with its phase (forward, backward, optimizer, or the step's own
+    code between them) and the line of lctrain that asked."""
+
+    def __init__(self):
+        self.seen: Counter = Counter()  # (what, phase, where) -> count
+        self.in_forward = 0
+        self.in_optimizer = False
+
+    def phase(self) -> str:
+        if self.in_optimizer:
+            return "optimizer"
+        if torch._C._current_graph_task_id() != -1:
+            return "backward"
+        return "forward" if self.in_forward else "step"
+
+    def note(self, what: str) -> None:
+        self.seen[(what, self.phase(), _caller())] += 1
+
+    def report(self) -> dict:
+        """{"per_step": N, "by_phase": {...}, "sites": [{what, phase, where, count}, ...]}."""
+        by_phase = Counter()
+        for (_, phase, _), n in self.seen.items():
+            by_phase[phase] += n
+        sites = [{"what": what, "phase": phase, "where": where, "count": n}
+                 for (what, phase, where), n in sorted(self.seen.items(), key=lambda kv: -kv[1])]
+        return {"per_step": sum(self.seen.values()), "by_phase": dict(by_phase), "sites": sites}
+
+
 class StepMemory(TorchDispatchMode):
     """Bytes alive in the storages ops create during a step, by the phase that made them
     (forward, or backward: inside autograd's engine), on top of `state` (bytes that exist before
@@ -70,9 +139,11 @@ class StepMemory(TorchDispatchMode):
     memory (offloaded state), not counted. `gradients`: storages marked as gradients
     (`mark_gradients`), with the op indices at which they were made and freed."""
 
-    def __init__(self, state: int, host: set[int] | None = None):
+    def __init__(self, state: int, host: set[int] | None = None,
+                 syncs: HostSyncs | None = None):
         super().__init__()
         self.state, self.host = state, host or set()
+        self.syncs = syncs
         self.live: dict[int, list] = {}  # id(storage) -> [bytes, phase, op index made, op]
         self.peak_live: dict[int, list] = {}
         self.by_phase = {"forward": 0, "backward": 0, "optimizer": 0}
@@ -109,6 +180,11 @@ class StepMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in FLASH_OPS:  # the CUDA kernel's rules, which its meta kernel does not check
             check_flash_call(func, args)
+        sync = None if self.syncs is None else _sync_name(func, args, kwargs)
+        if sync is not None:
+            self.syncs.note(sync)
+            if func is _aten._local_scalar_dense.default:  # a placeholder: the trace goes on
+                return True if args[0].dtype == torch.bool else 1
         out = func(*args, **(kwargs or {}))
         self.ops += 1
         # an op's new storages: not its inputs' (views, in-place results), told apart by the
@@ -281,7 +357,9 @@ def measure_step(cfg: LctrainConfig, model: nn.Module, optimizer, scheduler, mic
     host = set(_storages(host_state_tensors(model, optimizer, cfg.parallel.offload_state)))
     params = _device_bytes(list(model.parameters()) + list(model.buffers()), host)
     moments = _device_bytes(optimizer_state_tensors(optimizer), host)
-    tracker = StepMemory(params + moments, host)
+    accelerator = device.current()
+    syncs = HostSyncs() if accelerator.traced else None  # device values exist in a trace only
+    tracker = StepMemory(params + moments, host, syncs)
 
     def micro_step(module, args):  # a micro-step starts: the gradients so far are made
         tracker.mark_gradients(_gradients(model))
@@ -291,14 +369,31 @@ def measure_step(cfg: LctrainConfig, model: nn.Module, optimizer, scheduler, mic
         tracker.mark_gradients(_gradients(model))
         tracker.in_optimizer = True
 
+    def in_optimizer(flag: bool):
+        def hook(*_):
+            tracker.in_optimizer = flag
+            if syncs is not None:
+                syncs.in_optimizer = flag
+        return hook
+
+    def forwarding(depth: int):
+        def hook(*_):
+            if syncs is not None:
+                syncs.in_forward += depth
+        return hook
+
     # a micro-step starts with a forward of the model, or under pipelining of the rank's first
     # stage (the schedule calls the stages)
-    first = unwrap(next(iter(model.parts.values())) if hasattr(model, "parts") else model)
-
-    hooks = [first.register_forward_pre_hook(micro_step),
+    parts = [unwrap(p) for p in (model.parts.values() if hasattr(model, "parts") else [model])]
+    hooks = [parts[0].register_forward_pre_hook(micro_step),
              optimizer.register_step_pre_hook(optimizer_step),
-             optimizer.register_step_post_hook(
-                 lambda *_: setattr(tracker, "in_optimizer", False))]
+             optimizer.register_step_pre_hook(in_optimizer(True)),
+             optimizer.register_step_post_hook(in_optimizer(False))]
+    for part in parts:
+        hooks += [part.register_forward_pre_hook(forwarding(1)),
+                  part.register_forward_hook(forwarding(-1), always_call=True)]
+    if syncs is not None:
+        accelerator.on_read = lambda what: syncs.note(f"device.{what}")
     started = time.perf_counter()
     try:
         # on the CPU path host and device are one memory: nothing crosses
@@ -311,6 +406,8 @@ def measure_step(cfg: LctrainConfig, model: nn.Module, optimizer, scheduler, mic
         gc.enable()
         for hook in hooks:
             hook.remove()
+        if syncs is not None:
+            accelerator.on_read = None
     made = tracker.gradients_at_peak()  # made by backward passes
     standing = sum(tracker.standing.values())  # alive all along: the peak is where it was
     phase, step, func = tracker.peak_where
@@ -323,6 +420,7 @@ def measure_step(cfg: LctrainConfig, model: nn.Module, optimizer, scheduler, mic
             "at": {"phase": phase, "micro_step": step, "micro_steps": len(micro_batches),
                    "op": str(func)},
             "largest_at_peak": tracker.largest_at_peak(),
+            "host_syncs": None if syncs is None else syncs.report(),
             "ops": tracker.ops, "seconds": time.perf_counter() - started}
 
 

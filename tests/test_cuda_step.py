@@ -1,0 +1,137 @@
+"""The CUDA step proven on the CPU, feature by feature: every model family, CP algorithm, load
+balance and data-parallel engine that validation accepts, traced on the CUDA code path (fake
+tensors, torch's meta kernels for the flash and grouped-matmul ops, whose argument checks run:
+lctrain.training.trace), and the moments the host would wait for the GPU counted in each
+(`HostSyncs`): none in a micro-step's forward and backward, but the one read per MoE layer and
+micro-step of the split sizes that expert parallelism's uneven all-to-all needs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lctrain.attention.calls import PlanCache
+from lctrain.config.derived import derive
+from lctrain.config.validation import validate
+from lctrain.models import llama
+from lctrain.models.moe import sorted_counts
+from lctrain.training import trace
+from tests.helpers import tiny_config
+
+MOE = {"family": "qwen3_moe", "n_experts": 4, "experts_per_token": 2, "expert_ffn_dim": 48}
+GPT_OSS = {"family": "gpt_oss", "n_experts": 4, "experts_per_token": 2, "expert_ffn_dim": 48,
+           "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
+GEMMA3 = {"family": "gemma3_text", "sliding_window": 8, "rope_local_theta": 10000.0,
+          "query_pre_attn_scalar": 16, "tie_embeddings": True,
+          "layer_types": ["sliding_attention", "full_attention"]}
+WINDOW = {"family": "mistral", "sliding_window": 8}
+DOCS = {"document_masking": True}
+
+
+def _case(model=None, data=None, **parallel):
+    """A bf16 config (the flash kernels' dtype) of `parallel`'s layout, dp=1 by default."""
+    return tiny_config(model=model or {}, data=data or {}, train={"dtype": "bf16"},
+                       parallel={"cp": 1, "dp": 1, **parallel})
+
+
+FAST = {
+    "gemma3 window, one GPU": _case(GEMMA3),
+    "gpt-oss sinks + experts, ddp": _case(GPT_OSS, dp=2, dp_engine="ddp"),
+    "qwen3-moe ep2 x cp2 ring, documents": _case(MOE, DOCS, cp=2, dp=1, ep=2,
+                                                attention="ring"),
+}
+SLOW = {
+    "llama, one GPU, no engine": _case(),
+    "mistral window, zigzag ring cp2": _case(WINDOW, cp=2, attention="ring"),
+    "mistral window, documents split, all-gather cp2": _case(
+        WINDOW, DOCS, cp=2, attention="allgather", load_balance="documents"),
+    "documents split, usp cp4": _case(data=DOCS, cp=4, attention="usp", ulysses_degree=2,
+                                      load_balance="documents"),
+    "window, ulysses cp2": _case(WINDOW, cp=2, attention="ulysses"),
+    "qwen3-moe ep1, ddp": _case(MOE, dp=2, dp_engine="ddp"),
+    "qwen3-moe, one GPU, optimizer on the host": _case(MOE, offload_state="optimizer"),
+    "qwen3-moe ep4 over dp2 x cp2, fsdp": _case(MOE, dp=2, cp=2, ep=4),
+    "gpt-oss ep2, documents, ring cp2": _case(GPT_OSS, DOCS, cp=2, ep=2, attention="ring",
+                                              load_balance="documents"),
+    "gemma3 window, documents split, ring cp2, fsdp": _case(
+        GEMMA3, DOCS, cp=2, dp=2, attention="ring", load_balance="documents"),
+}
+
+
+def _world(cfg) -> int:
+    p = cfg.parallel
+    return p.tp * p.cp * p.pp * p.dp
+
+
+def _expected_micro_step_syncs(cfg) -> int:
+    """One split-size read per MoE layer and micro-step under expert parallelism, else none."""
+    if cfg.parallel.ep == 1:
+        return 0
+    moe_layers = sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.n_layers))
+    return moe_layers * derive(cfg, _world(cfg)).grad_accum
+
+
+def _check(cfg) -> dict:
+    assert validate(cfg, _world(cfg)) == [], "the matrix traces what validation accepts"
+    out = trace.trace_apart(cfg, _world(cfg), 0, 8, True)
+    syncs = out["host_syncs"]
+    in_micro_steps = [s for s in syncs["sites"] if s["phase"] in ("forward", "backward")]
+    assert sum(s["count"] for s in in_micro_steps) == _expected_micro_step_syncs(cfg), syncs
+    assert all(s["what"] == "device.counts" and "moe.py" in s["where"]
+               for s in in_micro_steps), syncs
+    assert out["peak"] > 0 and out["ops"] > 0
+    return out
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_traced_on_the_cuda_path(name):
+    _check(FAST[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW)
+def test_traced_on_the_cuda_path_everywhere(name):
+    _check(SLOW[name])
+
+
+def test_a_host_read_in_the_attention_is_counted_and_named(monkeypatch):
+    """A value read on the host (`.item()`) added to the attention path shows in the count,
+    with its line."""
+    def head_norms(self, q, k):
+        if q.sum().item() > 0:  # a host sync: the GPU queue drained in every layer
+            return q, k
+        return q, k
+
+    monkeypatch.setattr(llama.Attention, "head_norms", head_norms)
+    cfg = _case(WINDOW)
+    out = trace.trace_apart(cfg, 1, 0, 8, True)
+    (site,) = [s for s in out["host_syncs"]["sites"] if s["phase"] == "forward"]
+    # the innermost line of lctrain on the way: the attention's forward, which called it
+    assert site["what"] == "item" and "lctrain/models/llama.py" in site["where"], site
+    assert site["count"] == cfg.model.n_layers * derive(cfg, 1).grad_accum, site
+
+
+def test_experts_in_bf16_under_every_engine():
+    """Without FSDP's bf16 weights (DDP, one GPU) the experts' fp32 weights met bf16 rows in
+    torch's grouped matmul, which refuses mixed dtypes (its meta kernel checks it in the
+    trace): the experts now compute in the activations' dtype."""
+    out = trace.trace_apart(_case(MOE, dp_engine="none"), 1, 0, 8, True)
+    assert out["host_syncs"]["by_phase"].get("forward", 0) == 0
+
+
+def test_expert_counts_without_a_histogram():
+    """sorted_counts against torch.bincount, with experts no token chose."""
+    ids = torch.tensor([0, 0, 2, 2, 2, 5])
+    assert sorted_counts(ids, 7).tolist() == torch.bincount(ids, minlength=7).tolist()
+    assert sorted_counts(torch.zeros(0, dtype=torch.long), 3).tolist() == [0, 0, 0]
+
+
+def test_plans_are_found_again_by_content():
+    """Equal document ids in another tensor (a pipeline stage's recompute, a later layer) hit
+    the plan; other ids make a new one; the oldest goes past the cache's size."""
+    made = []
+    cache = PlanCache(lambda doc: made.append(doc) or len(made), size=2)
+    a = torch.tensor([[0, 0, 1]])
+    assert cache(a) == cache(a.clone()) == 1
+    assert cache(torch.tensor([[0, 1, 1]])) == 2 and cache(None) == 3
+    assert cache(a) == 4 and len(made) == 4  # a was the oldest of two: planned again
