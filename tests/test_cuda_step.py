@@ -135,3 +135,21 @@ def test_plans_are_found_again_by_content():
     assert cache(a) == cache(a.clone()) == 1
     assert cache(torch.tensor([[0, 1, 1]])) == 2 and cache(None) == 3
     assert cache(a) == 4 and len(made) == 4  # a was the oldest of two: planned again
+
+
+def test_planned_expert_gradients_are_the_ranks_own_experts_under_tp():
+    """The plan counted a 1/tp share of every expert and then took away (ep-1)/ep of all of
+    them: negative gradient bytes for tp2 x ep8 (qwen3-30b-a3b's search winner planned
+    -37 GiB of accumulated gradients; its trace held +17). A rank holds E/ep whole experts
+    (expert parallelism spans the TP ranks), counted here from the built model's parameters."""
+    from lctrain.models.llama import Llama
+    from lctrain.planning.memory import accumulated_grad_bytes, local_params
+
+    cfg = tiny_config(model=MOE, parallel={"tp": 2, "sp": True, "dp": 2, "ep": 4,
+                                           "dp_engine": "ddp"},
+                      train={"global_batch": 8, "micro_batch": 1})
+    with torch.device("meta"):
+        model = Llama(cfg.model)
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    others_local = sum(local_params(cfg)) - experts // cfg.parallel.tp
+    assert accumulated_grad_bytes(cfg, 4) == 4 * (others_local + experts // cfg.parallel.ep)
