@@ -35,12 +35,12 @@ def _case(model=None, data=None, **parallel):
 
 
 FAST = {
-    "gemma3 window, one GPU": _case(GEMMA3),
-    "gpt-oss sinks + experts, ddp": _case(GPT_OSS, dp=2, dp_engine="ddp"),
     "qwen3-moe ep2 x cp2 ring, documents": _case(MOE, DOCS, cp=2, dp=1, ep=2,
                                                 attention="ring"),
 }
 SLOW = {
+    "gemma3 window, one GPU": _case(GEMMA3),
+    "gpt-oss sinks + experts, ddp": _case(GPT_OSS, dp=2, dp_engine="ddp"),
     "llama, one GPU, no engine": _case(),
     "mistral window, zigzag ring cp2": _case(WINDOW, cp=2, attention="ring"),
     "mistral window, documents split, all-gather cp2": _case(

@@ -100,8 +100,9 @@ def test_what_experts_cannot_do_is_refused_with_its_fix(model, parallel, message
 @pytest.mark.slow  # 2-4 s: the search forks workers
 def test_the_search_finds_expert_parallel_layouts_for_qwen3_30b_a3b_at_128k():
     """The issue's plan: Qwen3-30B-A3B at 131,072 tokens on one node of 8 GPUs. The search
-    tries every ep that divides dp x cp x tp and the 128 experts; an ep layout ranks first, the
-    first ep layouts validate, and FSDP moves 1/ep of the experts' weights."""
+    tries every ep that divides dp x cp x tp and the 128 experts; the first ep layouts validate,
+    and FSDP moves 1/ep of the experts' weights. (An ep layout no longer ranks first: its lead
+    came from the plan's negative expert gradients under TP, tests/test_cuda_step.py.)"""
     from lctrain.config.compose import compose
     from lctrain.planning.hardware import hardware_from_plan
     from lctrain.planning.search import search
@@ -111,7 +112,7 @@ def test_the_search_finds_expert_parallel_layouts_for_qwen3_30b_a3b_at_128k():
                    "slurm.gpus_per_node=8"]).cfg
     result = search(cfg, 8, hardware_from_plan(cfg))
     with_ep = [c for c in result.ranked if c.overrides.get("parallel.ep", 1) > 1]
-    assert with_ep and result.ranked[0] in with_ep
+    assert with_ep
     assert {c.overrides["parallel.ep"] for c in with_ep} <= {2, 4, 8}
     for candidate in with_ep[:3]:
         chosen = compose(["model=qwen3-30b-a3b", "train.seq_len=131072",
