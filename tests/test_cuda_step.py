@@ -153,3 +153,40 @@ def test_planned_expert_gradients_are_the_ranks_own_experts_under_tp():
     experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     others_local = sum(local_params(cfg)) - experts // cfg.parallel.tp
     assert accumulated_grad_bytes(cfg, 4) == 4 * (others_local + experts // cfg.parallel.ep)
+
+
+def _two_steps(cfg) -> tuple[list[float], str, list[bool], bool]:
+    """Two training steps on this rank: the losses, a digest of every byte of its parameters,
+    whether torch's deterministic algorithms were on at each forward, and after the steps."""
+    import hashlib
+
+    from lctrain.parallel.data_parallel import unwrap
+    from lctrain.parallel.runtime import setup_distributed
+    from lctrain.training import loop
+
+    rt = setup_distributed(cfg)
+    model, optimizer, scheduler, loader = loop.build_training(cfg, rt)
+    seen = []
+    unwrap(model).register_forward_pre_hook(
+        lambda *_: seen.append(torch.are_deterministic_algorithms_enabled()))
+    losses = [loop.train_step(model, optimizer, scheduler, loader.next_step(), cfg, rt)["loss"]
+              for _ in range(2)]
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        digest.update(local.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return losses, digest.hexdigest(), seen, torch.are_deterministic_algorithms_enabled()
+
+
+def test_deterministic_steps_repeat_byte_for_byte():
+    """train.deterministic turns torch's deterministic algorithms on for the whole step (not
+    only around the attention's backward), and off after it; two steps at cp2 ring with packed
+    documents and a mixture of experts, run twice, leave the same bytes."""
+    from tests.helpers import on_ranks
+
+    cfg = tiny_config(model=MOE, data=DOCS, train={"deterministic": True, "steps": 2},
+                      parallel={"cp": 2, "dp": 1, "attention": "ring"})
+    first, again = (on_ranks(_two_steps, 2, cfg) for _ in range(2))
+    assert first == again
+    for _, _, seen, after in first:
+        assert seen and all(seen) and not after, (seen, after)

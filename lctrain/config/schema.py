@@ -264,9 +264,9 @@ class TrainConfig:
     """torch.compile each transformer block, and the loss head without TP (the vocab-parallel
     loss stays eager)."""
     deterministic: bool = False
-    """Deterministic attention backward on CUDA (slower): flash-attn's deterministic flag, or
-    for attention_kernel=torch, torch's deterministic-algorithms switch set around each
-    attention backward call only. Either way attention runs lctrain's kernel layer, never SDPA.
+    """A bit-reproducible training step on CUDA (slower): torch's deterministic algorithms on
+    for the whole step (with cuBLAS's deterministic workspace), and flash-attn's deterministic
+    backward when it runs attention. Attention then runs lctrain's kernel layer, never SDPA.
     CPU kernels are deterministic anyway."""
     attention_kernel: str = one_of("auto", registry=KERNEL_BACKENDS)
     """Attention kernels under lctrain's attention layer (context parallelism, packed documents,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -143,6 +144,8 @@ class Runtime:
     """Reduce gradients in every micro-step (`reduces_each_micro_step`)."""
     ep: int = 1
     """parallel.ep: ranks of dp x cp x tp that split the experts between them."""
+    deterministic: bool = False
+    """train.deterministic: torch's deterministic algorithms for the whole training step."""
 
     def axis_rank(self, group: str) -> int:
         """This rank's index inside the named group."""
@@ -184,10 +187,33 @@ class Runtime:
             return contextlib.nullcontext()
         return torch.autograd.graph.save_on_cpu(pin_memory=accelerator.pins(self.device))
 
+    def reproducible(self) -> contextlib.AbstractContextManager:
+        """The context a training step runs in: with train.deterministic, torch's deterministic
+        algorithms on for all of it (the scatter and index adds of the attention's merge, the
+        travelling K/V and the experts' combine use their deterministic CUDA kernels, not
+        atomics; an op that has none fails with its name instead of varying)."""
+        return _deterministic_algorithms() if self.deterministic else contextlib.nullcontext()
+
     @cached_property
     def cp_groups(self) -> CPGroups:
         """This rank's context-parallel groups, as the attention algorithms take them."""
         return cp_groups(self.topology, self.mesh, self.rank)
+
+
+CUBLAS_DETERMINISTIC = ":4096:8"
+"""CUBLAS_WORKSPACE_CONFIG that makes cuBLAS's matmuls deterministic (torch refuses a matmul in
+deterministic mode without it); read when the cuBLAS handle is made, so set before CUDA starts."""
+
+
+@contextlib.contextmanager
+def _deterministic_algorithms():
+    was, warn_only = (torch.are_deterministic_algorithms_enabled(),
+                      torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
 def setup_distributed(cfg: LctrainConfig) -> Runtime:
@@ -197,11 +223,14 @@ def setup_distributed(cfg: LctrainConfig) -> Runtime:
     world = env.world_size if env else 1
     want = cfg.train.device
     use_cuda = want == "cuda" or (want == "auto" and accelerator.available())
+    if cfg.train.deterministic:  # before this rank's first matmul makes its cuBLAS handle
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC)
     rank_device = accelerator.training_device(use_cuda, env.local_rank if env else 0)
     topology = Topology.from_config(cfg, world)
     derived = derive(cfg, world)
     extra = {"dtype": cfg.train.dtype, "offload_activations": cfg.train.offload_activations,
-             "sync_every_micro_step": reduces_each_micro_step(cfg), "ep": cfg.parallel.ep}
+             "sync_every_micro_step": reduces_each_micro_step(cfg), "ep": cfg.parallel.ep,
+             "deterministic": cfg.train.deterministic}
     if world == 1 and data_parallel_engine_of(cfg, 1) is None:
         return Runtime(0, 1, rank_device, topology, derived, None, **extra)
     if not dist.is_initialized():
@@ -213,7 +242,8 @@ def setup_distributed(cfg: LctrainConfig) -> Runtime:
         if world == 1:  # a group of one for the engines that keep state on the host
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout)
-        else:
-            dist.init_process_group(backend, timeout=timeout)
+        else:  # NCCL started now (device_id), not lazily by the first collective of each group
+            eager = {"device_id": rank_device} if rank_device.type == "cuda" else {}
+            dist.init_process_group(backend, timeout=timeout, **eager)
     return Runtime(dist.get_rank(), world, rank_device, topology, derived,
                    mesh_for(topology, rank_device.type), **extra)

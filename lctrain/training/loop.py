@@ -184,20 +184,21 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[Micro
     if deepspeed_engine.is_engine(model):
         return _deepspeed_step(model, scheduler, micro_batches, rt)
     routing = Routing()
-    loss, tokens = _token_weighted_loss(
-        micro_batches, rt,
-        lambda loss_scale: _micro_steps(model, micro_batches, loss_scale, rt, routing))
-    grad_norm = clip_grad_norm_(list(model.parameters()), cfg.optim.grad_clip,
-                                rt.group("pp") if rt.topology.pp > 1 else None)
-    lr = scheduler.get_last_lr()[0]
-    # the same global values on every rank, so every rank takes the same decision
-    finite = device.all_finite(loss, grad_norm)
-    if finite:  # a non-finite update would destroy the weights: never apply it
-        optimizer.step()
-        scheduler.step()
-        if isinstance(model, PipelinedModel):  # the tied embedding's copy, if any
-            model.refresh_copy()
-    optimizer.zero_grad(set_to_none=True)
+    with rt.reproducible():
+        loss, tokens = _token_weighted_loss(
+            micro_batches, rt,
+            lambda loss_scale: _micro_steps(model, micro_batches, loss_scale, rt, routing))
+        grad_norm = clip_grad_norm_(list(model.parameters()), cfg.optim.grad_clip,
+                                    rt.group("pp") if rt.topology.pp > 1 else None)
+        lr = scheduler.get_last_lr()[0]
+        # the same global values on every rank, so every rank takes the same decision
+        finite = device.all_finite(loss, grad_norm)
+        if finite:  # a non-finite update would destroy the weights: never apply it
+            optimizer.step()
+            scheduler.step()
+            if isinstance(model, PipelinedModel):  # the tied embedding's copy, if any
+                model.refresh_copy()
+        optimizer.zero_grad(set_to_none=True)
     return {**_step_metrics(loss, lr, _read(grad_norm), tokens, finite),
             **routing.metrics(rt)}
 
