@@ -16,7 +16,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 ALL_CHECKS = {"env", "kernels", "cp_algorithms", "train_tiny", "selective_memory",
               "offload_and_tiling", "state_offload", "compile", "checkpoint_resume", "step_8b",
-              "kernel_throughput", "batch_transfer", "moe_grouped_mm"}
+              "kernel_throughput", "batch_transfer", "moe_grouped_mm", "documents_windows_sinks",
+              "families_step"}
 
 
 @pytest.mark.slow  # 22 s on 2 cores: every check's wiring, each in its own process

@@ -12,7 +12,9 @@ deepspeed, wandb or datasets (docs/gpu.md gives the one command for an offline G
 
 Checks: the environment; every attention backend against float64 (dense and packed documents,
 causal or not, MHA / GQA / MQA, bf16 tolerances 2.5e-2 and 3.5e-2 with GQA) and the torch
-backend's deterministic backward; every context-parallel algorithm with packed documents on 2
+backend's deterministic backward; the documents split with travelling K/V, window layers and
+sinks at cp2 against float64; a tiny Gemma 3, GPT-OSS and Qwen3-MoE trained in bf16 on the GPU
+against fp32 on the CPU; the experts' grouped matmul; every context-parallel algorithm with packed documents on 2
 and 4 ranks sharing the GPU (gloo, collectives staged through host memory); 20 tiny steps in
 bf16 on CUDA against fp32 on the CPU; selective checkpointing's activation bytes; offload and
 the tiled loss and MLP; the training state in host memory (parallel.offload_state: losses, pinned
@@ -44,6 +46,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 import torch  # noqa: E402
 from gpu_checks.context import Context, check_env, tiny_cfg  # noqa: E402
 from gpu_checks.cp import check_cp_algorithms  # noqa: E402
+from gpu_checks.features import check_documents_windows_sinks, check_families_step  # noqa: E402
 from gpu_checks.kernels import (  # noqa: E402
     check_kernel_throughput,
     check_kernels,
@@ -77,9 +80,12 @@ class Check:
     needs_run_dir: bool = False
 
 
-CHECKS = {  # in order of what a first GPU run must not miss
+CHECKS = {  # in order of what a first GPU run must not miss: the paths never run on a GPU first
     "env": Check(check_env, 10, 60),
     "kernels": Check(check_kernels, 25, 120),
+    "documents_windows_sinks": Check(check_documents_windows_sinks, 60, 150),
+    "families_step": Check(check_families_step, 40, 120, True),
+    "moe_grouped_mm": Check(check_moe_grouped_mm, 10, 60),
     "cp_algorithms": Check(check_cp_algorithms, 60, 150),
     "train_tiny": Check(check_train_tiny, 25, 90, True),
     "step_8b": Check(check_step_8b, 60, 180, True),
@@ -90,7 +96,6 @@ CHECKS = {  # in order of what a first GPU run must not miss
     "state_offload": Check(check_state_offload, 20, 90),
     "compile": Check(check_compile, 60, 150, True),
     "batch_transfer": Check(check_batch_transfer, 10, 60),
-    "moe_grouped_mm": Check(check_moe_grouped_mm, 10, 60),
 }
 
 

@@ -72,8 +72,8 @@ class ContextParallelAttention:
     def rank_positions(self, doc_ids: Tensor | None) -> list[Tensor]:
         """Global positions of every cp rank's tokens ([S/cp], or [B, S/cp] per row)."""
         cp = self.groups.cp_size
-        return [sequence.positions(self.seq_len, r, cp, self.load_balance, doc_ids=doc_ids,
-                                   ulysses=self.ulysses_degree) for r in range(cp)]
+        return sequence.every_rank_positions(self.seq_len, cp, self.load_balance, doc_ids,
+                                             self.ulysses_degree)
 
     def _block_positions(self, doc_ids: Tensor | None) -> tuple[Tensor, list[Tensor]]:
         """Positions of this rank's query block and of the key blocks it attends to."""

@@ -146,6 +146,14 @@ class Block:
         doc = None if self.doc is None else take(self.doc, index, 1)
         return Ordered(index, torch.argsort(index, dim=-1), Block(pos, doc))
 
+    def stretches(self, b: int, run: Run) -> dict[int, list[tuple[int, int]]]:
+        """Row `b`'s documents inside `run`: {id: [(offset in the run, length), ...]}, found
+        once per (row, run) however many partners' plans ask (`_stretches`)."""
+        key = ("stretches", b, run)
+        if key not in self._plans:
+            self._plans[key] = _stretches(self.doc[b, run.rows])
+        return self._plans[key]
+
     def calls(self, kb: Block, causal: bool, window: int | None = None) -> list[KernelCall]:
         """The kernel calls of this block's queries against `kb`'s keys (planned once)."""
         return self._plan(kb, causal, window)[0]
@@ -286,7 +294,7 @@ def _document_calls(qb: Block, kb: Block, b: int, q_run: Run, k_run: Run, causal
                     window: int | None):
     """The calls of row `b`'s query run against its key run: each document only to itself."""
     row = slice(b, b + 1)
-    q_docs, k_docs = _stretches(qb.doc[b, q_run.rows]), _stretches(kb.doc[b, k_run.rows])
+    q_docs, k_docs = qb.stretches(b, q_run), kb.stretches(b, k_run)
     for d, q_pieces in q_docs.items():
         for qo, ql in q_pieces:
             for ko, kl in k_docs.get(d, ()):

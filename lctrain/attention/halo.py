@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -36,7 +37,7 @@ from lctrain.attention.kernels import (
 from lctrain.attention.local import save_final
 from lctrain.attention.travel import Travel, padded_travel
 from lctrain.comm import PeerExchange, current_tag, traffic_tag
-from lctrain.layout.halo import window_needed
+from lctrain.layout.halo import needed_by, window_keys
 
 HALO_TAG = 13
 
@@ -57,19 +58,38 @@ def halo_plan(blocks: list[Block], rank: int, window: int) -> Halo:
     key = ("halo", rank, window, tuple(id(b) for b in blocks))
     cached = blocks[rank]._plans.get(key)
     if cached is None or any(a is not b for a, b in zip(cached[0], blocks)):
-        send = {j: t for j, b in enumerate(blocks)
-                if j != rank and (t := needed_tokens(blocks[rank], b, window)) is not None}
-        recv = {j: t for j, b in enumerate(blocks)
-                if j != rank and (t := needed_tokens(b, blocks[rank], window)) is not None}
+        own = blocks[rank]
+        # blocks that share no document with this one exchange nothing: skipped without
+        # looking at their tokens
+        peers = [j for j, b in enumerate(blocks) if j != rank and _share_documents(own, b)]
+        keys = _WindowKeys(blocks, window)  # each block's keys made and sorted once
+        send = {j: t for j in peers if (t := keys.needed(own, blocks[j])) is not None}
+        recv = {j: t for j in peers if (t := keys.needed(blocks[j], own)) is not None}
         cached = (list(blocks), Halo(send, recv))
         blocks[rank]._plans[key] = cached
     return cached[1]
 
 
-def needed_tokens(keys: Block, queries: Block, window: int) -> Travel | None:
-    """The tokens of `keys` that a query of `queries` sees through a causal window of `window`
-    keys (same document, at most window - 1 positions before it); None when there are none."""
-    needed = window_needed(keys.pos, keys.doc, queries.pos, queries.doc, window)
+def _documents(block: Block) -> np.ndarray | None:
+    """The document ids a block holds, sorted (None without documents), found once."""
+    if block.doc is None:
+        return None
+    if "documents" not in block._plans:  # the first id of each stretch: a few per row
+        ids = block.doc.numpy()
+        starts = np.ones(ids.shape, dtype=bool)
+        starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        block._plans["documents"] = np.unique(ids[starts])
+    return block._plans["documents"]
+
+
+def _share_documents(a: Block, b: Block) -> bool:
+    """Whether two blocks hold a token of one document (always, without documents)."""
+    da, db = _documents(a), _documents(b)
+    return da is None or db is None or len(np.intersect1d(da, db, assume_unique=True)) > 0
+
+
+def _travel(keys: Block, queries: Block, needed: Tensor) -> Travel | None:
+    """The `needed` [R, S] tokens of `keys` as a Travel; None when there are none."""
     if not bool(needed.any()):
         return None
     if keys.doc is None:
@@ -77,6 +97,32 @@ def needed_tokens(keys: Block, queries: Block, window: int) -> Travel | None:
         return Travel(index, Block(keys.pos[index]))
     no_doc = min(int(keys.doc.min()), int(queries.doc.min())) - 1  # a document no query has
     return padded_travel(keys, needed, no_doc)
+
+
+class _WindowKeys:
+    """Between any two of `blocks`: the tokens of the first (keys) that a query of the second
+    sees through a causal window (same document, at most window - 1 positions before it), as
+    `lctrain.layout.halo.window_needed` finds them, with each block's (document, position) keys
+    made once and, as queries, sorted once."""
+
+    def __init__(self, blocks: list[Block], window: int):
+        self.window = window
+        docs = [b.doc for b in blocks if b.doc is not None]
+        self.low = min(int(d.min()) for d in docs) if docs else 0
+        self.span = max(int(b.pos.max()) for b in blocks) + window + 1
+        self._keys: dict[int, Tensor] = {}
+        self._sorted: dict[int, Tensor] = {}
+
+    def _of(self, block: Block) -> Tensor:
+        if id(block) not in self._keys:
+            self._keys[id(block)] = window_keys(block.pos, block.doc, self.low, self.span)
+        return self._keys[id(block)]
+
+    def needed(self, keys: Block, queries: Block) -> Travel | None:
+        if id(queries) not in self._sorted:
+            self._sorted[id(queries)] = self._of(queries).sort(dim=1).values
+        return _travel(keys, queries,
+                       needed_by(self._sorted[id(queries)], self._of(keys), self.window))
 
 
 def _exchange_shapes(travels: dict[int, Travel], like: Tensor) -> dict[int, list[torch.Size]]:

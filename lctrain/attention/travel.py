@@ -74,9 +74,9 @@ def travel_plan(blocks: list[Block], causal: bool) -> list[Travel] | None:
 def _plan(blocks: list[Block], causal: bool) -> list[Travel]:
     docs = [b.doc for b in blocks]
     pos = [b.row_pos for b in blocks]
-    _, inverse = torch.unique(torch.cat(docs, dim=1), return_inverse=True)
-    ids = inverse.split([d.shape[1] for d in docs], dim=1)  # documents as 0..D-1
-    rows, n_docs = docs[0].shape[0], int(inverse.max()) + 1
+    ids, n_docs = _dense_ids(torch.cat(docs, dim=1))
+    ids = ids.split([d.shape[1] for d in docs], dim=1)
+    rows = docs[0].shape[0]
     # latest position of each document in each block (-1: absent)
     latest = torch.stack([torch.full((rows, n_docs), -1, dtype=torch.long).scatter_reduce(
         1, i, p, "amax") for i, p in zip(ids, pos)])
@@ -88,6 +88,17 @@ def _plan(blocks: list[Block], causal: bool) -> list[Travel]:
     n = max(int(m.sum(1).max()) for m in needed)
     no_doc = min(int(d.min()) for d in docs) - 1  # a document no query has
     return [padded_travel(b, m, no_doc, n) for b, m in zip(blocks, needed)]
+
+
+def _dense_ids(doc: Tensor) -> tuple[Tensor, int]:
+    """Document ids as indices 0..D-1 of a table of D entries (a document's entry may be
+    unused): offset by the smallest when the ids span at most a few times the tokens, as the
+    loader's consecutive ids do (no sort), else ranked by `torch.unique`."""
+    low, high = int(doc.min()), int(doc.max())
+    if high - low < 4 * doc.numel():
+        return doc - low, high - low + 1
+    _, inverse = torch.unique(doc, return_inverse=True)
+    return inverse, int(inverse.max()) + 1
 
 
 def padded_travel(block: Block, needed: Tensor, no_doc: int, n: int | None = None) -> Travel:

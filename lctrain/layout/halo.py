@@ -25,12 +25,26 @@ def window_needed(key_pos: Tensor, key_doc: Tensor | None, query_pos: Tensor,
     kp, kd = _rows(key_pos, key_doc)
     qp, qd = _rows(query_pos, query_doc)
     low = min(int(kd.min()), int(qd.min()))
-    span = int(max(kp.max(), qp.max())) + window + 1  # (document, position) as one sortable key
-    query_keys = ((qd - low) * span + qp).sort(dim=1).values
-    token_keys = (kd - low) * span + kp
-    at = torch.searchsorted(query_keys, token_keys)  # the first query at or after each token
-    first = query_keys.gather(1, at.clamp(max=query_keys.shape[1] - 1))
-    return (at < query_keys.shape[1]) & (first < token_keys + window)
+    span = int(max(kp.max(), qp.max())) + window + 1
+    queries = window_keys(query_pos, query_doc, low, span).sort(dim=1).values
+    return needed_by(queries, window_keys(key_pos, key_doc, low, span), window)
+
+
+def window_keys(pos: Tensor, doc: Tensor | None, low: int, span: int) -> Tensor:
+    """[R, S] (document, position) as one sortable integer, (doc - low) x span + position: two
+    tokens' keys differ by less than `span` only within one document, for documents from `low`
+    on and positions below span - window."""
+    p, d = _rows(pos, doc)
+    return (d - low) * span + p
+
+
+def needed_by(sorted_query_keys: Tensor, token_keys: Tensor, window: int) -> Tensor:
+    """[R, Sk] bool: the tokens (`window_keys`) some query (its keys sorted per row) sees
+    through a causal window of `window` keys: the first query at or after a token is at most
+    window - 1 positions after it, in its document."""
+    at = torch.searchsorted(sorted_query_keys, token_keys)
+    first = sorted_query_keys.gather(1, at.clamp(max=sorted_query_keys.shape[1] - 1))
+    return (at < sorted_query_keys.shape[1]) & (first < token_keys + window)
 
 
 def _rows(pos: Tensor, doc: Tensor | None) -> tuple[Tensor, Tensor]:

@@ -198,17 +198,39 @@ def chunk_ranges(seq_len: int, cp_rank: int, cp: int, load_balance: str,
     return [(c * width, (c + 1) * width) for c in rank_chunks(cp_rank, cp, load_balance)]
 
 
+def _range_positions(ranges: list[tuple[int, int]]) -> Tensor:
+    """The positions of [start, stop) ranges, concatenated: one vectorised expression however
+    many ranges (a documents split cuts a row into one per document it touches)."""
+    bounds = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+    lengths = bounds[:, 1] - bounds[:, 0]
+    shift = bounds[:, 0] - (np.cumsum(lengths) - lengths)  # start - offset in the output
+    return torch.from_numpy(np.arange(int(lengths.sum())) + np.repeat(shift, lengths))
+
+
 def _row_positions(seq_len: int, cp_rank: int, cp: int, load_balance: str,
-                   doc_ids: Tensor | None, ulysses: int) -> Tensor:
-    """[S/cp] (zigzag, none) or [B, S/cp] (documents) global positions, on the host."""
-    def of(lengths: np.ndarray | None) -> Tensor:
-        return torch.cat([torch.arange(a, b) for a, b in chunk_ranges(
-            seq_len, cp_rank, cp, load_balance, lengths, ulysses)])
+                   doc_ids: Tensor | None, ulysses: int,
+                   lengths: list[np.ndarray] | None = None) -> Tensor:
+    """[S/cp] (zigzag, none) or [B, S/cp] (documents) global positions, on the host.
+    `lengths`: each row's document lengths, when the caller has them."""
+    def of(row_lengths: np.ndarray | None) -> Tensor:
+        return _range_positions(chunk_ranges(seq_len, cp_rank, cp, load_balance, row_lengths,
+                                             ulysses))
 
     if load_balance != "documents" or cp == 1:
         return of(None)
     assert doc_ids is not None, "load_balance=documents needs the document ids"
-    return torch.stack([of(document_lengths(row)) for row in doc_ids.cpu().numpy()])
+    if lengths is None:
+        lengths = [document_lengths(row) for row in doc_ids.cpu().numpy()]
+    return torch.stack([of(row) for row in lengths])
+
+
+def every_rank_positions(seq_len: int, cp: int, load_balance: str,
+                         doc_ids: Tensor | None = None, ulysses: int = 1) -> list[Tensor]:
+    """`positions` of every cp rank, in cp-rank order (each row's documents read once)."""
+    lengths = None if doc_ids is None or load_balance != "documents" or cp == 1 else [
+        document_lengths(row) for row in doc_ids.cpu().numpy()]
+    return [_row_positions(seq_len, r, cp, load_balance, doc_ids, ulysses, lengths)
+            for r in range(cp)]
 
 
 def take(x: Tensor, index: Tensor, dim: int) -> Tensor:

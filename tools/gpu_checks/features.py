@@ -1,0 +1,126 @@
+"""Wave 4 on the GPU, the paths no GPU has run yet, first: the documents split with travelling K/V,
+halo window layers and attention sinks under context parallelism (2 ranks sharing the GPU,
+against float64), and a few training steps of a tiny Gemma 3 (window layers at cp = 1),
+GPT-OSS (sinks, biased experts) and Qwen3-MoE (experts through torch's grouped matmul, the
+weights cast to bf16 without FSDP) in bf16 on one GPU against the same steps in fp32 on the CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from gpu_checks.context import (
+    Context,
+    device_dtype,
+    error_over_tolerance,
+    largest_relative_difference,
+    qkv,
+    tiny_cfg,
+)
+from lctrain.attention import ContextParallelAttention
+from lctrain.attention.calls import Block
+from lctrain.attention.varlen_reference import register_cpu_flash_ops
+from lctrain.comm import check_collective_devices
+from lctrain.config import LctrainConfig
+from lctrain.layout import sequence
+from lctrain.parallel.launch import run_ranks
+from lctrain.training import loop
+from tests.reference import reference_attention
+
+FEATURE_CASES = [  # (algorithm, window, sinks) on 2 ranks, load_balance=documents
+    ("ring", None, False), ("allgather", None, False), ("ring", "window", False),
+    ("ring", None, True), ("allgather", "window", True)]
+
+FAMILIES = {  # a tiny model of each, widths multiples of 8 (torch's grouped matmul)
+    "gemma3_text": {"sliding_window": 64, "rope_local_theta": 10000.0,
+                    "query_pre_attn_scalar": 32, "tie_embeddings": True,
+                    "layer_types": ["sliding_attention", "full_attention"]},
+    "gpt_oss": {"n_experts": 4, "experts_per_token": 2, "expert_ffn_dim": 64,
+                "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]},
+    "qwen3_moe": {"n_experts": 4, "experts_per_token": 2, "expert_ffn_dim": 64,
+                  "norm_topk_prob": True},
+}
+
+
+def _feature_rank(algorithm: str, window: str | None, sinks: bool, dry_run: bool) -> float:
+    """One rank of a documents-split case on the shared device; returns its worst error."""
+    from lctrain.layout.topology import Topology
+    from lctrain.parallel.runtime import build_mesh, cp_groups
+
+    ctx = Context(dry_run, True)
+    if dry_run:
+        register_cpu_flash_ops()
+    else:
+        torch.cuda.set_device(0)
+    world = dist.get_world_size()
+    groups = cp_groups(Topology(cp_ring=world), build_mesh(Topology(cp_ring=world), "cpu"),
+                       dist.get_rank())
+    s = 32 * world if dry_run else 1024 * world
+    # a long document crosses ranks, a short one does not; each row its own split
+    docs = torch.stack([torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+                        for lengths in ([7, s // 2 - 2, s - s // 2 - 5],
+                                        [s // 3, 5, s - s // 3 - 5])])
+    w = s // 5 if window else None
+    q, k, v, dout = qkv(2, s, 2 * world, world, 64, ctx.dtype, ctx.device)
+    sink = (torch.randn(2 * world, generator=torch.Generator().manual_seed(1))
+            .to(ctx.device, torch.float32) if sinks else None)
+    full = Block(torch.arange(s), docs)
+    ref_in = [x.double().requires_grad_() for x in (q, k, v)]
+    ref_out, _ = reference_attention(*ref_in, full, full, True, 64 ** -0.5, window=w,
+                                     sink=None if sink is None else sink.double())
+    ref_out.backward(dout.double())
+
+    def local(x):
+        return sequence.split(x, 1, groups.cp_rank, groups.cp_size, "documents", doc_ids=docs)
+
+    ins = [local(x).detach().requires_grad_() for x in (q, k, v)]
+    attn = ContextParallelAttention(algorithm, groups, s, "documents", options=ctx.kernel)
+    with check_collective_devices():
+        out = attn(*ins, docs, window=w, sink=sink)
+        out.backward(local(dout))
+    pairs = [(out, local(ref_out))] + [(a.grad, local(b.grad)) for a, b in zip(ins, ref_in)]
+    return error_over_tolerance(pairs, ctx.tol(gqa=True))
+
+
+def check_documents_windows_sinks(ctx: Context) -> dict:
+    """cp2 with the documents split (travelling K/V), window layers (the halo) and sinks."""
+    rows = []
+    for algorithm, window, sinks in FEATURE_CASES:
+        worst = max(run_ranks(_feature_rank, 2, (algorithm, window, sinks, ctx.dry_run),
+                              start_method="fork" if ctx.dry_run else "spawn",
+                              backend="gloo", timeout_s=120))
+        rows.append({"algorithm": algorithm, "window": bool(window), "sinks": sinks,
+                     "error_over_tolerance": round(worst, 3)})
+    ok = all(r["error_over_tolerance"] <= 1 for r in rows)
+    return {"status": "PASS" if ok else "FAIL", "cases": rows,
+            "detail": "documents split, worst error / tolerance: " + ", ".join(
+                f"{r['algorithm']}{'+window' * r['window']}{'+sinks' * r['sinks']} "
+                f"{r['error_over_tolerance']:.2f}" for r in rows)}
+
+
+def _family_cfg(family: str, steps: int, device: str, dtype: str) -> LctrainConfig:
+    cfg = tiny_cfg(steps, device, dtype)
+    for key, value in {"family": family, **FAMILIES[family]}.items():
+        setattr(cfg.model, key, value)
+    return cfg
+
+
+def check_families_step(ctx: Context, run_root: Path) -> dict:
+    """A few steps of each wave-4 family in bf16 on one GPU against fp32 on the CPU."""
+    steps = 2 if ctx.dry_run else 5
+    tolerance = 1e-5 if ctx.dry_run else 0.03
+    rows = []
+    for family in FAMILIES:
+        cpu = loop.train(_family_cfg(family, steps, "cpu", "fp32"), run_root / family / "cpu")
+        dev = loop.train(_family_cfg(family, steps, ctx.device.type, device_dtype(ctx)),
+                         run_root / family / "device")
+        rows.append({"family": family, "diff": largest_relative_difference(cpu, dev),
+                     "losses_device": [round(h["loss"], 4) for h in dev]})
+    ok = all(r["diff"] <= tolerance for r in rows)
+    return {"status": "PASS" if ok else "FAIL", "cases": rows,
+            "detail": f"{steps} steps, largest relative loss difference (tolerance "
+                      f"{tolerance}): " + ", ".join(f"{r['family']} {r['diff']:.4f}"
+                                                    for r in rows)}
