@@ -69,6 +69,11 @@ class Accelerator:
     def name(self, device: torch.device) -> str:
         return torch.cuda.get_device_name(device)
 
+    def group_options(self, device: torch.device) -> dict:
+        """init_process_group's options for a rank on `device`: on CUDA its device, so NCCL
+        connects every group's communicator when the group is made, not at its first call."""
+        return {"device_id": device} if device.type == "cuda" else {}
+
     def pins(self, device: torch.device) -> bool:
         """Whether host buffers that feed `device` are pinned (page-locked)."""
         return device.type == "cuda"
@@ -159,6 +164,9 @@ class Traced(Accelerator):
     def name(self, device: torch.device) -> str:
         return "traced"
 
+    def group_options(self, device: torch.device) -> dict:
+        return {}
+
     def pins(self, device: torch.device) -> bool:
         return False
 
@@ -191,6 +199,8 @@ class Traced(Accelerator):
     def counts(self, t: Tensor, total: int) -> list:
         """Each [..., n] row of counts summing to `total`, spread as evenly as it goes (a
         balanced load: a fake tensor has no values)."""
+        if not isinstance(t, FakeTensor):  # the host's own counts
+            return t.tolist()
         self.read("counts")
         n = t.shape[-1]
         row = [total // n + (i < total % n) for i in range(n)]
@@ -320,6 +330,11 @@ def backend(use_gpu: bool) -> str:
 def name(device: torch.device) -> str:
     """The GPU's product name."""
     return _current.name(device)
+
+
+def group_options(device: torch.device) -> dict:
+    """init_process_group's options for a rank training on `device` (NCCL started eagerly)."""
+    return _current.group_options(device)
 
 
 def pins(device: torch.device) -> bool:

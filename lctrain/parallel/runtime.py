@@ -243,7 +243,7 @@ def setup_distributed(cfg: LctrainConfig) -> Runtime:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                     timeout=timeout)
         else:  # NCCL started now (device_id), not lazily by the first collective of each group
-            eager = {"device_id": rank_device} if rank_device.type == "cuda" else {}
-            dist.init_process_group(backend, timeout=timeout, **eager)
+            dist.init_process_group(backend, timeout=timeout,
+                                    **accelerator.group_options(rank_device))
     return Runtime(dist.get_rank(), world, rank_device, topology, derived,
                    mesh_for(topology, rank_device.type), **extra)

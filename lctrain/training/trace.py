@@ -358,7 +358,8 @@ def measure_step(cfg: LctrainConfig, model: nn.Module, optimizer, scheduler, mic
     params = _device_bytes(list(model.parameters()) + list(model.buffers()), host)
     moments = _device_bytes(optimizer_state_tensors(optimizer), host)
     accelerator = device.current()
-    syncs = HostSyncs() if accelerator.traced else None  # device values exist in a trace only
+    # device values exist apart from the host's in a trace only
+    syncs = HostSyncs() if isinstance(accelerator, device.Traced) else None
     tracker = StepMemory(params + moments, host, syncs)
 
     def micro_step(module, args):  # a micro-step starts: the gradients so far are made
@@ -367,7 +368,6 @@ def measure_step(cfg: LctrainConfig, model: nn.Module, optimizer, scheduler, mic
 
     def optimizer_step(opt, args, kwargs):
         tracker.mark_gradients(_gradients(model))
-        tracker.in_optimizer = True
 
     def in_optimizer(flag: bool):
         def hook(*_):
