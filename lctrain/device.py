@@ -398,6 +398,22 @@ def holds_values() -> bool:
     return _current.holds_values()
 
 
+@contextlib.contextmanager
+def deterministic_algorithms(on: bool = True):
+    """torch's deterministic-algorithms switch on inside the block when `on`, restored after
+    (CUDA kernels read it at launch: torch's flash backward, index_add_, scatter_add_)."""
+    if not on:
+        yield
+        return
+    was, warn_only = (torch.are_deterministic_algorithms_enabled(),
+                      torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
 def on_host(fn):
     """Decorator for host-side planning (the attention's blocks and their kernel calls): `fn`
     works on real host tensors, also inside a trace (outside its fake mode)."""

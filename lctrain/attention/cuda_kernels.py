@@ -15,13 +15,13 @@ switch, which is set around each backward call only (never left on for the rest 
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 from functools import cache
 
 import torch
 from torch import Tensor
 
+from lctrain import device
 from lctrain.config.kernel_backends import FLASH_INSTALL
 
 
@@ -44,22 +44,6 @@ def flash_attn_interface():
 def no_key_lse(lse: Tensor) -> Tensor:
     """flash attention's lse for rows that saw no key is +inf; lctrain's merge expects -inf."""
     return torch.where(lse == float("inf"), float("-inf"), lse)
-
-
-@contextlib.contextmanager
-def _deterministic(on: bool):
-    """torch's deterministic-algorithms switch on inside the block when `on` (torch's flash
-    backward reads it at launch), restored after."""
-    if not on:
-        yield
-        return
-    was, warn_only = (torch.are_deterministic_algorithms_enabled(),
-                      torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
 @cache
@@ -88,7 +72,7 @@ def torch_forward(q, k, v, causal, scale, options, band=None):
 def torch_backward(dout, q, k, v, out, lse, causal, scale, options, band=None):
     dout, out = dout.contiguous(), out.contiguous()
     left, right = _window(band)
-    with _deterministic(options.deterministic):
+    with device.deterministic_algorithms(options.deterministic):
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             dout, q, k, v, out, lse.contiguous(), None, None, q.shape[1], k.shape[1], 0.0,
             causal, *_no_dropout_state(q.device), scale=scale, window_size_left=left,
@@ -108,7 +92,7 @@ def torch_varlen_forward(q, k, v, group, cu_q, cu_k, scale, options):
 
 def torch_varlen_backward(dout, q, k, v, out, lse, group, cu_q, cu_k, scale, options):
     left, right = _window(group.band)
-    with _deterministic(options.deterministic):
+    with device.deterministic_algorithms(options.deterministic):
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             dout, q, k, v, out, lse.contiguous(), cu_q, cu_k, group.max_q, group.max_k, 0.0,
             group.causal, *_no_dropout_state(q.device), scale=scale, window_size_left=left,

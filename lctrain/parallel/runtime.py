@@ -192,7 +192,7 @@ class Runtime:
         algorithms on for all of it (the scatter and index adds of the attention's merge, the
         travelling K/V and the experts' combine use their deterministic CUDA kernels, not
         atomics; an op that has none fails with its name instead of varying)."""
-        return _deterministic_algorithms() if self.deterministic else contextlib.nullcontext()
+        return accelerator.deterministic_algorithms(self.deterministic)
 
     @cached_property
     def cp_groups(self) -> CPGroups:
@@ -203,17 +203,6 @@ class Runtime:
 CUBLAS_DETERMINISTIC = ":4096:8"
 """CUBLAS_WORKSPACE_CONFIG that makes cuBLAS's matmuls deterministic (torch refuses a matmul in
 deterministic mode without it); read when the cuBLAS handle is made, so set before CUDA starts."""
-
-
-@contextlib.contextmanager
-def _deterministic_algorithms():
-    was, warn_only = (torch.are_deterministic_algorithms_enabled(),
-                      torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
 def setup_distributed(cfg: LctrainConfig) -> Runtime:

@@ -9,30 +9,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-from gpu_checks.context import (
-    Context,
-    device_dtype,
-    error_over_tolerance,
-    largest_relative_difference,
-    qkv,
-    tiny_cfg,
-)
-from lctrain.attention import ContextParallelAttention
-from lctrain.attention.calls import Block
-from lctrain.attention.varlen_reference import register_cpu_flash_ops
-from lctrain.comm import check_collective_devices
+from gpu_checks.context import Context, device_dtype, largest_relative_difference, tiny_cfg
+from gpu_checks.cp import cp_case_error
 from lctrain.config import LctrainConfig
-from lctrain.layout import sequence
 from lctrain.parallel.launch import run_ranks
 from lctrain.training import loop
-from tests.reference import reference_attention
 
 FEATURE_CASES = [  # (algorithm, window, sinks) on 2 ranks, load_balance=documents
-    ("ring", None, False), ("allgather", None, False), ("ring", "window", False),
-    ("ring", None, True), ("allgather", "window", True)]
+    ("ring", False, False), ("allgather", False, False), ("ring", True, False),
+    ("ring", False, True), ("allgather", True, True)]
 
 FAMILIES = {  # a tiny model of each, widths multiples of 8 (torch's grouped matmul)
     "gemma3_text": {"sliding_window": 64, "rope_local_theta": 10000.0,
@@ -45,44 +30,9 @@ FAMILIES = {  # a tiny model of each, widths multiples of 8 (torch's grouped mat
 }
 
 
-def _feature_rank(algorithm: str, window: str | None, sinks: bool, dry_run: bool) -> float:
+def _feature_rank(algorithm: str, window: bool, sinks: bool, dry_run: bool) -> float:
     """One rank of a documents-split case on the shared device; returns its worst error."""
-    from lctrain.layout.topology import Topology
-    from lctrain.parallel.runtime import build_mesh, cp_groups
-
-    ctx = Context(dry_run, True)
-    if dry_run:
-        register_cpu_flash_ops()
-    else:
-        torch.cuda.set_device(0)
-    world = dist.get_world_size()
-    groups = cp_groups(Topology(cp_ring=world), build_mesh(Topology(cp_ring=world), "cpu"),
-                       dist.get_rank())
-    s = 32 * world if dry_run else 1024 * world
-    # a long document crosses ranks, a short one does not; each row its own split
-    docs = torch.stack([torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
-                        for lengths in ([7, s // 2 - 2, s - s // 2 - 5],
-                                        [s // 3, 5, s - s // 3 - 5])])
-    w = s // 5 if window else None
-    q, k, v, dout = qkv(2, s, 2 * world, world, 64, ctx.dtype, ctx.device)
-    sink = (torch.randn(2 * world, generator=torch.Generator().manual_seed(1))
-            .to(ctx.device, torch.float32) if sinks else None)
-    full = Block(torch.arange(s), docs)
-    ref_in = [x.double().requires_grad_() for x in (q, k, v)]
-    ref_out, _ = reference_attention(*ref_in, full, full, True, 64 ** -0.5, window=w,
-                                     sink=None if sink is None else sink.double())
-    ref_out.backward(dout.double())
-
-    def local(x):
-        return sequence.split(x, 1, groups.cp_rank, groups.cp_size, "documents", doc_ids=docs)
-
-    ins = [local(x).detach().requires_grad_() for x in (q, k, v)]
-    attn = ContextParallelAttention(algorithm, groups, s, "documents", options=ctx.kernel)
-    with check_collective_devices():
-        out = attn(*ins, docs, window=w, sink=sink)
-        out.backward(local(dout))
-    pairs = [(out, local(ref_out))] + [(a.grad, local(b.grad)) for a, b in zip(ins, ref_in)]
-    return error_over_tolerance(pairs, ctx.tol(gqa=True))
+    return cp_case_error(algorithm, 1, dry_run, "documents", window, sinks)
 
 
 def check_documents_windows_sinks(ctx: Context) -> dict:
@@ -92,7 +42,7 @@ def check_documents_windows_sinks(ctx: Context) -> dict:
         worst = max(run_ranks(_feature_rank, 2, (algorithm, window, sinks, ctx.dry_run),
                               start_method="fork" if ctx.dry_run else "spawn",
                               backend="gloo", timeout_s=120))
-        rows.append({"algorithm": algorithm, "window": bool(window), "sinks": sinks,
+        rows.append({"algorithm": algorithm, "window": window, "sinks": sinks,
                      "error_over_tolerance": round(worst, 3)})
     ok = all(r["error_over_tolerance"] <= 1 for r in rows)
     return {"status": "PASS" if ok else "FAIL", "cases": rows,
