@@ -107,17 +107,16 @@ class HostSyncs:
     def __init__(self):
         self.seen: Counter = Counter()  # (what, phase, where) -> count
         self.in_forward = 0
-        self.in_optimizer = False
 
-    def phase(self) -> str:
-        if self.in_optimizer:
+    def phase(self, in_optimizer: bool) -> str:
+        if in_optimizer:
             return "optimizer"
         if torch._C._current_graph_task_id() != -1:
             return "backward"
         return "forward" if self.in_forward else "step"
 
-    def note(self, what: str) -> None:
-        self.seen[(what, self.phase(), _caller())] += 1
+    def note(self, what: str, in_optimizer: bool) -> None:
+        self.seen[(what, self.phase(in_optimizer), _caller())] += 1
 
     def report(self) -> dict:
         """{"per_step": N, "by_phase": {...}, "sites": [{what, phase, where, count}, ...]}."""
@@ -182,7 +181,7 @@ class StepMemory(TorchDispatchMode):
             check_flash_call(func, args)
         sync = None if self.syncs is None else _sync_name(func, args, kwargs)
         if sync is not None:
-            self.syncs.note(sync)
+            self.syncs.note(sync, self.in_optimizer)
             if func is _aten._local_scalar_dense.default:  # a placeholder: the trace goes on
                 return True if args[0].dtype == torch.bool else 1
         out = func(*args, **(kwargs or {}))
@@ -368,13 +367,7 @@ def measure_step(cfg: LctrainConfig, model: nn.Module, optimizer, scheduler, mic
 
     def optimizer_step(opt, args, kwargs):
         tracker.mark_gradients(_gradients(model))
-
-    def in_optimizer(flag: bool):
-        def hook(*_):
-            tracker.in_optimizer = flag
-            if syncs is not None:
-                syncs.in_optimizer = flag
-        return hook
+        tracker.in_optimizer = True
 
     def forwarding(depth: int):
         def hook(*_):
@@ -387,13 +380,13 @@ def measure_step(cfg: LctrainConfig, model: nn.Module, optimizer, scheduler, mic
     parts = [unwrap(p) for p in (model.parts.values() if hasattr(model, "parts") else [model])]
     hooks = [parts[0].register_forward_pre_hook(micro_step),
              optimizer.register_step_pre_hook(optimizer_step),
-             optimizer.register_step_pre_hook(in_optimizer(True)),
-             optimizer.register_step_post_hook(in_optimizer(False))]
+             optimizer.register_step_post_hook(
+                 lambda *_: setattr(tracker, "in_optimizer", False))]
     for part in parts:
         hooks += [part.register_forward_pre_hook(forwarding(1)),
                   part.register_forward_hook(forwarding(-1), always_call=True)]
     if syncs is not None:
-        accelerator.on_read = lambda what: syncs.note(f"device.{what}")
+        accelerator.on_read = lambda what: syncs.note(f"device.{what}", tracker.in_optimizer)
     started = time.perf_counter()
     try:
         # on the CPU path host and device are one memory: nothing crosses

@@ -84,12 +84,16 @@ def cp_case_error(algorithm: str, ulysses: int, dry_run: bool, load_balance: str
     return error_over_tolerance(pairs, ctx.tol(gqa=True))
 
 
+def worst_over_ranks(ctx: Context, rank_fn, world: int, args: tuple) -> float:
+    """`rank_fn(*args)` on `world` gloo ranks sharing the device: the worst error of any."""
+    return max(run_ranks(rank_fn, world, args, start_method="fork" if ctx.dry_run else "spawn",
+                         backend="gloo", timeout_s=120))
+
+
 def check_cp_algorithms(ctx: Context) -> dict:
     rows = []
     for algorithm, world, ulysses in CP_CASES:
-        worst = max(run_ranks(_cp_rank, world, (algorithm, ulysses, ctx.dry_run),
-                              start_method="fork" if ctx.dry_run else "spawn",
-                              backend="gloo", timeout_s=120))
+        worst = worst_over_ranks(ctx, _cp_rank, world, (algorithm, ulysses, ctx.dry_run))
         rows.append({"algorithm": algorithm, "ranks": world, "ulysses": ulysses,
                      "error_over_tolerance": round(worst, 3)})
     ok = all(r["error_over_tolerance"] <= 1 for r in rows)

@@ -10,9 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpu_checks.context import Context, device_dtype, largest_relative_difference, tiny_cfg
-from gpu_checks.cp import cp_case_error
+from gpu_checks.cp import cp_case_error, worst_over_ranks
 from lctrain.config import LctrainConfig
-from lctrain.parallel.launch import run_ranks
 from lctrain.training import loop
 
 FEATURE_CASES = [  # (algorithm, window, sinks) on 2 ranks, load_balance=documents
@@ -39,9 +38,7 @@ def check_documents_windows_sinks(ctx: Context) -> dict:
     """cp2 with the documents split (travelling K/V), window layers (the halo) and sinks."""
     rows = []
     for algorithm, window, sinks in FEATURE_CASES:
-        worst = max(run_ranks(_feature_rank, 2, (algorithm, window, sinks, ctx.dry_run),
-                              start_method="fork" if ctx.dry_run else "spawn",
-                              backend="gloo", timeout_s=120))
+        worst = worst_over_ranks(ctx, _feature_rank, 2, (algorithm, window, sinks, ctx.dry_run))
         rows.append({"algorithm": algorithm, "window": window, "sinks": sinks,
                      "error_over_tolerance": round(worst, 3)})
     ok = all(r["error_over_tolerance"] <= 1 for r in rows)
