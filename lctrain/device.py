@@ -103,7 +103,7 @@ class Accelerator:
     def all_finite(self, *ts: Tensor) -> bool:
         return all(bool(torch.isfinite(t)) for t in ts)
 
-    def counts(self, t: Tensor, total: int) -> list:
+    def counts(self, t: Tensor, total: int | list[int]) -> list:
         return t.tolist()
 
     def allocate(self, model: torch.nn.Module, on: torch.device) -> None:
@@ -196,16 +196,18 @@ class Traced(Accelerator):
         self.read("all_finite")
         return True
 
-    def counts(self, t: Tensor, total: int) -> list:
-        """Each [..., n] row of counts summing to `total`, spread as evenly as it goes (a
+    def counts(self, t: Tensor, total: int | list[int]) -> list:
+        """Each [n] row of counts summing to its total, spread as evenly as it goes (a
         balanced load: a fake tensor has no values)."""
         if not isinstance(t, FakeTensor):  # the host's own counts
             return t.tolist()
         self.read("counts")
-        n = t.shape[-1]
-        row = [total // n + (i < total % n) for i in range(n)]
+        n, rows = t.shape[-1], t.numel() // t.shape[-1]
+        totals = [total] * rows if isinstance(total, int) else total
+        assert len(totals) == rows, (t.shape, totals)
         with unset_fake_temporarily():
-            return torch.tensor(row).expand(t.shape).tolist()
+            return torch.tensor([[s // n + (i < s % n) for i in range(n)] for s in totals]
+                                ).reshape(t.shape).tolist()
 
     def read(self, what: str) -> None:
         """A host read of device values: told to `on_read` (the trace's sync counter)."""
@@ -375,10 +377,11 @@ def all_finite(*ts: Tensor) -> bool:
     return _current.all_finite(*ts)
 
 
-def counts(t: Tensor, total: int) -> list:
-    """Counts (an integer tensor [..., n] whose rows each sum to `total`) read on the host as
-    nested lists: the split sizes of an uneven all-to-all or of per-expert matmuls. In a trace,
-    a balanced split of `total`."""
+def counts(t: Tensor, total: int | list[int]) -> list:
+    """Counts (an integer tensor [..., n] of rows of n, each summing to its total: `total`, or
+    total[i] for row i of the leading dimensions flattened) read on the host as nested lists:
+    the split sizes of an uneven all-to-all or of per-expert matmuls. In a trace, a balanced
+    split of each total."""
     return _current.counts(t, total)
 
 

@@ -3,7 +3,8 @@ balance and data-parallel engine that validation accepts, traced on the CUDA cod
 tensors, torch's meta kernels for the flash and grouped-matmul ops, whose argument checks run:
 lctrain.training.trace), and the moments the host would wait for the GPU counted in each
 (`HostSyncs`): none in a micro-step's forward and backward, but the one read per MoE layer and
-micro-step of the split sizes that expert parallelism's uneven all-to-all needs."""
+micro-step of the split sizes that expert parallelism's uneven all-to-all needs, and one read
+per step around them."""
 
 from __future__ import annotations
 
@@ -28,15 +29,18 @@ WINDOW = {"family": "mistral", "sliding_window": 8}
 DOCS = {"document_masking": True}
 
 
-def _case(model=None, data=None, **parallel):
+def _case(model=None, data=None, train=None, **parallel):
     """A bf16 config (the flash kernels' dtype) of `parallel`'s layout, dp=1 by default."""
-    return tiny_config(model=model or {}, data=data or {}, train={"dtype": "bf16"},
+    return tiny_config(model=model or {}, data=data or {},
+                       train={"dtype": "bf16", **(train or {})},
                        parallel={"cp": 1, "dp": 1, **parallel})
 
 
 FAST = {
     "qwen3-moe ep2 x cp2 ring, documents": _case(MOE, DOCS, cp=2, dp=1, ep=2,
                                                 attention="ring"),
+    # each chunk's sizes from one read per layer, and none again when a chunk is recomputed
+    "qwen3-moe ep2 tiled, fsdp": _case(MOE, train={"mlp_chunk": 8}, dp=2, ep=2),
 }
 SLOW = {
     "gemma3 window, one GPU": _case(GEMMA3),
@@ -79,6 +83,9 @@ def _check(cfg) -> dict:
     assert sum(s["count"] for s in in_micro_steps) == _expected_micro_step_syncs(cfg), syncs
     assert all(s["what"] == "device.counts" and "moe.py" in s["where"]
                for s in in_micro_steps), syncs
+    # around the micro-steps, one read: the update's decision with the step's metrics (the
+    # token count is counted on the host; the loss scale stays on the device)
+    assert syncs["by_phase"].get("step") == 1 and "optimizer" not in syncs["by_phase"], syncs
     assert out["peak"] > 0 and out["ops"] > 0
     return out
 

@@ -48,7 +48,7 @@ from lctrain.parallel.runtime import setup_distributed
 from lctrain.planning.memory import active_param_count, param_count
 from lctrain.prepare.checks import preflight
 from lctrain.prepare.init_from import resolve_model
-from lctrain.training.loop import Routing, _micro_steps, _token_weighted_loss
+from lctrain.training.loop import Routing, _micro_steps, _token_weighted_loss, read_all
 from tests.helpers import on_ranks, run_cli, single_process, train_each
 
 REPO = Path(__file__).resolve().parents[1]
@@ -320,7 +320,7 @@ def _one_step(cfgs: dict, out_dir: str) -> dict:
             grads[name] = grad.clone()
         if key[0] in EXPORTED_BY.get(key[1], ()):
             export_hf(full_parameters(model), cfg.model, f"{out_dir}/{key[0]}", rt.rank)
-        out[key] = (float(loss), grads, routing.metrics(rt))
+        out[key] = (float(loss), grads, read_all(routing.reduced(rt)))
     return out
 
 

@@ -74,6 +74,14 @@ class MicroBatch:
     global_positions: Tensor
     """Position of each local token in its global sequence: [1, S/cp], or [B, S/cp] when
     every row has its own split (load_balance=documents); on the host."""
+    targets: int = -1
+    """The valid next-token targets (labels other than IGNORE_INDEX), counted on the host
+    where the labels are made: the step's token count reads nothing back from the device."""
+
+    def __post_init__(self):
+        if self.targets < 0:
+            assert self.labels.device.type == "cpu", "count the targets before the move"
+            self.targets = int((self.labels != IGNORE_INDEX).sum())
 
     def to(self, device: torch.device) -> MicroBatch:
         """On `device` (a CUDA copy from pinned memory, asynchronous); the document ids stay on
@@ -84,7 +92,7 @@ class MicroBatch:
             return t.pin_memory().to(device, non_blocking=True)
 
         return MicroBatch(move(self.inputs), move(self.labels), move(self.positions),
-                          self.doc_ids, self.global_positions)
+                          self.doc_ids, self.global_positions, self.targets)
 
 
 def document_ids(lengths: np.ndarray, size: int) -> np.ndarray:

@@ -16,6 +16,7 @@ statistics in the model's `RouterLog` and the model computes the loss after its 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -109,6 +110,16 @@ def _splits(xs: Tensor, counts: Tensor, known: list[int] | None, *widths: int
     return known if known is not None else device.counts(counts, xs.shape[0])
 
 
+class Dispatch(NamedTuple):
+    """What one call's all-to-all over the ep group needs: the rows this rank's experts receive
+    from each rank [ep, E/ep] (on the device) and, on the host, the rows this rank sends to each
+    expert and receives for each (source rank, own expert), flattened [E] each."""
+
+    received: Tensor
+    sent_sizes: list[int]
+    received_sizes: list[int]
+
+
 class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, factor):
@@ -143,8 +154,9 @@ class Experts(nn.Module):
         self.grad_scale = 1.0
         """Factor on the experts' gradients (tp/ep: `lctrain.parallel.experts`, §28)."""
 
-    def forward(self, xs: Tensor, counts: Tensor) -> Tensor:
-        """Each expert's MLP over its rows of xs [N k, D] (sorted by expert; counts [E])."""
+    def forward(self, xs: Tensor, counts: Tensor, dispatch: Dispatch | None = None) -> Tensor:
+        """Each expert's MLP over its rows of xs [N k, D] (sorted by expert; counts [E]);
+        `dispatch`: its all-to-all's sizes when `dispatch` made them already."""
         # in the activations' dtype under every engine: torch's grouped matmul has no autocast
         # rule and takes one dtype, and autocast would leave fp32 biases promoting the rows (a
         # no-op under FSDP's bf16 weights)
@@ -155,25 +167,37 @@ class Experts(nn.Module):
         if self.group is None:
             return self.mlp(xs, counts, *weights)
         with traffic_tag(EP_TAG):
-            return self._dispatched(xs, counts, dist.get_world_size(self.group), weights)
+            if dispatch is None:
+                (dispatch,) = self.dispatch(counts[None], [xs.shape[0]])
+            return self._dispatched(xs, dispatch, weights)
 
-    def _dispatched(self, xs: Tensor, counts: Tensor, ep: int, weights: list[Tensor]
-                    ) -> Tensor:
+    def dispatch(self, counts: Tensor, rows: list[int]) -> list[Dispatch]:
+        """The `Dispatch` of each of C calls, from their tokens per expert [C, E] (call c sends
+        rows[c] rows): one exchange of the counts over the ep group, and one host read for all
+        C calls (NCCL's uneven all-to-all takes its split sizes as numbers)."""
+        ep = dist.get_world_size(self.group)
         local = self.n_experts // ep
-        sent = counts.reshape(ep, local)  # rows for each rank's experts
-        received = torch.empty_like(sent)  # [source rank, my expert]
+        sent = counts.reshape(-1, ep, local).transpose(0, 1).contiguous()  # [rank, call, expert]
+        received = torch.empty_like(sent)  # [source rank, call, my expert]
         dist.all_to_all_single(received, sent, group=self.group)
-        # the layer's one host read: NCCL's uneven all-to-all takes its split sizes as numbers
-        sizes = device.counts(torch.stack([sent, received]).reshape(2, -1), xs.shape[0])
-        by_rank = [[sizes[i][r * local:(r + 1) * local] for r in range(ep)] for i in (0, 1)]
+        both = torch.stack([sent.transpose(0, 1), received.transpose(0, 1)], dim=1)
+        sizes = device.counts(both.reshape(len(rows), 2, ep * local),
+                              [n for n in rows for _ in range(2)])
+        return [Dispatch(received[:, c], *sizes[c]) for c in range(len(rows))]
+
+    def _dispatched(self, xs: Tensor, dispatch: Dispatch, weights: list[Tensor]) -> Tensor:
+        ep, local = dispatch.received.shape
+        by_rank = [[sizes[r * local:(r + 1) * local] for r in range(ep)]
+                   for sizes in (dispatch.sent_sizes, dispatch.received_sizes)]
         send, receive = [sum(row) for row in by_rank[0]], [sum(row) for row in by_rank[1]]
         rows = all_to_all_rows_autograd(xs, self.group, send, receive)
         # from (source, expert) order to (expert, source) order and back
         segment = torch.repeat_interleave(torch.arange(ep * local, device=xs.device),
-                                          received.reshape(-1), output_size=sum(receive))
+                                          dispatch.received.reshape(-1),
+                                          output_size=sum(receive))
         order = torch.argsort((segment % local) * ep + segment // local, stable=True)
         mine = [sum(column) for column in zip(*by_rank[1])]  # rows for each of my experts
-        out = self.mlp(rows[order], received.sum(dim=0), *weights, splits=mine)
+        out = self.mlp(rows[order], dispatch.received.sum(dim=0), *weights, splits=mine)
         out = torch.empty_like(out).index_copy_(0, order, out)
         return all_to_all_rows_autograd(out, self.group, receive, send)
 
@@ -240,12 +264,24 @@ class MoE(nn.Module):
         self.log = log if log is not None else RouterLog()
         self.std = cfg.init_std
 
-    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def choose(self, x: Tensor) -> Tensor:
+        """The k experts of each of x's N tokens [N, k] (int16; no gradient): what `route` picks
+        for x, found ahead (a tiled layer's chunks, `lctrain.parallel.tiling.TiledMoE`)."""
+        with torch.no_grad():
+            probs = F.softmax(self.router(x).float(), dim=-1).reshape(-1, self.n_experts)
+            return torch.topk(probs, self.top_k, dim=-1).indices.to(torch.int16)
+
+    def route(self, x: Tensor, chosen: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """x [B, S, D] (its router sees the sequence dim: sequence parallelism's layout) ->
         (weights [N, k] in x's dtype, the N k (token, choice) rows in expert order [N k],
-        tokens per expert [E]) for its N = B S tokens; records the statistics."""
+        tokens per expert [E]) for its N = B S tokens, to the k largest probabilities' experts
+        or to `chosen`'s ([N, k], `choose`); records the statistics."""
         probs = F.softmax(self.router(x).float(), dim=-1).reshape(-1, self.n_experts)
-        top, experts = torch.topk(probs, self.top_k, dim=-1)
+        if chosen is None:
+            top, experts = torch.topk(probs, self.top_k, dim=-1)
+        else:  # the same experts, and the same probabilities: topk's values are these
+            experts = chosen.long()
+            top = probs.gather(1, experts)
         if self.norm_topk:
             top = top / top.sum(dim=-1, keepdim=True)
         sorted_experts, order = experts.reshape(-1).sort(stable=True)
@@ -253,12 +289,15 @@ class MoE(nn.Module):
         self.log.record(self.layer, counts, probs.sum(dim=0), probs.shape[0])
         return top.to(x.dtype), order, counts
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, chosen: Tensor | None = None,
+                dispatch: Dispatch | None = None) -> Tensor:
+        """x [B, S, D] through its tokens' experts (`chosen`, `dispatch`: as `route` and
+        `Experts.forward` take them, when found ahead)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, order, counts = self.route(x)
+        weights, order, counts = self.route(x, chosen)
         token = order // self.top_k
-        y = self.experts(flat[token], counts)
+        y = self.experts(flat[token], counts, dispatch)
         y = y * weights.reshape(-1)[order, None]
         return torch.zeros_like(flat).index_add_(0, token, y).reshape(shape)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from lctrain.config import LctrainConfig
 from lctrain.config.deepspeed import lctrain_keys
@@ -135,7 +135,7 @@ def is_engine(model: nn.Module) -> bool:
     return deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine)
 
 
-def micro_steps(engine: nn.Module, micro_batches: list[MicroBatch], loss_scale: float,
+def micro_steps(engine: nn.Module, micro_batches: list[MicroBatch], loss_scale: Tensor | float,
                 rt: Runtime) -> torch.Tensor:
     """Forward and backward of every micro-batch of one step; the sum of this rank's token
     losses. The backward loss is the token-loss sum times `loss_scale` (the training loop's

@@ -224,7 +224,7 @@ class PipelinedModel(nn.Module):
         self._aux_values.append(aux.detach())
         return plus_aux(scaled, self._aux_weight * aux)
 
-    def train_step(self, micro_batches: list[MicroBatch], loss_scale: float,
+    def train_step(self, micro_batches: list[MicroBatch], loss_scale: Tensor | float,
                    aux_weight: float = 0.0) -> Tensor:
         """Forward and backward of the step's micro-batches through the pipeline schedule; the
         detached sum of token losses (on the last stage; 0 on the others). `aux_weight`: a

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
 from lctrain.models.llama import FeedForward, cross_entropy_sum
-from lctrain.models.moe import MoE
+from lctrain.models.moe import MoE, sorted_counts
 
 
 class ChunkedLoss:
@@ -54,24 +54,27 @@ class _SequenceTiled(nn.Module):
     """TP ranks whose sequence shards are interleaved into each chunk (1 without SP)."""
 
     def forward(self, x: Tensor) -> Tensor:
+        mlp = super().forward  # (not inside the comprehension: its own scope)
+        return torch.cat([checkpoint(mlp, self._cut(x, index), use_reentrant=False)
+                          for index in self._pieces(x)], dim=1)
+
+    def _pieces(self, x: Tensor) -> list[Tensor]:
+        """The local sequence indices of each chunk."""
         n = max(1, -(-x.shape[1] // self.chunk))
         if self.shard_groups == 1:
-            pieces = torch.tensor_split(torch.arange(x.shape[1], device=x.device), n)
-            return torch.cat([self._run(x, index) for index in pieces], dim=1)
+            return list(torch.tensor_split(torch.arange(x.shape[1], device=x.device), n))
         # SP: chunk j takes piece j of each rank's shard; the reduce-scatter after w2 hands this
         # rank its piece j (a local tensor), and its pieces in order are its shard
         t, shard = self.shard_groups, x.shape[1] // self.shard_groups
         pieces = torch.tensor_split(torch.arange(shard, device=x.device), n)
-        return torch.cat([self._run(x, torch.cat([r * shard + p for r in range(t)]))
-                          for p in pieces], dim=1)
+        return [torch.cat([r * shard + p for r in range(t)]) for p in pieces]
 
-    def _run(self, x: Tensor, index: Tensor) -> Tensor:
+    @staticmethod
+    def _cut(x: Tensor, index: Tensor) -> Tensor:
         if isinstance(x, DTensor):  # replicated over tp: cut the local copy
-            piece = DTensor.from_local(x.to_local().index_select(1, index), x.device_mesh,
-                                       x.placements, run_check=False)
-        else:
-            piece = x.index_select(1, index)
-        return checkpoint(super().forward, piece, use_reentrant=False)
+            return DTensor.from_local(x.to_local().index_select(1, index), x.device_mesh,
+                                      x.placements, run_check=False)
+        return x.index_select(1, index)
 
 
 class TiledFeedForward(_SequenceTiled, FeedForward):
@@ -80,7 +83,24 @@ class TiledFeedForward(_SequenceTiled, FeedForward):
 
 class TiledMoE(_SequenceTiled, MoE):
     """A mixture of experts, tiled: each chunk routes its own tokens; the routing statistics
-    add up over the chunks (and are recorded once, not again when a chunk is recomputed)."""
+    add up over the chunks (and are recorded once, not again when a chunk is recomputed).
+
+    Under expert parallelism every chunk's experts are chosen first (without gradient), and
+    one exchange of all chunks' counts, read on the host once, gives each chunk its all-to-all
+    sizes: the layer waits for the device once, not once per chunk and again per recompute.
+    The choices (int16) and sizes are the chunks' checkpoint inputs, so a recompute routes its
+    tokens exactly as the forward did."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.experts.group is None:  # no sizes to read: each chunk routes for itself
+            return super().forward(x)
+        pieces = [self._cut(x, index) for index in self._pieces(x)]
+        chosen = [self.choose(piece) for piece in pieces]
+        counts = torch.stack([sorted_counts(c.reshape(-1).long().sort().values, self.n_experts)
+                              for c in chosen])
+        dispatch = self.experts.dispatch(counts, [c.numel() for c in chosen])
+        return torch.cat([checkpoint(MoE.forward, self, piece, c, d, use_reentrant=False)
+                          for piece, c, d in zip(pieces, chosen, dispatch)], dim=1)
 
 
 def compile_loss_head(head):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from lctrain.comm import record_traffic
 from lctrain.config import LctrainConfig, ModelConfig
 from lctrain.config.derived import Stage, context_stages, stage_banner
 from lctrain.config.resolved import as_dict, to_yaml
-from lctrain.data.batch import IGNORE_INDEX, MicroBatch
+from lctrain.data.batch import MicroBatch
 from lctrain.data.loader import DataLoader, build_loader
 from lctrain.layout.stages import split_layers
 from lctrain.models.hf import export_hf, full_parameters
@@ -60,7 +61,7 @@ class NonFiniteError(RuntimeError):
     """A non-finite loss or gradient norm with train.on_nan=stop."""
 
 
-def forward_backward(model: nn.Module, mb: MicroBatch, loss_scale: float,
+def forward_backward(model: nn.Module, mb: MicroBatch, loss_scale: Tensor | float,
                      rt: Runtime, routing: Routing | None = None) -> Tensor:
     """Backward of (sum of this rank's token losses) * loss_scale, plus a mixture of experts'
     load-balancing loss at its weight (`aux_weight`); returns the detached sum. `routing`
@@ -104,9 +105,10 @@ class Routing:
         self.counts = counts if self.counts is None else self.counts + counts
         self.micro_steps += micro_steps
 
-    def metrics(self, rt: Runtime) -> dict:
-        """aux_loss (the mean over the step's micro-batches), expert_load (tokens per expert
-        over the step, per MoE layer) and its largest max/mean over the layers."""
+    def reduced(self, rt: Runtime) -> dict[str, Tensor]:
+        """On the device: aux_loss (the mean over the step's micro-batches), expert_load (tokens
+        per expert over the step, per MoE layer) and its largest max/mean over the layers; {}
+        without experts."""
         if self.counts is None:
             return {}
         aux = _all_reduce(self.aux_sum.float().reshape(1), rt)
@@ -118,13 +120,25 @@ class Routing:
                     dist.all_reduce(aux, group=rt.group(axis))
         aux = aux / (self.micro_steps * rt.topology.group_size("dp_cp"))
         imbalance = counts.max(dim=1).values / counts.mean(dim=1)
-        return {"aux_loss": _read(aux), "expert_load": device.values(counts.long()),
-                "expert_load_max_over_mean": _read(imbalance.max())}
+        return {"aux_loss": aux.reshape(()), "expert_load": counts,
+                "expert_load_max_over_mean": imbalance.max()}
 
 
-def _read(t: Tensor) -> float:
-    """A one-element tensor's value, read on the host."""
-    return device.values(t.reshape(()))
+def read_all(tensors: dict[str, Tensor]) -> dict:
+    """Every tensor's values read on the host at once (one wait for the device, however many):
+    a number for a one-element tensor, nested lists (integers for an integer tensor) else."""
+    if not tensors:
+        return {}
+    flat = device.values(torch.cat([t.detach().double().reshape(-1) for t in tensors.values()]))
+    out, at = {}, 0
+    for name, t in tensors.items():
+        part, at = flat[at:at + t.numel()], at + t.numel()
+        if t.numel() == 1 and t.dim() <= 1:
+            out[name] = part[0]
+        else:
+            dtype = torch.float64 if t.is_floating_point() else torch.long
+            out[name] = torch.tensor(part, dtype=torch.float64).to(dtype).reshape(t.shape).tolist()
+    return out
 
 
 def _all_reduce(x: Tensor, rt: Runtime) -> Tensor:
@@ -133,7 +147,7 @@ def _all_reduce(x: Tensor, rt: Runtime) -> Tensor:
     return x
 
 
-def _micro_steps(model: nn.Module, micro_batches: list[MicroBatch], loss_scale: float,
+def _micro_steps(model: nn.Module, micro_batches: list[MicroBatch], loss_scale: Tensor | float,
                  rt: Runtime, routing: Routing | None = None) -> Tensor:
     """Forward and backward of every micro-batch; the sum of this rank's token losses (with
     pipeline parallelism, summed over the pipeline: only the last stage computes losses). The
@@ -145,7 +159,8 @@ def _micro_steps(model: nn.Module, micro_batches: list[MicroBatch], loss_scale: 
     return loss_sum
 
 
-def _forward_backward_all(model: nn.Module, micro_batches: list[MicroBatch], loss_scale: float,
+def _forward_backward_all(model: nn.Module, micro_batches: list[MicroBatch],
+                          loss_scale: Tensor | float,
                           rt: Runtime, routing: Routing | None) -> Tensor:
     if isinstance(model, PipelinedModel):
         loss_sum = model.train_step(micro_batches, loss_scale, aux_weight(model.cfg.model, rt))
@@ -170,11 +185,12 @@ def _token_weighted_loss(micro_batches: list[MicroBatch], rt: Runtime,
     targets summed over dp x cp and the accumulation micro-steps). Gradient reduction averages
     over dp x cp, so the loss scale dp_cp / tokens makes the reduced gradient the exact gradient
     of that global mean (docs/parallelism.md §10)."""
-    local_tokens = sum(int(_read((mb.labels != IGNORE_INDEX).sum())) for mb in micro_batches)
+    local_tokens = sum(mb.targets for mb in micro_batches)  # counted on the host
     # float64: exact token counts far beyond float32's 2^24
     tokens = _all_reduce(torch.tensor(float(local_tokens), dtype=torch.float64,
                                       device=rt.device), rt)
-    loss_sum = micro_steps(rt.topology.group_size("dp_cp") / _read(tokens))
+    # a device tensor: the micro-steps start without waiting for the count's all-reduce
+    loss_sum = micro_steps((rt.topology.group_size("dp_cp") / tokens).float())
     return _all_reduce(loss_sum, rt) / tokens, tokens
 
 
@@ -191,22 +207,23 @@ def train_step(model: nn.Module, optimizer, scheduler, micro_batches: list[Micro
         grad_norm = clip_grad_norm_(list(model.parameters()), cfg.optim.grad_clip,
                                     rt.group("pp") if rt.topology.pp > 1 else None)
         lr = scheduler.get_last_lr()[0]
-        # the same global values on every rank, so every rank takes the same decision
-        finite = device.all_finite(loss, grad_norm)
+        # one host read per step: the update's decision (global values, the same on every
+        # rank, so every rank decides alike) and the step's metrics
+        read = read_all({"loss": loss, "grad_norm": grad_norm, "valid_tokens": tokens,
+                         **routing.reduced(rt)})
+        finite = math.isfinite(read["loss"]) and math.isfinite(read["grad_norm"])
         if finite:  # a non-finite update would destroy the weights: never apply it
             optimizer.step()
             scheduler.step()
             if isinstance(model, PipelinedModel):  # the tied embedding's copy, if any
                 model.refresh_copy()
         optimizer.zero_grad(set_to_none=True)
-    return {**_step_metrics(loss, lr, _read(grad_norm), tokens, finite),
-            **routing.metrics(rt)}
+    return _step_metrics(read, lr, finite)
 
 
-def _step_metrics(loss: Tensor, lr: float, grad_norm: float, tokens: Tensor,
-                  applied: bool) -> dict:
-    return {"loss": _read(loss), "lr": lr, "grad_norm": grad_norm,
-            "valid_tokens": int(_read(tokens)), "skipped": int(not applied)}
+def _step_metrics(read: dict, lr: float, applied: bool) -> dict:
+    return {**read, "lr": lr, "valid_tokens": int(read["valid_tokens"]),
+            "skipped": int(not applied)}
 
 
 def _deepspeed_step(engine: nn.Module, scheduler, micro_batches: list[MicroBatch],
@@ -222,8 +239,9 @@ def _deepspeed_step(engine: nn.Module, scheduler, micro_batches: list[MicroBatch
     applied = engine.was_step_applied()
     if applied:
         scheduler.step()
-    return _step_metrics(loss, lr, deepspeed_engine.grad_norm(engine), tokens,
-                         applied and bool(torch.isfinite(loss)))
+    read = read_all({"loss": loss, "valid_tokens": tokens})
+    read["grad_norm"] = deepspeed_engine.grad_norm(engine)
+    return _step_metrics(read, lr, applied and math.isfinite(read["loss"]))
 
 
 def _launched_by_torchrun(rt: Runtime) -> bool:
