@@ -59,6 +59,14 @@ SLOW = {
                                               load_balance="documents"),
     "gemma3 window, documents split, ring cp2, fsdp": _case(
         GEMMA3, DOCS, cp=2, dp=2, attention="ring", load_balance="documents"),
+    "gemma3 pp2 x dp2, tiled loss and mlp": _case(
+        GEMMA3, train={"mlp_chunk": 8, "loss_chunk": 8}, pp=2, dp=2),
+    "llama pp2 x cp2 ring, documents split": _case(
+        data=DOCS, cp=2, pp=2, attention="ring", load_balance="documents"),
+    "mistral window, tp2+sp x usp cp4": _case(WINDOW, tp=2, sp=True, cp=4, attention="usp",
+                                              ulysses_degree=2),
+    "qwen3-moe tp2+sp x ep2 x cp2 ring": _case(MOE, tp=2, sp=True, cp=2, ep=2,
+                                               attention="ring"),
 }
 
 
