@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from lctrain import device
+from lctrain.layout.segments import Segments, segments
 from lctrain.layout.sequence import Run, runs, take
 
 ALL_ROWS = slice(None)
@@ -152,6 +153,15 @@ class Block:
         key = ("stretches", b, run)
         if key not in self._plans:
             self._plans[key] = _stretches(self.doc[b, run.rows])
+        return self._plans[key]
+
+    def segments(self, b: int) -> Segments:
+        """Row `b`'s tokens as segments (consecutive positions of one document), found once."""
+        key = ("segments", b)
+        if key not in self._plans:
+            pos = self.pos if self.pos.dim() == 1 else self.pos[b]
+            self._plans[key] = segments(pos.numpy(),
+                                        None if self.doc is None else self.doc[b].numpy())
         return self._plans[key]
 
     def calls(self, kb: Block, causal: bool, window: int | None = None) -> list[KernelCall]:
@@ -278,7 +288,8 @@ def kernel_calls(qb: Block, kb: Block, causal: bool, window: int | None = None):
         for b in range(qb.doc.shape[0]):
             for q_run in qb.row_runs(b):
                 for k_run in kb.row_runs(b):
-                    yield from _document_calls(qb, kb, b, q_run, k_run, causal, window)
+                    if not _out_of_reach(q_run, k_run, causal, window):
+                        yield from _document_calls(qb, kb, b, q_run, k_run, causal, window)
         return
     for q_run in qb.runs:
         for k_run in kb.runs:
@@ -288,6 +299,15 @@ def kernel_calls(qb: Block, kb: Block, causal: bool, window: int | None = None):
                 continue
             for b in range(qb.doc.shape[0]):  # each row's documents attend only to themselves
                 yield from _document_calls(qb, kb, b, q_run, k_run, causal, window)
+
+
+def _out_of_reach(q_run: Run, k_run: Run, causal: bool, window: int | None) -> bool:
+    """Whether no query of `q_run` sees a key of `k_run` by positions alone (every key after
+    every query, or further back than the window): no need to look at their documents."""
+    if not causal:
+        return False
+    return k_run.start >= q_run.end or (window is not None
+                                        and k_run.end <= q_run.start - window + 1)
 
 
 def _document_calls(qb: Block, kb: Block, b: int, q_run: Run, k_run: Run, causal: bool,

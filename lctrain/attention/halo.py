@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -35,9 +34,9 @@ from lctrain.attention.kernels import (
     sink_grad,
 )
 from lctrain.attention.local import save_final
-from lctrain.attention.travel import Travel, padded_travel
+from lctrain.attention.travel import Travel, stretch_travel
 from lctrain.comm import PeerExchange, current_tag, traffic_tag
-from lctrain.layout.halo import needed_by, window_keys
+from lctrain.layout.segments import Axis, covered, expand, window_intervals
 
 HALO_TAG = 13
 
@@ -54,75 +53,36 @@ class Halo:
 @device.on_host
 def halo_plan(blocks: list[Block], rank: int, window: int) -> Halo:
     """The halo of `rank`, whose tokens are blocks[rank], among key blocks that are also their
-    ranks' queries (block i: group rank i's tokens). Planned once per list of blocks."""
+    ranks' queries (block i: group rank i's tokens). Planned once per list of blocks, from
+    their segments (`lctrain.layout.segments`): no step of it is per token but the indices it
+    returns."""
     key = ("halo", rank, window, tuple(id(b) for b in blocks))
     cached = blocks[rank]._plans.get(key)
     if cached is None or any(a is not b for a, b in zip(cached[0], blocks)):
-        own = blocks[rank]
-        # blocks that share no document with this one exchange nothing: skipped without
-        # looking at their tokens
-        peers = [j for j, b in enumerate(blocks) if j != rank and _share_documents(own, b)]
-        keys = _WindowKeys(blocks, window)  # each block's keys made and sorted once
-        send = {j: t for j in peers if (t := keys.needed(own, blocks[j])) is not None}
-        recv = {j: t for j in peers if (t := keys.needed(blocks[j], own)) is not None}
+        own, peers = blocks[rank], [j for j in range(len(blocks)) if j != rank]
+        send = {j: t for j in peers if (t := _needed(own, blocks[j], window)) is not None}
+        recv = {j: t for j in peers if (t := _needed(blocks[j], own, window)) is not None}
         cached = (list(blocks), Halo(send, recv))
         blocks[rank]._plans[key] = cached
     return cached[1]
 
 
-def _documents(block: Block) -> np.ndarray | None:
-    """The document ids a block holds, sorted (None without documents), found once."""
-    if block.doc is None:
+def _needed(keys: Block, queries: Block, window: int) -> Travel | None:
+    """The tokens of `keys` that a query of `queries` sees through a causal window (same
+    document, at most window - 1 positions before it), as a Travel; None when there are none."""
+    per_row = []
+    for b in range(1 if keys.doc is None else keys.doc.shape[0]):
+        k, q = keys.segments(b), queries.segments(b)
+        axis = Axis(low=int(min(k.doc.min(), q.doc.min())),
+                    span=int(max(k.end.max(), q.end.max())) + window)
+        per_row.append(covered(k, axis, *window_intervals(q, axis, window)))
+    if all(len(first) == 0 for first, _ in per_row):
         return None
-    if "documents" not in block._plans:  # the first id of each stretch: a few per row
-        ids = block.doc.numpy()
-        starts = np.ones(ids.shape, dtype=bool)
-        starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
-        block._plans["documents"] = np.unique(ids[starts])
-    return block._plans["documents"]
-
-
-def _share_documents(a: Block, b: Block) -> bool:
-    """Whether two blocks hold a token of one document (always, without documents)."""
-    da, db = _documents(a), _documents(b)
-    return da is None or db is None or len(np.intersect1d(da, db, assume_unique=True)) > 0
-
-
-def _travel(keys: Block, queries: Block, needed: Tensor) -> Travel | None:
-    """The `needed` [R, S] tokens of `keys` as a Travel; None when there are none."""
-    if not bool(needed.any()):
-        return None
-    if keys.doc is None:
-        index = needed[0].nonzero()[:, 0]
+    if keys.doc is None:  # the same tokens in every row
+        index = torch.from_numpy(expand(*per_row[0]))
         return Travel(index, Block(keys.pos[index]))
     no_doc = min(int(keys.doc.min()), int(queries.doc.min())) - 1  # a document no query has
-    return padded_travel(keys, needed, no_doc)
-
-
-class _WindowKeys:
-    """Between any two of `blocks`: the tokens of the first (keys) that a query of the second
-    sees through a causal window (same document, at most window - 1 positions before it), as
-    `lctrain.layout.halo.window_needed` finds them, with each block's (document, position) keys
-    made once and, as queries, sorted once."""
-
-    def __init__(self, blocks: list[Block], window: int):
-        self.window = window
-        docs = [b.doc for b in blocks if b.doc is not None]
-        self.low = min(int(d.min()) for d in docs) if docs else 0
-        self.span = max(int(b.pos.max()) for b in blocks) + window + 1
-        self._keys: dict[int, Tensor] = {}
-        self._sorted: dict[int, Tensor] = {}
-
-    def _of(self, block: Block) -> Tensor:
-        if id(block) not in self._keys:
-            self._keys[id(block)] = window_keys(block.pos, block.doc, self.low, self.span)
-        return self._keys[id(block)]
-
-    def needed(self, keys: Block, queries: Block) -> Travel | None:
-        if id(queries) not in self._sorted:
-            self._sorted[id(queries)] = self._of(queries).sort(dim=1).values
-        return _travel(keys, queries,
-                       needed_by(self._sorted[id(queries)], self._of(keys), self.window))
+    return stretch_travel(keys, per_row, no_doc)
 
 
 def _exchange_shapes(travels: dict[int, Travel], like: Tensor) -> dict[int, list[torch.Size]]:

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lctrain import device
 from lctrain.attention.calls import Block
+from lctrain.layout.segments import Segments, expand, prefixes
 from lctrain.layout.sequence import take
 
 
@@ -72,45 +74,48 @@ def travel_plan(blocks: list[Block], causal: bool) -> list[Travel] | None:
 
 
 def _plan(blocks: list[Block], causal: bool) -> list[Travel]:
-    docs = [b.doc for b in blocks]
-    pos = [b.row_pos for b in blocks]
-    ids, n_docs = _dense_ids(torch.cat(docs, dim=1))
-    ids = ids.split([d.shape[1] for d in docs], dim=1)
-    rows = docs[0].shape[0]
-    # latest position of each document in each block (-1: absent)
-    latest = torch.stack([torch.full((rows, n_docs), -1, dtype=torch.long).scatter_reduce(
-        1, i, p, "amax") for i, p in zip(ids, pos)])
-    needed = []
-    for j in range(len(blocks)):
-        others = torch.cat([latest[:j], latest[j + 1:]]).amax(0)  # [B, D]
-        seen = others.gather(1, ids[j])  # the latest query of each token's document elsewhere
-        needed.append(seen >= pos[j] if causal else seen >= 0)
-    n = max(int(m.sum(1).max()) for m in needed)
-    no_doc = min(int(d.min()) for d in docs) - 1  # a document no query has
-    return [padded_travel(b, m, no_doc, n) for b, m in zip(blocks, needed)]
+    rows = blocks[0].doc.shape[0]
+    stretches: list[list] = [[] for _ in blocks]  # [block][row]: (first local index, length)
+    for b in range(rows):
+        segs = [block.segments(b) for block in blocks]
+        for j, elsewhere in enumerate(_latest_elsewhere(segs)):
+            stretches[j].append(prefixes(segs[j], elsewhere, causal))
+    n = max(int(length.sum()) for per_row in stretches for _, length in per_row)
+    no_doc = min(int(block.doc.min()) for block in blocks) - 1  # a document no query has
+    return [stretch_travel(block, per_row, no_doc, n)
+            for block, per_row in zip(blocks, stretches)]
 
 
-def _dense_ids(doc: Tensor) -> tuple[Tensor, int]:
-    """Document ids as indices 0..D-1 of a table of D entries (a document's entry may be
-    unused): offset by the smallest when the ids span at most a few times the tokens, as the
-    loader's consecutive ids do (no sort), else ranked by `torch.unique`."""
-    low, high = int(doc.min()), int(doc.max())
-    if high - low < 4 * doc.numel():
-        return doc - low, high - low + 1
-    _, inverse = torch.unique(doc, return_inverse=True)
-    return inverse, int(inverse.max()) + 1
+def _latest_elsewhere(segs: list[Segments]) -> list[np.ndarray]:
+    """For each block's segments (one row), the latest position of each segment's document
+    that another block holds (-1: none)."""
+    docs, index = np.unique(np.concatenate([s.doc for s in segs]), return_inverse=True)
+    at = np.cumsum([0, *(len(s.doc) for s in segs)])
+    latest = np.full((len(segs), len(docs)), -1, dtype=np.int64)
+    for j, s in enumerate(segs):
+        np.maximum.at(latest[j], index[at[j]:at[j + 1]], s.end - 1)
+    columns = np.arange(len(docs))
+    top = latest.argmax(axis=0)  # the block holding the document's last token (positions are
+    first = latest[top, columns]  # unique in a row: no ties but absent documents, -1 each)
+    latest[top, columns] = -1
+    second = latest.max(axis=0)
+    of = [index[at[j]:at[j + 1]] for j in range(len(segs))]  # each segment's document
+    return [np.where(top[d] == j, second[d], first[d]) for j, d in enumerate(of)]
 
 
-def padded_travel(block: Block, needed: Tensor, no_doc: int, n: int | None = None) -> Travel:
-    """The block's needed tokens [B, S] (bool) as a Travel of n per row (default: the most any
-    row needs); pads get the document `no_doc`, which no query has."""
-    rows, pos = needed.shape[0], block.row_pos
-    n = int(needed.sum(1).max()) if n is None else n
+def stretch_travel(block: Block, per_row: list[tuple[np.ndarray, np.ndarray]], no_doc: int,
+                   n: int | None = None) -> Travel:
+    """The block's tokens given per row as stretches (first local index, length), ascending,
+    as a Travel of n per row (default: the most any row has); pads get the document `no_doc`,
+    which no query has."""
+    counts = [int(length.sum()) for _, length in per_row]
+    n = max(counts) if n is None else n
+    rows, pos = len(per_row), block.row_pos
     index = torch.zeros(rows, n, dtype=torch.long)
     real = torch.zeros(rows, n, dtype=torch.bool)
-    for b in range(rows):
-        got = needed[b].nonzero()[:, 0]
-        index[b, :len(got)], real[b, :len(got)] = got, True
+    for b, (first, length) in enumerate(per_row):
+        index[b, :counts[b]] = torch.from_numpy(expand(first, length))
+        real[b, :counts[b]] = True
     # pads: positions that continue one run (fewest runs to plan)
     doc = torch.where(real, take(block.doc, index, 1), no_doc)
     after = int(pos.max()) + 1 + torch.arange(n).expand(rows, n)
