@@ -8,9 +8,9 @@ code path (flash kernels, grouped matmuls, bf16 rules) runs on fake CPU tensors 
 FakeTensorMode and a fake process group, so a whole training step executes symbolically at full
 size on a machine without a GPU. Code that asks `gpu_path(device)` takes the CUDA branch; what
 needs a real GPU (pinning, streams, the allocator's statistics, RNG state) is answered without
-one; host reads of device values (`values`, `counts`, `all_finite`) return placeholders (ones;
-a balanced split; finite), since a fake tensor has no data, and are told to the trace's count
-of host syncs (`Traced.on_read`).
+one; host reads of device values (`values`, `counts`) return placeholders (ones; a
+balanced split), since a fake tensor has no data, and are told to the trace's count of host
+syncs (`Traced.on_read`).
 """
 
 from __future__ import annotations
@@ -100,9 +100,6 @@ class Accelerator:
     def values(self, t: Tensor) -> float | list:
         return t.tolist()
 
-    def all_finite(self, *ts: Tensor) -> bool:
-        return all(bool(torch.isfinite(t)) for t in ts)
-
     def counts(self, t: Tensor, total: int | list[int]) -> list:
         return t.tolist()
 
@@ -191,10 +188,6 @@ class Traced(Accelerator):
         self.read("values")
         with unset_fake_temporarily():
             return torch.ones(tuple(t.shape), dtype=t.dtype).tolist()
-
-    def all_finite(self, *ts: Tensor) -> bool:
-        self.read("all_finite")
-        return True
 
     def counts(self, t: Tensor, total: int | list[int]) -> list:
         """Each [n] row of counts summing to its total, spread as evenly as it goes (a
@@ -370,11 +363,6 @@ def set_rng_state(state: list[int]) -> None:
 def values(t: Tensor) -> float | list:
     """`t`'s values read on the host (`Tensor.tolist`: a number for one element)."""
     return _current.values(t)
-
-
-def all_finite(*ts: Tensor) -> bool:
-    """Whether every one-element tensor is finite (read on the host)."""
-    return _current.all_finite(*ts)
 
 
 def counts(t: Tensor, total: int | list[int]) -> list:

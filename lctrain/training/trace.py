@@ -101,8 +101,8 @@ def _sync_name(func, args, kwargs) -> str | None:
 class HostSyncs:
     """Every moment of a traced step at which the host would wait for the GPU: the ops
     `_sync_name` names, and the reads of device values through `lctrain.device` (values,
-    counts, all_finite), each with its phase (forward, backward, optimizer, or the step's own
-    code between them) and the line of lctrain that asked."""
+    counts), each with its phase (forward, backward, optimizer, or the step's own code
+    between them) and the line of lctrain that asked."""
 
     def __init__(self):
         self.seen: Counter = Counter()  # (what, phase, where) -> count
