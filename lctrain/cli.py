@@ -128,12 +128,30 @@ def _parse(argv: list[str]) -> tuple[str, list[str], set[str]]:
         print(usage(), file=sys.stderr)
         raise ConfigError([f"unknown command {command!r}; use {', '.join(COMMANDS)}"])
     flags = {a for a in rest if a.startswith("--")}
-    allowed = COMMANDS[command].flags
-    unknown = sorted(f for f in flags if f.split("=", 1)[0] not in allowed | {"--help"})
-    if unknown:
-        raise ConfigError([f"unknown flag {f} for lctrain {command}; allowed: "
-                           f"{', '.join(sorted(allowed)) or 'none'}" for f in unknown])
+    problems = [_flag_problem(command, f) for f in sorted(flags)]
+    if any(problems):
+        raise ConfigError([p for p in problems if p])
     return command, [a for a in rest if not a.startswith("--")], flags
+
+
+VALUE_FLAGS = frozenset({"--out"})
+"""Flags that take a value (--flag=VALUE); every other flag is a switch, given bare."""
+
+
+def _flag_problem(command: str, flag: str) -> str | None:
+    """What is wrong with `flag` on `lctrain command` (None: nothing): a flag the command does
+    not take (naming the commands that do), or a value given to a switch."""
+    name, has_value = flag.split("=", 1)[0], "=" in flag
+    allowed = COMMANDS[command].flags | {"--help"}
+    if name not in allowed:
+        elsewhere = [c for c, spec in COMMANDS.items() if name in spec.flags]
+        return (f"unknown flag {flag} for lctrain {command}; allowed: "
+                f"{', '.join(sorted(allowed - {'--help'})) or 'none'}"
+                + (f" ({name} belongs to {' and '.join(f'lctrain {c}' for c in elsewhere)})"
+                   if elsewhere else ""))
+    if has_value and name not in VALUE_FLAGS:
+        return f"{flag}: {name} is a switch and takes no value; write {name} alone"
+    return None
 
 
 def main(argv: list[str] | None = None) -> None:

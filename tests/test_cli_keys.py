@@ -49,6 +49,21 @@ def test_cfg_prints_the_resolved_config_and_runs_nothing(capsys, monkeypatch):
     assert code == 2 and "unknown flag --cfgg" in err
 
 
+def test_flags_that_would_do_nothing_are_refused_with_the_fix(capsys, monkeypatch):
+    """A switch given a value, a flag of another command, and --trace with the layout search:
+    each was ignored (exit 0, the plain plan) or refused without saying where it belongs."""
+    monkeypatch.setattr("lctrain.commands.plan.trace_plan", _refuse)
+    code, _, err = run_cli(["plan", "+recipe=tiny", "--trace=true"], capsys)
+    assert code == 2 and "--trace is a switch and takes no value; write --trace alone" in err
+    code, _, err = run_cli(["train", "+recipe=tiny", "--trace"], capsys)
+    assert code == 2 and "(--trace belongs to lctrain plan)" in err, err
+    code, _, err = run_cli(["plan", "+recipe=tiny", "plan.search=true", "--trace"], capsys)
+    assert code == 2 and "then trace the layout it picks" in err, err
+    code, _, err = run_cli(["plan", "+recipe=tiny", "plan.search=true", "plan.trace=true"],
+                           capsys)
+    assert code == 2 and "plan.search=true" in err, err
+
+
 def _refuse(*args, **kwargs):
     raise AssertionError("--cfg must not run anything")
 

@@ -253,7 +253,13 @@ def run(args: CommandArgs) -> int:
     composed = args.composed
     cfg: LctrainConfig = composed.cfg
     as_json = "--json" in args.flags or cfg.plan.format == "json"
+    traced = "--trace" in args.flags or cfg.plan.trace
     if cfg.plan.search:
+        if traced:
+            raise ConfigError(["--trace (or plan.trace=true) with plan.search=true: the search "
+                               "ranks layouts by the plan's formulas and traces none; search "
+                               "first, then trace the layout it picks: lctrain plan "
+                               "<its parallel.* settings> --trace"])
         return run_search(cfg, as_json)
     world = plan_world_size(cfg)
     problems = preflight(cfg, world)
@@ -269,7 +275,7 @@ def run(args: CommandArgs) -> int:
     plan["notes"] = composed.notes + world_note(cfg, world) + hw_notes + plan["notes"]
     if cfg.train.stages:
         plan["stages"] = stage_rows(cfg, world, hw)
-    if "--trace" in args.flags or cfg.plan.trace:
+    if traced:
         try:
             plan["trace"] = trace_plan(cfg, world, plan)
         except RankFailure as e:  # the traced rank's traceback is above
