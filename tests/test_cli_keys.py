@@ -64,6 +64,21 @@ def test_flags_that_would_do_nothing_are_refused_with_the_fix(capsys, monkeypatc
     assert code == 2 and "plan.search=true" in err, err
 
 
+def test_the_first_error_is_the_cause(capsys, tmp_path):
+    """A missing model.init_from is the one problem named (not the experts of the defaults'
+    llama it would replace); an unknown recipe or model preset gets the closest names, not
+    Hydra's search path."""
+    code, _, err = run_cli(["plan", "+recipe=tiny", f"model.init_from={tmp_path}/none",
+                            "parallel.ep=2"], capsys)
+    assert code == 2 and f"model.init_from={tmp_path}/none is not a directory" in err, err
+    assert "experts" not in err and err.count("\n  - ") == 1, err
+    code, _, err = run_cli(["plan", "+recipe=llama256k"], capsys)
+    assert code == 2 and "unknown recipe +recipe=llama256k (did you mean llama-256k?)" in err
+    assert "search path" not in err
+    code, _, err = run_cli(["plan", "model=llama3-8bb"], capsys)
+    assert code == 2 and "(did you mean llama3-8b?)" in err, err
+
+
 def _refuse(*args, **kwargs):
     raise AssertionError("--cfg must not run anything")
 

@@ -87,9 +87,26 @@ def override_key_problems(overrides: list[str]) -> list[str]:
     return out
 
 
+def choice_problems(overrides: list[str]) -> list[str]:
+    """Recipes (+recipe=NAME) and model presets (model=NAME) that do not exist, each with the
+    closest names and where the choices live (Hydra's own message lists its search path)."""
+    groups = {"+recipe": ("recipe", recipes_dir()), "model": ("model preset", conf_dir() / "model")}
+    out = []
+    for override in overrides:
+        key, _, name = override.partition("=")
+        if key not in groups or not name:
+            continue
+        what, folder = groups[key]
+        known = sorted(p.stem for p in folder.glob("*.yaml"))
+        if name not in known:
+            out.append(f"unknown {what} {key}={name}{did_you_mean(name, known)}; the "
+                       f"{what}s are {', '.join(known)} ({folder})")
+    return out
+
+
 def compose(overrides: list[str]) -> Composed:
     """Compose, check keys and types, and return a `Composed`; raises ConfigError."""
-    problems = override_key_problems(overrides)
+    problems = choice_problems(overrides) + override_key_problems(overrides)
     if problems:
         raise ConfigError(problems)
     _register()

@@ -23,7 +23,7 @@ from lctrain.config.derived import context_stages, load_balance_of, stage_proble
 from lctrain.config.device_rules import cuda_problems, kernel_device_problems
 from lctrain.config.eval_rules import eval_problems, has_validation
 from lctrain.config.model_families import model_family
-from lctrain.config.schema import FULL, SLIDING, LctrainConfig, ParallelConfig
+from lctrain.config.schema import FULL, SLIDING, LctrainConfig, ModelConfig, ParallelConfig
 from lctrain.config.suggest import divisors, nearest_multiple
 
 
@@ -339,10 +339,17 @@ def _scalars(cfg: LctrainConfig) -> list[str]:
         problems.append(f"train.offload_activations=true offloads the block inputs that full "
                         f"checkpointing keeps (got train.activation_checkpointing="
                         f"{t.activation_checkpointing}); set train.activation_checkpointing=full")
-    if m.init_from is not None and not os.path.isdir(m.init_from):
-        problems.append(f"model.init_from={m.init_from} is not a directory; give a Hugging Face "
-                        "model directory (config.json + *.safetensors)")
+    problems += init_from_problems(m)
     return problems
+
+
+def init_from_problems(m: ModelConfig) -> list[str]:
+    """A model.init_from that is not a directory (the model's every other field comes from it,
+    so nothing else about the model can be judged without it)."""
+    if m.init_from is None or os.path.isdir(m.init_from):
+        return []
+    return [f"model.init_from={m.init_from} is not a directory; give a Hugging Face model "
+            "directory (config.json + *.safetensors)"]
 
 
 TENSORBOARD_INSTALL = "pip install 'lctrain[tensorboard]'"

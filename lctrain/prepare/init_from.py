@@ -17,6 +17,7 @@ from pathlib import Path
 
 from lctrain.config import ConfigError, ModelConfig
 from lctrain.config.compose import Composed
+from lctrain.config.validation import init_from_problems
 from lctrain.models.hf_config import SHAPE_FIELDS, model_fields, read_hf_config, unsupported
 
 FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
@@ -78,8 +79,9 @@ def resolve_model(composed: Composed) -> Composed:
                                "the config.json values to replace, so set model.init_from=DIR "
                                "or model.hf_overrides=[]"])
         return dataclasses.replace(composed, origins=origins)
-    if not Path(model.init_from).is_dir():  # validation names it
-        return dataclasses.replace(composed, origins=origins)
+    missing = init_from_problems(model)
+    if missing:  # the first and only problem: every other model check would judge defaults
+        raise ConfigError(missing)
     try:
         hf = read_hf_config(model.init_from)
     except ValueError as e:
