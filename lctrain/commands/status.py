@@ -22,7 +22,7 @@ from lctrain.rundir import CONFIG, RunDir
 from lctrain.rundir import lock as run_lock
 from lctrain.rundir.checkpoints import complete_checkpoints
 from lctrain.rundir.metrics import read_metrics
-from lctrain.rundir.progress import diagnose, read_records
+from lctrain.rundir.progress import diagnose, read_records, stopped
 
 RATE_WINDOW = 10
 """Logged steps whose mean step time estimates the time left."""
@@ -80,6 +80,8 @@ def describe(run_dir: Path) -> list[tuple[str, str]]:
         rows.append(("job", f"{jobs[-1]}: {job_state(jobs[-1])}"
                      + (f"; earlier jobs {', '.join(jobs[:-1])}" if len(jobs) > 1 else "")))
     metrics = read_metrics(room.metrics) if room.metrics.is_file() else []
+    records = read_records(run_dir)
+    stopped = _stopped(records)
     if metrics:
         last = metrics[-1]
         recent = metrics[-RATE_WINDOW:]
@@ -89,8 +91,9 @@ def describe(run_dir: Path) -> list[tuple[str, str]]:
             ("step", f"{last['step']} / {steps} ({100 * last['step'] / steps:.0f}%)"),
             ("loss", f"{last['loss']:.4f} at step {last['step']}"),
             ("tokens/s", f"{tokens_per_sec:,.0f} (mean of the last {len(recent)} logged steps)"),
-            ("time left", "none: the last step is done" if last["step"] >= steps else
-             f"{_duration((steps - last['step']) * step_time)} at {step_time:.2f} s/step"),
+            stopped or ("time left", "none: the last step is done" if last["step"] >= steps
+                        else f"{_duration((steps - last['step']) * step_time)} at "
+                        f"{step_time:.2f} s/step"),
             ("last logged", _ago(time.time() - last["time"]) if "time" in last else "?"),
         ]
     else:
@@ -100,10 +103,21 @@ def describe(run_dir: Path) -> list[tuple[str, str]]:
     rows.append(("checkpoint", f"{found[0]} ({_ago(time.time() - found[0].stat().st_mtime)})"
                  if found else f"none complete in {root}"))
     rows.append(("lock", lock_row(run_dir)))
-    rows += rank_rows(read_records(run_dir), time.time())
+    rows += rank_rows(records, time.time())
+    if stopped:
+        rows.append(("resume", room.resume_command()))
     if room.stop.exists():
         rows.append(("stop file", f"{room.stop}: training stops after its current step"))
     return rows
+
+
+def _stopped(records: list[dict]) -> tuple[str, str] | None:
+    """The row of a run that stopped early: after which step, when and why."""
+    first = stopped(records)
+    if first is None:
+        return None
+    return ("stopped", f"after step {first['step']}, {_ago(time.time() - first['written_at'])}"
+                       f" ({first.get('stopped_because') or 'reason not recorded'})")
 
 
 ADVANCING_S = 10.0

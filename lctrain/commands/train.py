@@ -11,6 +11,7 @@ naming the first (`lctrain.rundir.lock`).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 from collections.abc import Callable
@@ -29,9 +30,9 @@ from lctrain.data.ingest import DataError
 from lctrain.parallel import launch
 from lctrain.planning.memory import param_count
 from lctrain.prepare.checks import preflight, uses_cuda
+from lctrain.rundir import RunDir, progress
 from lctrain.rundir import lock as run_lock
-from lctrain.rundir import progress
-from lctrain.rundir.files import RunDirError
+from lctrain.rundir.files import RunDirError, write_atomic
 from lctrain.training import loop
 from lctrain.training.checkpoint import CheckpointError
 from lctrain.training.loop import NonFiniteError
@@ -143,13 +144,16 @@ def _stall_watchdog(run_dir: Path, stall_s: int):
 
 
 def run(args: CommandArgs) -> int:
-    return run_on_ranks(args, loop.train)
+    return run_on_ranks(args, loop.train, recorded=True)
 
 
 def run_on_ranks(args: CommandArgs, work: RankWork,
-                 checks: Callable[[LctrainConfig], list[str]] = lambda _cfg: []) -> int:
+                 checks: Callable[[LctrainConfig], list[str]] = lambda _cfg: [],
+                 recorded: bool = False) -> int:
     """`work` on every rank of the world the config asks for, after every check (the
-    command's own `checks` included): `lctrain train`, and `lctrain eval`."""
+    command's own `checks` included): `lctrain train`, and `lctrain eval`. `recorded`: the
+    command's words are kept in the run dir (command.json), which the command that resumes
+    the run is made from."""
     composed = args.composed
     cfg = composed.cfg
     try:
@@ -172,6 +176,8 @@ def run_on_ranks(args: CommandArgs, work: RankWork,
             print(f"lctrain: warning: {w}", file=sys.stderr)
     run_dir = composed.run_dir
     with _lock_run_dir(run_dir, rank):
+        if recorded and rank == 0:
+            write_atomic(RunDir(run_dir).command, json.dumps(args.words))
         return _start(cfg, env is not None, world, run_dir, work)
 
 
@@ -218,5 +224,7 @@ def _start(cfg: LctrainConfig, under_launcher: bool, world: int, run_dir: Path,
         print(f"lctrain: {blame}{e}; all ranks were stopped (its traceback, if any, is above)",
               file=sys.stderr)
         return 1
-    print(f"lctrain: done; run dir {Path(run_dir).resolve()}")
+    early = progress.stopped(progress.read_records(Path(run_dir)))
+    print(f"lctrain: {'done' if early is None else 'stopped after step ' + str(early['step'])}; "
+          f"run dir {Path(run_dir).resolve()}")
     return 0

@@ -13,10 +13,14 @@ whole or not at all (`files`); the one-job lock (`lock`); and the readers of wha
     RUN_DIR/.lctrain.lock    who holds the run dir (`lock`)
     RUN_DIR/.progress/       each rank's progress record (`progress`)
     RUN_DIR/stall-report.txt the last stall report
+    RUN_DIR/command.json     the words of the `lctrain train` command that last ran in it (the
+                             command that resumes the run is made from them)
 """
 
 from __future__ import annotations
 
+import json
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +32,9 @@ CHECKPOINTS = "checkpoints"
 LOCK = ".lctrain.lock"
 PROGRESS = ".progress"
 STALL_REPORT = "stall-report.txt"
+COMMAND = "command.json"
+PLACED = ("hydra.run.dir=", "checkpoint.resume=")
+"""Overrides the command that resumes a run sets itself."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,20 @@ class RunDir:
     @property
     def stall_report(self) -> Path:
         return self.path / STALL_REPORT
+
+    @property
+    def command(self) -> Path:
+        return self.path / COMMAND
+
+    def resume_command(self) -> str:
+        """The command that resumes this run in this directory from its newest complete
+        checkpoint: the overrides of the command that ran in it, with hydra.run.dir (this
+        directory, absolute) and checkpoint.resume=auto."""
+        words = json.loads(self.command.read_text()) if self.command.is_file() else [
+            "<the overrides that started it>"]
+        kept = [w for w in words if not w.startswith(PLACED)]
+        return shlex.join(["lctrain", "train", *kept, f"hydra.run.dir={self.path.resolve()}",
+                           "checkpoint.resume=auto"])
 
     def checkpoints(self, checkpoint_dir: str | None = None) -> Path:
         """Where the run's checkpoints go: checkpoint.dir when set, else RUN_DIR/checkpoints."""

@@ -30,6 +30,16 @@ ENDED = ("done", "stopped", "failed")
 """Phases of a rank that left training (its record's last write)."""
 
 
+def stopped(records: list[dict]) -> dict | None:
+    """The record (of the lowest rank) of a run whose ranks all ended and stopped early (a
+    signal, a STOP file, the time limit; `stopped_because` says which when recorded); None
+    while a rank runs, or when none stopped."""
+    if not records or any(r["phase"] not in ENDED for r in records):
+        return None
+    return min((r for r in records if r["phase"] == "stopped"), key=lambda r: r["rank"],
+               default=None)
+
+
 def read_records(run_dir: Path) -> list[dict]:
     """Every rank's last record, by rank (a record caught mid-write is read again)."""
     records = []

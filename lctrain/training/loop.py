@@ -372,8 +372,10 @@ def _train_stage(full: LctrainConfig, stage: Stage, run_dir: str | os.PathLike,
                 meter.reduce(out)  # collective: peak memory and data time over the ranks
                 metrics.log(step, {k: v for k, v in out.items() if k != "step"})
             if stop:
+                progress.mark(stopped_because=watcher.reason)
                 metrics.info(f"lctrain: stopping after step {step} ({watcher.reason}); the "
-                             "checkpoint is saved: run again with checkpoint.resume=auto")
+                             "checkpoint is saved; resume it with: "
+                             f"{RunDir(run_dir).resume_command()}")
                 stopped = True
                 break
         # ---- teardown
