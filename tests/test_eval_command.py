@@ -1,7 +1,8 @@
 """`lctrain eval`: a checkpoint saved by training, scored under another layout, gives the scores
 training logged at that step (retrieval accuracy, validation loss and its position bands); a
 Hugging Face model is scored from model.init_from alone; results land in the console,
-metrics.jsonl and eval.json; nothing to score, or no weights, is exit 2 naming the fix."""
+metrics.jsonl and eval.json; nothing to score, no weights, or lengths beyond the context, is
+exit 2 naming the fix."""
 
 import json
 
@@ -62,4 +63,9 @@ def test_a_hugging_face_model_is_scored_from_the_command_line(tmp_path, capsys):
     code, _, err = run_cli(["eval", *common, f"model.init_from={tmp_path / 'hf'}",
                             "eval.tasks=[]", "data.val_fraction=0",
                             f"hydra.run.dir={tmp_path / 'nothing'}"], capsys)
-    assert code == 2 and "lctrain eval has nothing to score" in err
+    assert code == 2 and "eval.tasks is empty and no validation data is set" in err
+    # the eval grid is checked though training never evaluates (eval.every=0): it crashed
+    code, _, err = run_cli(["eval", *common, f"model.init_from={tmp_path / 'hf'}",
+                            "eval.every=0", "eval.lengths=[64,4096]",
+                            f"hydra.run.dir={tmp_path / 'long'}"], capsys)
+    assert code == 2 and "eval.lengths contains 4096; each context length must lie in" in err

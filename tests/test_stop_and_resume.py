@@ -46,3 +46,23 @@ def test_the_stop_names_the_command_that_resumes_it(tmp_path, capsys, monkeypatc
     code, out, err = run_cli(words[1:], capsys)  # as printed, from another directory
     assert code == 0 and _steps(run_dir) == [1, 2, 3, 4], out + err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"], "no second run dir"
+
+
+def test_the_readme_eval_scores_the_tiny_run_beside_it(tmp_path, capsys, monkeypatch):
+    """The tiny recipe keeps its last step's checkpoint, and `lctrain eval
+    checkpoint.load=RUN_DIR/checkpoints/step-N` writes eval.json and its metrics row into that
+    run dir, not a new one (the README's example, at 2 steps instead of 250)."""
+    monkeypatch.chdir(tmp_path)  # a default run dir would land here
+    run_dir = tmp_path / "run"
+    code, _, err = run_cli(["train", *ONE_RANK, "train.steps=2", f"hydra.run.dir={run_dir}"],
+                           capsys)
+    assert code == 0, err
+    checkpoint = run_dir / "checkpoints" / "step-00000002"
+    code, out, err = run_cli(["eval", *ONE_RANK, "eval.lengths=[64]",
+                              f"checkpoint.load={checkpoint}"], capsys)
+    assert code == 0, err
+    scores = json.loads((run_dir / "eval.json").read_text())
+    assert scores["step"] == 2 and "passkey" in json.dumps(scores["results"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"], "no second run dir"
+    code, out, _ = run_cli(["status", str(run_dir)], capsys)
+    assert code == 0 and "step         2 / 2" in out, out

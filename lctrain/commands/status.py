@@ -80,6 +80,7 @@ def describe(run_dir: Path) -> list[tuple[str, str]]:
         rows.append(("job", f"{jobs[-1]}: {job_state(jobs[-1])}"
                      + (f"; earlier jobs {', '.join(jobs[:-1])}" if len(jobs) > 1 else "")))
     metrics = read_metrics(room.metrics) if room.metrics.is_file() else []
+    metrics = [r for r in metrics if "step_time" in r]  # trained steps (not a step 0 score)
     records = read_records(run_dir)
     stopped = _stopped(records)
     if metrics:

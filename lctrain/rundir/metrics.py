@@ -12,7 +12,9 @@ from lctrain.config import ConfigError
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The rows of a metrics.jsonl, one per step (the last one logged), ascending by step."""
+    """The rows of a metrics.jsonl, one per step, ascending by step: a training row replaces
+    the step's earlier one (a resumed run logs its steps again, on another trajectory); a row
+    of scores alone (`lctrain eval` of a checkpoint, no loss) joins the step's row."""
     by_step: dict[int, dict] = {}
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
@@ -27,5 +29,6 @@ def read_metrics(path: Path) -> list[dict]:
                 raise ConfigError([f"{path}:{number}: not a JSON object with an integer "
                                    "\"step\"; fix or delete that line"],
                                   header="unreadable metrics")
-            by_step[row["step"]] = row
+            step = row["step"]
+            by_step[step] = row if "loss" in row else {**by_step.get(step, {}), **row}
     return [by_step[s] for s in sorted(by_step)]
