@@ -2,6 +2,7 @@
 (tests/test_recipes.py validates each recipe for its target world)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,17 @@ def test_expected_presets_and_recipes_exist():
     assert {"tiny", "llama3-8b", "llama3-70b"} <= set(MODELS)
     assert {"tiny", "debug-gpu", "llama-256k", "llama3-8b-128k", "llama3-70b-1m"} <= set(
         recipe_names())
+
+
+def test_the_readmes_preset_lists_are_conf_model():
+    """Each list of presets in the README names every file of conf/model/ (those of released
+    shapes: all but tiny), no more."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    lists = re.findall(r"presets(?: of released shapes)? are in `conf/model/` \(([^)]*)\)",
+                       readme)
+    assert len(lists) == 2, lists
+    named = [sorted(re.findall(r"`([^`]+)`", text)) for text in lists]
+    assert named == [MODELS, [m for m in MODELS if m != "tiny"]]
 
 
 @pytest.mark.parametrize("model", MODELS)
