@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from lctrain.config import ModelConfig
+from lctrain.config.compose import compose
 from lctrain.config.model_size import attention_flops
 from lctrain.layout.halo import halo_tokens
+from lctrain.planning.estimate import build_plan
 
 
 def zigzag_halo(S: int, P: int, W: int) -> list[tuple[int, int]]:
@@ -60,3 +62,14 @@ def test_window_flops_count_the_visible_pairs():
         # 3 (fwd + bwd) x 2 matmuls x 2 FLOPs per multiply-add x Hd per visible pair
         want = 3 * 4 * m.q_dim * (pairs if W < S else S * S / 2) / S
         assert per_token == pytest.approx(want), W
+
+
+def test_the_plan_says_when_a_window_covers_the_sequence():
+    """Gemma 3's 512-token window over 256 tokens: every layer is full, and the plan says why
+    (it showed only {'full': 26})."""
+    cfg = compose(["+recipe=tiny", "model=gemma3-1b"]).cfg
+    plan = build_plan(cfg, 4)
+    assert plan["shapes"]["layers_by_window"] == {"full": 26}
+    assert any("model.sliding_window=512 covers train.seq_len=256" in n for n in plan["notes"])
+    longer = compose(["+recipe=tiny", "model=gemma3-1b", "train.seq_len=1024"]).cfg
+    assert not any("covers" in n for n in build_plan(longer, 4)["notes"])

@@ -22,6 +22,7 @@ from lctrain.config.derived import (
     load_balance_of,
     slurm_ranks_per_node,
 )
+from lctrain.config.schema import SLIDING
 from lctrain.config.validation import warnings_for
 from lctrain.layout.halo import unit_halo
 from lctrain.layout.stages import bubble_fraction, split_layers, stages_of
@@ -233,6 +234,12 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
                                                           for g in topo.groups(name)):
             notes.append(f"{name} groups span nodes ({per_node} ranks per node); keep "
                          f"tp x cp_ulysses <= {per_node} for intra-node links")
+    covering = m.sliding_window is not None and m.sliding_window >= t.seq_len and any(
+        m.layer_type(i) == SLIDING for i in range(m.n_layers))
+    if covering:
+        notes.append(f"model.sliding_window={m.sliding_window} covers train.seq_len="
+                     f"{t.seq_len}: the sliding-window layers attend over the whole sequence, "
+                     "so every layer counts as full")
     if p.dp_engine == "deepspeed":
         notes.append(f"parallel.dp_engine=deepspeed: weights, gradients and optimizer_state "
                      f"count ZeRO-{cfg.deepspeed.zero_stage}'s shards on the device (offloaded "
