@@ -14,6 +14,7 @@ from lctrain.config.derived import local_world_size
 from lctrain.config.paths import conf_dir, recipe_names, recipes_dir
 from lctrain.planning.estimate import build_plan
 from lctrain.prepare.checks import preflight
+from lctrain.training.loop import run_lines
 from tests.helpers import run_cli
 
 MODELS = sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))
@@ -141,3 +142,16 @@ def test_config_yaml_is_what_omegaconf_writes_and_reads_back(recipe):
     cfg.deepspeed.config = {"a": [[1, 2], {"b": [*awkward, None, 1e-5, 1e17, float("inf")]}],
                             "e": {}, "l": []}
     assert OmegaConf.to_container(OmegaConf.create(to_yaml(cfg))) == as_dict(cfg)
+
+
+def test_the_start_lines_name_family_attention_balance_and_the_aux_loss():
+    """A run's start says what runs: the family, the CP algorithm and load balance (auto
+    resolved), the engine; for experts, whether their load-balancing loss joins the loss."""
+    (line,) = run_lines(compose(["+recipe=tiny"]).cfg)
+    assert line == ("model tiny (family llama), ring attention over cp=2, load balance "
+                    "documents, fsdp over dp x cp, fp32")
+    moe = compose(["+recipe=tiny", "model=qwen3-30b-a3b", "parallel.ep=2"]).cfg
+    assert "128 experts, 8 per token, ep=2; the load-balancing loss is added at " \
+        "model.router_aux_loss_coef=0.001" in run_lines(moe)[1]
+    off = compose(["+recipe=tiny", "model=qwen3-30b-a3b", "model.router_aux_loss_coef=0"]).cfg
+    assert "no load-balancing loss" in run_lines(off)[1]

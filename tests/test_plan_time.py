@@ -251,3 +251,17 @@ def test_a_zero_rate_or_bandwidth_is_refused_naming_the_key():
     assert any(p.startswith("plan.matmul_efficiency=0.0") and "plan.matmul_efficiency=0.6" in p
                for p in problems), problems
     assert any(p.startswith("plan.inter_node_gbps=-1.0") for p in problems), problems
+
+
+def test_a_cpu_machine_gets_one_note_it_can_act_on(monkeypatch):
+    """Planning the tiny recipe on a machine without a GPU: one note (the run goes to the
+    CPU; how to plan that), not a Slurm mismatch and a GPU-rates aside."""
+    from lctrain.commands import plan as plan_command
+
+    monkeypatch.setattr(plan_command.device, "count", lambda: 0)
+    cfg = tiny_config(parallel={"cp": 2, "dp": 2})
+    (note,) = plan_command.world_note(cfg, 4)
+    assert note.startswith("this machine has no GPU: `lctrain train` runs these 4 ranks on its "
+                           "CPU") and "lctrain plan --calibrate" in note
+    gpus = tiny_config(parallel={"cp": 2, "dp": 2}, train={"device": "cuda"})
+    assert "would not match it" in plan_command.world_note(gpus, 4)[0]

@@ -173,8 +173,19 @@ def plan_world_size(cfg: LctrainConfig) -> int:
     return slurm_world(cfg)
 
 
+def runs_here_on_the_cpu(cfg: LctrainConfig) -> bool:
+    """Whether the plan is of GPU nodes (slurm.*, plan.*) while `lctrain train` of the same
+    config would run on this machine's CPU (train.device=auto, no GPU here)."""
+    return plans_gpu_nodes(cfg) and cfg.train.device == "auto" and device.count() == 0
+
+
 def world_note(cfg: LctrainConfig, world: int) -> list[str]:
-    """A note when the planned world differs from what the slurm.* keys would request."""
+    """A note when the planned world differs from what the slurm.* keys would request; on a
+    machine without a GPU, instead, the one note a CPU user acts on."""
+    if runs_here_on_the_cpu(cfg):
+        return [f"this machine has no GPU: `lctrain train` runs these {world} ranks on its CPU; "
+                "the figures here are for GPUs (slurm.*, plan.*); for the CPU run's, "
+                "`lctrain plan --calibrate` once, then plan with train.device=cpu"]
     slurm = slurm_world(cfg)
     if cfg.launch.nproc is None and cfg.parallel.dp != -1 and slurm != world:
         return [f"planned for the layout's {world} ranks; slurm.nodes x slurm.gpus_per_node = "
@@ -189,10 +200,6 @@ def whose_rates(cfg: LctrainConfig, hw: Hardware) -> str:
         return f"this CPU's, calibrated in {hw.source}"
     figures = f"GPU figures from plan.* ({hw.device_tflops:g} TFLOP/s per GPU)"
     if plans_gpu_nodes(cfg):
-        if cfg.train.device == "auto" and device.count() == 0:
-            figures += ("; this machine has no GPU, so `lctrain train` runs here on the CPU "
-                        "(train.device=cpu plans that, at this CPU's rates after `lctrain plan "
-                        "--calibrate`)")
         return figures
     return (f"{figures}, not this CPU's: no calibration at {calibration_path(cfg)}; "
             "`lctrain plan --calibrate` measures this machine")

@@ -27,7 +27,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from lctrain import device
 from lctrain.comm import record_traffic
 from lctrain.config import LctrainConfig, ModelConfig
-from lctrain.config.derived import Stage, context_stages, stage_banner
+from lctrain.config.derived import Stage, context_stages, load_balance_of, stage_banner
 from lctrain.config.resolved import as_dict, to_yaml
 from lctrain.data.batch import MicroBatch
 from lctrain.data.loader import DataLoader, build_loader
@@ -448,6 +448,8 @@ def _log_layout(metrics: MetricsLogger, cfg: LctrainConfig, rt: Runtime, model: 
     metrics.info(f"lctrain: {rt.world_size} rank(s) on {rt.device.type}, layout "
                  f"{rt.topology.shape} (pp, dp, cp_ring, cp_ulysses, tp), grad_accum "
                  f"{rt.derived.grad_accum}, {param_count(cfg.model):,} parameters")
+    for line in run_lines(cfg):
+        metrics.info(f"lctrain: {line}")
     if isinstance(model, PipelinedModel):
         metrics.info(f"lctrain: pipeline {cfg.parallel.pp_schedule}, layers per stage "
                      f"{[len(s) for s in split_layers(cfg)]}, {rt.derived.grad_accum} "
@@ -457,6 +459,24 @@ def _log_layout(metrics: MetricsLogger, cfg: LctrainConfig, rt: Runtime, model: 
     if loader.dropped:
         metrics.info(f"lctrain: data.long_docs=drop skips {loader.dropped:,} documents longer "
                      f"than train.seq_len={cfg.train.seq_len}")
+
+
+def run_lines(cfg: LctrainConfig) -> list[str]:
+    """What the start of a run says beside the layout: the model and its family, how attention
+    is split (the CP algorithm and load balance), the data-parallel engine and dtype; for a
+    mixture of experts, its routing and whether the load-balancing loss is added."""
+    m, p = cfg.model, cfg.parallel
+    cp = (f"{p.attention} attention over cp={p.cp}, load balance {load_balance_of(cfg)}"
+          if p.cp > 1 else "attention on each rank's whole sequence (cp=1)")
+    lines = [f"model {m.name} (family {m.family}), {cp}, {p.dp_engine} over dp x cp, "
+             f"{cfg.train.dtype}"]
+    if m.n_experts:
+        aux = (f"the load-balancing loss is added at model.router_aux_loss_coef="
+               f"{m.router_aux_loss_coef}" if m.router_aux_loss_coef else
+               "no load-balancing loss (model.router_aux_loss_coef=0; aux_loss is logged only)")
+        lines.append(f"mixture of experts: {m.n_experts} experts, {m.experts_per_token} per "
+                     f"token, ep={p.ep}; {aux}")
+    return lines
 
 
 def _maybe_evaluate(evaluator: Evaluator, step: int, model: nn.Module, out: dict,
