@@ -15,6 +15,7 @@ import yaml
 from lctrain.config.compose import compose
 from lctrain.planning.hardware import hardware_from_plan
 from lctrain.planning.search import as_override, search
+from lctrain.prepare.auto import ENGINE_KEYS, best_alternative
 from tests.helpers import run_cli, tiny_config
 
 OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -121,3 +122,17 @@ def test_llama3_8b_at_600k_tokens_fits_one_80gb_gpu_with_the_state_on_the_host(c
     cfg = compose([*args, "parallel.offload_state=none"]).cfg
     assert not search(cfg, 1, hardware_from_plan(cfg),
                       fixed={"parallel.offload_state": "none"}).ranked
+
+
+def test_the_runner_up_is_another_layout_not_the_winner_with_another_engine():
+    """The tiny recipe's best two candidates are one layout under FSDP and DDP (+0.0%): the
+    runner-up printed is the best other layout."""
+    cfg = compose(["+recipe=tiny"]).cfg
+    ranked = search(cfg, 4, hardware_from_plan(cfg)).ranked
+
+    def layout(c) -> dict:
+        return {k: v for k, v in c.overrides.items() if k not in ENGINE_KEYS}
+
+    assert layout(ranked[1]) == layout(ranked[0])  # the engine alone differs: the case seen
+    (other,) = best_alternative(ranked)
+    assert layout(other) != layout(ranked[0])

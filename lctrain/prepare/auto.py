@@ -97,10 +97,23 @@ def choose_layout(composed: Composed, world: int, hw: Hardware, notes: list[str]
             "train.seq_len"])
     winner = result.ranked[0]
     chosen = [f"{k}={as_override(v)}" for k, v in winner.overrides.items() if k not in fixed]
-    for line in report(result.layouts, world, winner, result.ranked[1:2], constraints, hw,
-                       notes) if talk else []:
+    for line in report(result.layouts, world, winner, best_alternative(result.ranked),
+                       constraints, hw, notes) if talk else []:
         print(f"lctrain: {line}", file=sys.stderr)
     return resolve_model(compose([*composed.overrides, *chosen]))
+
+
+ENGINE_KEYS = ("parallel.dp_engine", "deepspeed.zero_stage")
+"""How the data-parallel state is kept, not where anything runs: a layout that differs from the
+winner only in these is the winner again, not an alternative."""
+
+
+def best_alternative(ranked: list[Candidate]) -> list[Candidate]:
+    """The best candidate after the winner whose layout differs in more than the engine."""
+    def layout(c: Candidate) -> dict:
+        return {k: v for k, v in c.overrides.items() if k not in ENGINE_KEYS}
+
+    return [c for c in ranked[1:] if layout(c) != layout(ranked[0])][:1]
 
 
 def report(layouts: int, world: int, winner: Candidate, runner_up: list[Candidate],
