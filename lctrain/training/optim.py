@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 
 import torch
@@ -143,6 +145,25 @@ def resume_scheduler(scheduler, step: int) -> None:
     scheduler._last_lr = lrs
 
 
+REDISTRIBUTE_LOG = "torch.distributed.tensor._redistribute"
+"""Where torch says, once per mesh, that it reduces a value partial over a 2-D mesh (the norm
+over dp x cp and tp) one dimension at a time and that a flattened mesh would take one call:
+two all-reduces of one number per step, a latency cost, against a communicator more per rank
+(its buffers on every GPU) to flatten dp x cp x tp. Not worth a warning in every TP run."""
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str):
+    """The named logger's warnings dropped inside the block."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 @torch.no_grad()
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
                     pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -162,8 +183,9 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float,
             groups.setdefault(mesh, []).append(p.grad)
     squares = []
     for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        with _quiet(REDISTRIBUTE_LOG):
+            norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
+            norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         squares.append(norm.float() ** 2)
     total = torch.stack(squares).sum()
     if pp_group is not None:
