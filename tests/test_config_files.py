@@ -88,7 +88,9 @@ def test_plan_world_comes_from_the_layout_when_every_size_is_fixed(capsys):
         assert code == 0
         return out
 
-    out = plan()  # cp2 x dp2: 4 ranks, whatever slurm.* says
+    # GPU nodes (here, without a GPU, the note would be the CPU run's): cp2 x dp2 = 4 ranks,
+    # whatever slurm.* says
+    out = plan("train.device=cuda", "train.dtype=bf16")
     assert "world size 4:" in out and "planned for the layout's 4 ranks" in out
     out = plan("parallel.dp=-1", "slurm.nodes=2", "slurm.gpus_per_node=4")  # the allocation
     assert "world size 8:" in out and "planned for the layout" not in out
