@@ -110,13 +110,13 @@ def stretch_travel(block: Block, per_row: list[tuple[np.ndarray, np.ndarray]], n
     which no query has."""
     counts = [int(length.sum()) for _, length in per_row]
     n = max(counts) if n is None else n
-    rows, pos = len(per_row), block.row_pos
-    index = torch.zeros(rows, n, dtype=torch.long)
-    real = torch.zeros(rows, n, dtype=torch.bool)
-    for b, (first, length) in enumerate(per_row):
-        index[b, :counts[b]] = torch.from_numpy(expand(first, length))
-        real[b, :counts[b]] = True
-    # pads: positions that continue one run (fewest runs to plan)
-    doc = torch.where(real, take(block.doc, index, 1), no_doc)
-    after = int(pos.max()) + 1 + torch.arange(n).expand(rows, n)
-    return Travel(index, Block(torch.where(real, take(pos, index, 1), after), doc))
+    pos, doc = block.row_pos.numpy(), block.doc.numpy()
+    index = np.zeros((len(per_row), n), dtype=np.int64)
+    # pads: positions that continue one run (fewest runs to plan), a document no query has
+    out_pos = np.broadcast_to(int(pos.max()) + 1 + np.arange(n), index.shape).copy()
+    out_doc = np.full(index.shape, no_doc, dtype=doc.dtype)
+    for b, ((first, length), k) in enumerate(zip(per_row, counts)):
+        index[b, :k] = expand(first, length)
+        out_pos[b, :k], out_doc[b, :k] = pos[b, index[b, :k]], doc[b, index[b, :k]]
+    return Travel(torch.from_numpy(index), Block(torch.from_numpy(out_pos),
+                                                 torch.from_numpy(out_doc)))
