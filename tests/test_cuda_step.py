@@ -62,7 +62,7 @@ ENGINES = {"fsdp": {"dp": 2}, "ddp": {"dp": 2, "dp_engine": "ddp"}, "dp1": {},
 def _matrix() -> dict:
     """Every (model, CP algorithm, load balance) that validation accepts, the engines taken in
     turn (each model meets every engine), a mixture of experts at ep 2 in every other case
-    where it has two ranks to spread them over, and gradient accumulation in every fourth."""
+    where it has two ranks to spread them over, and gradient accumulation in every fifth."""
     cases, turn = {}, 0
     for model, block in MODELS.items():
         for layout, cp in LAYOUTS.items():
@@ -73,8 +73,9 @@ def _matrix() -> dict:
                 if "n_experts" in block and ranks >= 2 and turn % 2:
                     parallel["ep"] = 2
                 data = DOCS if balance == "documents" or turn % 3 == 0 else {}
-                # one micro-step per step (half the trace's time), accumulation every fourth
-                train = {} if turn % 4 == 0 else {"global_batch": parallel.get("dp", 1)}
+                # one micro-step per step (half the trace's time), accumulation every fifth case
+                # (5 and the 4 engines are coprime: each engine accumulates somewhere)
+                train = {} if turn % 5 == 0 else {"global_batch": parallel.get("dp", 1)}
                 name = (f"{model}, {layout}, {balance}, {engine}"
                         f"{', ep2' if 'ep' in parallel else ''}{', documents' if data else ''}"
                         f"{', accumulation' if not train else ''}")
