@@ -319,7 +319,8 @@ def sink_cases(algo: str, ring: int, uly: int, world: int) -> list[dict]:
             dict(base, S=28 * world, lb="documents", docs=packed_rows(28 * world, world))]
 
 
-@pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow),
+                                   pytest.param(8, marks=pytest.mark.slow)])
 def test_algorithms_match_unsharded_reference(world):
     cases = cases_for(world)
     assert len(cases) >= 12

@@ -55,6 +55,7 @@ def _losses(history):
     return [(h["step"], h["loss"], h["grad_norm"]) for h in history]
 
 
+@pytest.mark.slow  # 8 s: three runs of dp2
 def test_kill_mid_run_and_mid_save_then_resume_bitwise(tmp_path):
     cfg = dp2_config(8)
     ref = on_ranks(_train, 2, cfg, str(tmp_path / "ref"))[0]
@@ -120,6 +121,7 @@ def test_a_checkpoint_loads_under_other_layouts(tmp_path):
     assert history[0]["loss"] < ref[0]["loss"]  # trained weights, not a fresh init
 
 
+@pytest.mark.slow  # 6 s
 def test_damaged_checkpoints_are_skipped_or_refused(tmp_path):
     cfg = dp2_config(6)
     ref = on_ranks(_train, 2, cfg, str(tmp_path / "ref"))[0]

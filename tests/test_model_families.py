@@ -331,7 +331,7 @@ def _trains_on(family: str, layout: str) -> bool:
 
 
 @pytest.mark.parametrize("layouts", [
-    pytest.param(LAYOUTS, id="cp_tp_pp"),
+    pytest.param(LAYOUTS, id="cp_tp_pp", marks=pytest.mark.slow),
     pytest.param({**USP_LAYOUT, **MOE_LAYOUTS}, id="usp_moe", marks=pytest.mark.slow)])
 def test_every_family_trains_on_every_layout_with_transformers_loss_and_gradients(
         hf_dirs, tmp_path, layouts):
@@ -507,6 +507,7 @@ GEMMA3_TEXT = ("gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b")
 transformers' own Gemma 3 model built from the preset's config (on the meta device)."""
 
 
+@pytest.mark.slow  # 7 s: every preset built on the meta device
 def test_the_planner_counts_every_preset_as_the_built_model_holds_it():
     presets = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
     assert set(PUBLISHED) | set(GEMMA3_TEXT) == set(presets) - {"tiny"}

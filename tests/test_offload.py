@@ -86,8 +86,8 @@ def _all_modes(layout: str) -> dict:
 
 
 @pytest.mark.parametrize("layout", [
-    pytest.param(name, marks=pytest.mark.slow) if name.startswith("moe_") else name
-    for name in LAYOUTS])  # (the MoE layout, 1.2 s: in the full suite)
+    pytest.param(name, marks=pytest.mark.slow) if name.startswith(("moe_", "cp4_")) else name
+    for name in LAYOUTS])  # (the MoE layout and the 4-rank USP, 1 to 3 s: in the full suite)
 def test_offloaded_state_equals_device_state(layout):
     world = LAYOUTS[layout][0]
     for rank, out in enumerate(on_ranks(_all_modes, world, layout)):
@@ -110,6 +110,7 @@ def test_offloaded_state_equals_device_state(layout):
             assert got["host"] == [got["predicted_host"]] * len(got["host"]), (mode, rank)
 
 
+@pytest.mark.slow  # 7 s
 def test_checkpoint_moves_between_offloaded_and_device_state(tmp_path):
     """A run checkpointed at step 2 with its state on the device resumes with it on the host
     (both modes, and resharded onto one rank), and one checkpointed offloaded resumes on the

@@ -143,8 +143,8 @@ def _run_cases(world: int, root: str, ref_grads: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [
-    2, pytest.param(4, marks=pytest.mark.slow), pytest.param(8, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", [  # all slow: the fast tier's pipeline is test_run_metrics'
+    pytest.param(w, marks=pytest.mark.slow) for w in (2, 4, 8)])  # pp2 x tp2 traffic case
 def test_every_schedule_and_layout_matches_one_process(world, tmp_path):
     # slow: [8] 17 s and [4] 20 s on 2 cores (3 and 15 cases, ranks time-sliced)
     # every distinct one-process reference: gradients here, once for every rank, and the

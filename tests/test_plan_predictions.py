@@ -65,6 +65,7 @@ def test_predicted_traffic_equals_logged_tp_ring_ulysses(tmp_path):
     })
 
 
+@pytest.mark.slow  # 9 s (the fast tier keeps tests/test_run_metrics.py's traffic checks)
 def test_predicted_traffic_equals_logged_usp_allgather_pipeline(tmp_path):
     _assert_logged_equals_predicted(tmp_path, {
         # USP (2 x 2): all-to-alls and ring, the attention recomputed (full), bf16

@@ -107,6 +107,7 @@ def test_what_does_not_fit_is_dropped():
                or c.overrides["train.loss_chunk"] for c in tight.ranked)
 
 
+@pytest.mark.slow  # 5 s: the search twice
 def test_forked_workers_rank_what_one_process_ranks(monkeypatch):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU core: the search never forks workers")

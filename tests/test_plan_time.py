@@ -214,6 +214,7 @@ def test_data_parallel_bytes_where_lctrain_logs_none():
     assert dp_bytes(StepShape.of(zero[3], 2)) == step_traffic_bytes(fsdp, 2)["dp"]
 
 
+@pytest.mark.slow  # 4 s: it measures this CPU
 def test_calibration_round_trip(tmp_path):
     path = tmp_path / "cache" / "lctrain" / "calibration.json"
     model = tiny_config().model

@@ -51,6 +51,7 @@ def test_a_staged_run_equals_the_hand_chained_runs(tmp_path):
     assert (tmp_path / "staged" / "checkpoints" / "step-00000004").is_dir()  # stages end saved
 
 
+@pytest.mark.slow  # 4 s
 def test_a_resume_in_the_middle_of_stage_2_continues_bit_for_bit(tmp_path):
     ref = on_ranks(train_each, 2, {"ref": _staged(every=1)}, str(tmp_path), timeout_s=300)[0]
     resumed = tmp_path / "resumed"

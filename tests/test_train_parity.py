@@ -167,6 +167,7 @@ def _dp_traffic(cfg, accum):
     return sent
 
 
+@pytest.mark.slow  # 3 s (the fast tier keeps tests/test_run_metrics.py's traffic checks)
 def test_data_parallel_traffic_equals_the_plan():
     for world, par, accum, dtype in [(2, {"dp": 2}, 1, "fp32"), (2, {"dp": 2}, 2, "fp32"),
                                      (2, {"dp": 2}, 2, "bf16"),
