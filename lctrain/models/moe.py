@@ -156,7 +156,7 @@ class Experts(nn.Module):
 
     def forward(self, xs: Tensor, counts: Tensor, dispatch: Dispatch | None = None) -> Tensor:
         """Each expert's MLP over its rows of xs [N k, D] (sorted by expert; counts [E]);
-        `dispatch`: its all-to-all's sizes when `dispatch` made them already."""
+        `dispatch`: its all-to-all's sizes when `Experts.dispatch` made them already."""
         # in the activations' dtype under every engine: torch's grouped matmul has no autocast
         # rule and takes one dtype, and autocast would leave fp32 biases promoting the rows (a
         # no-op under FSDP's bf16 weights)
