@@ -240,7 +240,8 @@ def test_preemption_signal_and_stop_file_checkpoint_and_stop(tmp_path):
         assert not (run / "STOP").exists()
 
 
-@pytest.mark.parametrize("parallel", [{}, {"dp": 1, "pp": 2}])
+@pytest.mark.parametrize("parallel", [{}, pytest.param({"dp": 1, "pp": 2},
+                                                      marks=pytest.mark.slow)])
 def test_non_finite_steps_stop_or_are_skipped(tmp_path, parallel):
     """On every rank together: with pp=2 only the last stage computes the loss, and each
     stage holds half of the gradient norm."""

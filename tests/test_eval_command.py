@@ -25,6 +25,7 @@ def _train_then_evaluate(trained, scored, run_dir: str) -> tuple[list[dict], dic
     return history, evaluate(scored, f"{run_dir}/scored")
 
 
+@pytest.mark.slow  # 3 s: a training run and its checkpoint scored on 2 ranks
 def test_a_checkpoint_scores_under_another_layout_as_training_logged_it(tmp_path):
     _token_dataset(tmp_path / "data")
     data = f"data.path={tmp_path / 'data'}"

@@ -85,9 +85,12 @@ def _all_modes(layout: str) -> dict:
     return {mode: _steps(_config(parallel, train, mode, model), world) for mode in modes}
 
 
+# in the fast tier one rank, data parallel, CP's ring and all-gather with DDP; the MoE, 4-rank
+# USP, TP and tiled layouts (1 to 3 s each) in the full suite
 @pytest.mark.parametrize("layout", [
-    pytest.param(name, marks=pytest.mark.slow) if name.startswith(("moe_", "cp4_")) else name
-    for name in LAYOUTS])  # (the MoE layout and the 4-rank USP, 1 to 3 s: in the full suite)
+    pytest.param(name, marks=pytest.mark.slow)
+    if name.startswith(("moe_", "cp4_", "tp2_", "cp2_ulysses")) else name
+    for name in LAYOUTS])
 def test_offloaded_state_equals_device_state(layout):
     world = LAYOUTS[layout][0]
     for rank, out in enumerate(on_ranks(_all_modes, world, layout)):

@@ -1,15 +1,16 @@
 """The package as pip builds it, against the source tree: every folder of lctrain/ that holds
 Python files is a package that setup.py's finder returns (asked of setuptools' own reading of
 setup.py and pyproject.toml), every other file there and every yaml of conf/ and recipes/ is
-package data; and the built wheel, installed non-editable with its dependencies into a fresh
-virtual environment, holds every such file, imports from that environment and trains the tiny
-recipe from a folder outside the repository."""
+package data; and the built wheel, installed non-editable into a new virtual environment (its
+dependencies this environment's), holds every such file, imports from that environment and
+trains the tiny recipe from a folder outside the repository."""
 
 import json
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -102,8 +103,12 @@ def run(args, **kwargs):
     return done
 
 
-@pytest.mark.slow  # 80 s on 2 cores (pip cache warm): most of it pip installing dependencies
+@pytest.mark.slow  # 20 s on 2 cores: the wheel's build and install
 def test_wheel_installs_and_trains_outside_the_repository(tmp_path):
+    """The wheel installed non-editable into a new virtual environment whose path ends with
+    this environment's site-packages (a .pth line, so none of the .pth files there run, the
+    editable lctrain's among them): its dependencies resolve without a download. CI installs
+    them from nothing into a fresh one (.ci/run)."""
     source = tmp_path / "source"
     source.mkdir()
     for name in BUILD_INPUTS:
@@ -120,18 +125,17 @@ def test_wheel_installs_and_trains_outside_the_repository(tmp_path):
     assert missing == [], f"the wheel lacks {missing}"
 
     venv = tmp_path / "venv"
-    run([sys.executable, "-m", "venv", venv], timeout=300)  # no system site-packages
+    run([sys.executable, "-m", "venv", "--without-pip", venv], timeout=300)
     python = venv / "bin" / "python"
-    # the CPU build of torch from local disk first (--no-index: fail here, never download the
-    # multi-GB CUDA build); then the wheel with its dependencies, torch's own among them
-    done = subprocess.run([python, "-m", "pip", "install", "--no-index", "--no-deps",
-                           "torch==2.13.0"], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, (
-        "torch 2.13.0 is not on this machine's local disk; install it first from PyTorch's CPU "
-        f"index (README, Quick start):\n{done.stderr[-2000:]}")
-    run([python, "-m", "pip", "install", "torch==2.13.0", wheel], timeout=1800)
+    site = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                    timeout=60).stdout.strip())
+    here = {sysconfig.get_paths()[key] for key in ("purelib", "platlib")}
+    (site / "zz_dependencies.pth").write_text("".join(f"{path}\n" for path in sorted(here)))
+    # the wheel alone (--ignore-installed: the editable lctrain is visible too), never a
+    # download; then every installed requirement checked, the wheel's own among them
+    run([python, "-m", "pip", "install", "--no-index", "--ignore-installed", "--no-deps", wheel],
+        timeout=600)
     run([python, "-m", "pip", "check"], timeout=300)
-
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}

@@ -27,7 +27,7 @@ def _full_weights_each(cfgs):
     return [_full_weights(cfg) for cfg in cfgs]
 
 
-@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tied", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_meta_init_gives_the_same_global_weights_at_every_layout(tied):
     for world in dict.fromkeys(world for world, _ in LAYOUTS):  # one spawn per world size
         pars = [par for w, par in LAYOUTS if w == world]
