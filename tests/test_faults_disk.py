@@ -154,6 +154,7 @@ def reference(tmp_path_factory):
     return _losses(on_ranks(_train, 2, _cfg(), str(tmp_path_factory.mktemp("ref")))[0])
 
 
+@pytest.mark.slow  # 3 s on 2 cores, and the 6-step reference run (the shard checks stay fast)
 def test_metrics_and_config_write_faults_stop_with_the_file_named(tmp_path, reference):
     cfg, run = _cfg(), tmp_path / "run"
     metrics = run / "metrics.jsonl"
@@ -197,7 +198,7 @@ def test_metrics_and_config_write_faults_stop_with_the_file_named(tmp_path, refe
     assert "resume: auto" in (run / "config.yaml").read_text()
 
 
-@pytest.mark.slow  # 3 s on 2 cores: 5 runs of 2 ranks (the metrics and config faults stay fast)
+@pytest.mark.slow  # 3 s on 2 cores: 5 runs of 2 ranks
 def test_manifest_write_faults_keep_the_newest_complete_checkpoint(tmp_path, reference):
     cfg, run = _cfg(), tmp_path / "run"
     root = run / "checkpoints"

@@ -75,7 +75,7 @@ def test_runner_fails_raising_and_hanging_checks_and_writes_after_each(tmp_path,
     gc = _load_gpu_check()
     monkeypatch.setattr(gc, "CHECKS", {
         "first": gc.Check(_passes, 1, 30), "raises": gc.Check(_raises, 1, 30),
-        "hangs": gc.Check(_hangs, 1, 2), "after": gc.Check(_passes, 1, 30),
+        "hangs": gc.Check(_hangs, 1, 1), "after": gc.Check(_passes, 1, 30),
         "too_long": gc.Check(_passes, 10_000, 20_000)})
     out = tmp_path / "gpu_check.json"
     written = []

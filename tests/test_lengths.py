@@ -104,6 +104,7 @@ def _data_cfg(corpus, **data):
                              "document_masking": True, **data})
 
 
+@pytest.mark.slow  # 1.7 s: 4 ranks train (the mix and best fit's units stay fast)
 def test_training_runs_on_mixed_best_fit_data(corpus):
     from lctrain.config.schema import LengthBucket
 

@@ -141,6 +141,7 @@ def test_a_copying_model_finds_every_needle_and_an_untrained_one_none(corpus):
     assert ev.run(reference_model(cfg))["eval/needle/acc"] == 0.0  # chance: 1e-7 per needle
 
 
+@pytest.mark.slow  # 1.3 s: 4 ranks (the fast tier's evals on ranks: test_evals.py)
 def test_the_same_scores_per_cell_at_cp1_and_cp4_ring(corpus):
     cfg = _cfg(corpus)
     examples = Evaluator(cfg, setup_distributed(cfg)).examples

@@ -223,14 +223,16 @@ def test_one_gpu_with_the_state_on_the_host_traced():
 
 
 @pytest.mark.slow
-def test_plan_trace_on_the_command_line():
-    """`lctrain plan --trace --json` beside the plan: every role, its parts summing to its peak,
-    the plan's figures to compare with; the text form prints the table."""
-    cmd = [sys.executable, "-m", "lctrain.cli", "plan", "+recipe=tiny", "--trace"]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert out.returncode == 2 and "train.dtype=fp32 on CUDA" in out.stderr
-    assert "train.device=cpu traces the CPU path" in out.stderr  # the tiny recipe is fp32
-    cmd.append("train.device=cpu")
+def test_plan_trace_on_the_command_line(capsys):
+    """`lctrain plan --trace --json` beside the plan (in a new interpreter, as a user runs it):
+    every role, its parts summing to its peak, the plan's figures to compare with; the text
+    form (in this process) prints the table."""
+    args = ["plan", "+recipe=tiny", "--trace"]
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and "train.dtype=fp32 on CUDA" in err
+    assert "train.device=cpu traces the CPU path" in err  # the tiny recipe is fp32
+    args.append("train.device=cpu")
+    cmd = [sys.executable, "-m", "lctrain.cli", *args]
     out = subprocess.run(cmd + ["--json"], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr
     plan = json.loads(out.stdout)
@@ -239,8 +241,9 @@ def test_plan_trace_on_the_command_line():
     assert sum(role["parts_bytes"].values()) == role["peak_bytes"]
     assert role["plan_modelled_bytes"] == plan["memory_per_rank"]["bytes"]["modelled"]
     assert "lctrain: tracing rank 0" in out.stderr
-    text = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300).stdout
-    assert "traced step (lctrain plan --trace" in text and "not seen by the trace" in text
+    code, text, _ = run_cli(args, capsys)
+    assert code == 0 and "traced step (lctrain plan --trace" in text
+    assert "not seen by the trace" in text
 
 
 def test_a_failing_trace_is_exit_1_with_its_reason(monkeypatch, capsys):
