@@ -242,8 +242,9 @@ def cases_for(world: int) -> list[dict]:
     ]
     out = []
     # on 8 ranks (all time-sliced on the CPU) what 8 adds: the degree-8 exchanges under the GQA
-    # and MQA shapes, and the packed, window and sink cases of the algorithms whose ring is 4 or
-    # 8 long (Ulysses and all-gather run those on 2 and 4 ranks)
+    # and MQA shapes, and the packed, window and sink cases of the layouts whose ring is 4 or 8
+    # long (ring, all-gather, USP 4 x 2); Ulysses 8 and USP 2 x 4 run those cases' kinds of
+    # exchange on 2 and 4 ranks
     if world == 8:
         shapes = shapes[1:]
     for (algo, ring, uly), (H, Hkv, hd, rep), causal, lb in itertools.product(
