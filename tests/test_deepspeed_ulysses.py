@@ -23,6 +23,7 @@ What DeepSpeed needs that lctrain does internally (adapted on the DeepSpeed side
 """
 
 import math
+import sys
 import zlib
 
 import pytest
@@ -111,6 +112,11 @@ def check_case(case: dict, groups: CPGroups) -> None:
 
 def run_cases(cases: list[dict]) -> int:
     world = dist.get_world_size()
+    # DeepSpeed's CPU backend compiles a shared-memory all-reduce when it starts (about 30 s on
+    # 2 cores, whenever its torch_extensions cache is empty or was built by another venv); the
+    # Ulysses exchange is an all-to-all and never uses it (by sys.modules: the attribute
+    # deepspeed.comm.torch is torch itself)
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     topology = Topology(cp_ulysses=world)
     groups = cp_groups(topology, build_mesh(topology, "cpu"), dist.get_rank())
