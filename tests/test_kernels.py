@@ -8,7 +8,7 @@ import torch
 
 from lctrain.attention import ContextParallelAttention, CPGroups, cuda_kernels
 from lctrain.attention import calls as calls_module
-from lctrain.attention.calls import Block, kernel_calls
+from lctrain.attention.calls import Block, band_rows, kernel_calls
 from lctrain.attention.cuda_kernels import no_key_lse as _no_key_lse
 from lctrain.attention.kernels import (
     KernelOptions,
@@ -41,6 +41,57 @@ def test_calls_are_planned_once_per_micro_batch(monkeypatch):
     for _layer in range(3):
         attn(q, k, v).sum().backward()  # no documents: planned once, at construction
     assert len(planned) == 3
+
+
+def _visible(qb: Block, kb: Block, causal: bool, window: int | None) -> torch.Tensor:
+    """[B, Sq, Sk] the (query, key) pairs attention may see, token by token: the mask the calls
+    must spell without one."""
+    qp, kp = qb.row_pos[:, :, None], kb.row_pos[:, None, :]
+    seen = qb.doc[:, :, None] == kb.doc[:, None, :]
+    if causal:
+        seen &= kp <= qp
+    if window is not None:
+        seen &= kp > qp - window
+    return seen
+
+
+def _covered(calls, rows: int, sq: int, sk: int) -> torch.Tensor:
+    """[B, Sq, Sk] how many calls compute each (query, key) pair."""
+    count = torch.zeros(rows, sq, sk, dtype=torch.long)
+    for call in calls:
+        n, m = call.q.stop - call.q.start, call.k.stop - call.k.start
+        i, j = torch.arange(n)[:, None], torch.arange(m)[None, :]
+        if call.kind == "full":
+            inside = torch.ones(n, m, dtype=torch.bool)
+        elif call.kind == "causal":
+            inside = j - m <= i - n  # bottom-right aligned
+        else:
+            first, last = band_rows(n, m, call.band)
+            inside = (j >= first[:, None]) & (j <= last[:, None])
+        count[call.rows, call.q, call.k] += inside.long()
+    return count
+
+
+@pytest.mark.parametrize("balance", ["zigzag", "documents"])
+def test_calls_spell_the_mask_every_pair_once(balance):
+    """The planned calls compute every visible (query, key) pair exactly once and nothing else,
+    against the mask built token by token: documents of mixed lengths (an id that comes back,
+    one longer than the window and the rank's share), every rank pair of a cp-4 split, causal
+    and not, windows shorter and longer than the documents."""
+    s, cp = 64, 4
+    ids = torch.repeat_interleave(torch.arange(5), torch.tensor([3, 30, 1, 12, 18]))
+    docs = torch.stack([ids, ids.roll(7), torch.zeros(s, dtype=torch.long)])
+    blocks = []
+    for r in range(cp):
+        pos = sequence.positions(s, r, cp, balance, doc_ids=docs)
+        blocks.append(Block(pos, sequence.take(docs, pos, 1)))
+    for qb in blocks:
+        for kb in blocks:
+            for causal, window in ((False, None), (True, None), (True, 1), (True, 5), (True, 40)):
+                calls = kernel_calls(qb, kb, causal, window)
+                assert all(c.q.stop > c.q.start and c.k.stop > c.k.start for c in calls)
+                got = _covered(calls, 3, qb.pos.shape[-1], kb.pos.shape[-1])
+                assert torch.equal(got, _visible(qb, kb, causal, window).long()), (causal, window)
 
 
 def test_varlen_waves_cover_each_call_once_and_never_repeat_a_query_row():

@@ -4,8 +4,8 @@ Every context-parallel algorithm reduces to: queries at global positions q_pos a
 k_pos (causal: k_pos <= q_pos; packed documents: same document id). A `Block` describes one
 operand on the host: positions and document ids as CPU tensors, so planning never waits for the
 device. Positions ([S], or [B, S] when each row has its own split: load_balance=documents)
-form runs of consecutive values (`lctrain.layout.sequence.Run`); documents cut each run into
-same-document stretches. A (query stretch, key stretch) pair then splits, by
+and documents cut a row's tokens into segments (consecutive positions of one document:
+`lctrain.layout.segments`). A same-document (query segment, key segment) pair then splits, by
 positions alone, into at most three rectangles (docs/parallelism.md §4):
 
     keys before the overlap of the two position ranges -> full (no mask) for the overlap queries
@@ -30,12 +30,13 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lctrain import device
 from lctrain.layout.segments import Segments, segments
-from lctrain.layout.sequence import Run, runs, take
+from lctrain.layout.sequence import take
 
 ALL_ROWS = slice(None)
 
@@ -113,26 +114,10 @@ class Block:
         if self.doc is not None:
             object.__setattr__(self, "doc", self.doc.cpu())
 
-    @cached_property
-    @device.on_host
-    def runs(self) -> list[Run]:
-        """Runs of positions [S] shared by every row (not for per-row positions)."""
-        assert self.pos.dim() == 1, "per-row positions: use row_runs"
-        return runs(self.pos)
-
-    @cached_property
-    @device.on_host
-    def _row_runs(self) -> list[list[Run]]:
-        return [runs(p) for p in self.pos]
-
     @property
     def row_pos(self) -> Tensor:
         """Positions [B, S] (a shared [S] repeated per row; needs document ids for B)."""
         return self.pos.expand_as(self.doc) if self.pos.dim() == 1 else self.pos
-
-    def row_runs(self, b: int) -> list[Run]:
-        """Runs of the positions of batch row `b`."""
-        return self.runs if self.pos.dim() == 1 else self._row_runs[b]
 
     @cached_property
     @device.on_host
@@ -146,14 +131,6 @@ class Block:
         pos = self.pos[index] if index.dim() == 1 else self.pos.gather(1, index)
         doc = None if self.doc is None else take(self.doc, index, 1)
         return Ordered(index, torch.argsort(index, dim=-1), Block(pos, doc))
-
-    def stretches(self, b: int, run: Run) -> dict[int, list[tuple[int, int]]]:
-        """Row `b`'s documents inside `run`: {id: [(offset in the run, length), ...]}, found
-        once per (row, run) however many partners' plans ask (`_stretches`)."""
-        key = ("stretches", b, run)
-        if key not in self._plans:
-            self._plans[key] = _stretches(self.doc[b, run.rows])
-        return self._plans[key]
 
     def segments(self, b: int) -> Segments:
         """Row `b`'s tokens as segments (consecutive positions of one document), found once."""
@@ -225,102 +202,105 @@ def local_block(seq_len: int, doc_ids: Tensor | None) -> Block:
     return _LOCAL_BLOCKS[seq_len](None if doc_ids is None else doc_ids.cpu())
 
 
-def _rectangles(qr: Run, kr: Run, causal: bool, window: int | None):
-    """(query run, key run, kind, band) rectangles of a query run against a key run."""
-    for q, k, kind in _causal_rectangles(qr, kr, causal):
-        if window is None:
-            yield q, k, kind, None
-        else:
-            yield from _in_window(q, k, kind, window)
-
-
-def _in_window(q: Run, k: Run, kind: str, window: int):
-    """What a causal window of `window` keys leaves of a mask-free rectangle: the diagonal
-    (kind causal) as it is or as a band, or a rectangle of keys that all precede its queries
-    clipped to the queries and keys within reach, full or as a band."""
-    if kind == "causal":  # q and k are the same positions
-        yield (q, k, "causal", None) if q.length <= window else (q, k, "band", (window - 1, 0))
-        return
-    q_end, k_start = min(q.end, k.end + window - 1), max(k.start, q.start - window + 1)
-    if q_end <= q.start or k_start >= k.end:  # every query too far from every key
-        return
-    qw, kw = q.part(0, q_end - q.start), k.part(k_start - k.start, k.end - k_start)
-    if k_start >= q_end - window:  # the last query still sees the first key: all visible
-        yield qw, kw, "full", None
-    else:  # query at p sees keys from p - window + 1 on: (left, unbounded)
-        yield qw, kw, "band", (k.end - q_end + window - 1, -1)
-
-
-def _causal_rectangles(qr: Run, kr: Run, causal: bool):
-    """(query run, key run, kind) rectangles of a query run against a key run, mask-free."""
-    if not causal or kr.end <= qr.start:
-        yield qr, kr, "full"
-        return
-    lo, hi = max(qr.start, kr.start), min(qr.end, kr.end)
-    if lo >= hi:  # every key after every query
-        return
-    overlap_q = qr.part(lo - qr.start, hi - lo)
-    if kr.start < lo:  # keys before the overlap: all visible to the overlap's queries
-        yield overlap_q, kr.part(0, lo - kr.start), "full"
-    yield overlap_q, kr.part(lo - kr.start, hi - lo), "causal"
-    if qr.end > kr.end:  # queries after the last key see every key
-        yield qr.part(hi - qr.start, qr.end - hi), kr, "full"
-
-
-def _stretches(doc: Tensor) -> dict[int, list[tuple[int, int]]]:
-    """{document id: [(offset, length), ...]} of the maximal same-id stretches of a run [n]."""
-    ids, counts = torch.unique_consecutive(doc, return_counts=True)
-    starts = torch.cumsum(counts, 0) - counts
-    out: dict[int, list[tuple[int, int]]] = {}
-    for d, s, n in zip(ids.tolist(), starts.tolist(), counts.tolist()):
-        out.setdefault(d, []).append((s, n))
-    return out
+FULL, CAUSAL, BAND = 0, 1, 2
+KINDS = ("full", "causal", "band")
 
 
 def kernel_calls(qb: Block, kb: Block, causal: bool, window: int | None = None):
     """Every kernel call of q block x kv block, in order: the decomposition the kernels run
     (public for tests and benchmarks that count work). `window`: a sliding window of that many
-    keys (causal only; None: none)."""
+    keys (causal only; None: none). Each row's tokens are taken as segments (consecutive
+    positions of one document) and every same-document (query, key) segment pair is cut into
+    its rectangles at once, as arrays: the host's work grows with the segments, never with the
+    tokens, and takes a few array operations per row however many calls come out."""
     if window is not None and not causal:
         raise ValueError("a sliding window is causal: it needs causal=True")
-    if qb.pos.dim() == 2 or kb.pos.dim() == 2:  # each row its own split
-        assert qb.doc is not None and kb.doc is not None, "per-row positions need documents"
-        for b in range(qb.doc.shape[0]):
-            for q_run in qb.row_runs(b):
-                for k_run in kb.row_runs(b):
-                    if not _out_of_reach(q_run, k_run, causal, window):
-                        yield from _document_calls(qb, kb, b, q_run, k_run, causal, window)
-        return
-    for q_run in qb.runs:
-        for k_run in kb.runs:
-            if qb.doc is None:
-                for qr, kr, kind, band in _rectangles(q_run, k_run, causal, window):
-                    yield KernelCall(ALL_ROWS, qr.rows, kr.rows, kind, band)
-                continue
-            for b in range(qb.doc.shape[0]):  # each row's documents attend only to themselves
-                yield from _document_calls(qb, kb, b, q_run, k_run, causal, window)
+    if qb.doc is None and kb.doc is None:  # the same positions in every row: calls cover all
+        assert qb.pos.dim() == 1 and kb.pos.dim() == 1, "per-row positions need documents"
+        return _segment_calls(qb.segments(0), kb.segments(0), ALL_ROWS, causal, window)
+    assert qb.doc is not None and kb.doc is not None, "both operands need document ids"
+    return [call for b in range(qb.doc.shape[0])  # each row's documents attend to themselves
+            for call in _segment_calls(qb.segments(b), kb.segments(b), slice(b, b + 1), causal,
+                                       window)]
 
 
-def _out_of_reach(q_run: Run, k_run: Run, causal: bool, window: int | None) -> bool:
-    """Whether no query of `q_run` sees a key of `k_run` by positions alone (every key after
-    every query, or further back than the window): no need to look at their documents."""
+def _segment_calls(qs: Segments, ks: Segments, rows: slice, causal: bool,
+                   window: int | None) -> list[KernelCall]:
+    """The calls of one row's query segments against its key segments: per same-document pair,
+    its rectangles (`_rectangles`), clipped to the window (`_in_window`), as local slices."""
+    qi, ki = _same_document_pairs(qs.doc, ks.doc)
+    q0, k0 = qs.start[qi], ks.start[ki]
+    r = _rectangles(q0, q0 + qs.length[qi], k0, k0 + ks.length[ki], causal)
+    if window is not None:
+        r = _in_window(r, window)
+    pair = r["pair"]
+    q_local = qs.local[qi][pair] + r["q0"] - q0[pair]
+    k_local = ks.local[ki][pair] + r["k0"] - k0[pair]
+    columns = zip(q_local.tolist(), (q_local + r["q1"] - r["q0"]).tolist(), k_local.tolist(),
+                  (k_local + r["k1"] - r["k0"]).tolist(), r["kind"].tolist(),
+                  r["left"].tolist(), r["right"].tolist())
+    return [KernelCall(rows, slice(qa, qb), slice(ka, kb), KINDS[kind],
+                       (left, right) if kind == BAND else None)
+            for qa, qb, ka, kb, kind, left, right in columns]
+
+
+def _same_document_pairs(q_doc: np.ndarray, k_doc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(query segment, key segment) index pairs of the same document: query segments in order,
+    each one's key segments in order."""
+    order = np.argsort(k_doc, kind="stable")
+    first = np.searchsorted(k_doc[order], q_doc, side="left")
+    count = np.searchsorted(k_doc[order], q_doc, side="right") - first
+    qi = np.repeat(np.arange(len(q_doc)), count)
+    offset = np.arange(len(qi)) - np.repeat(np.cumsum(count) - count, count)
+    return qi, order[np.repeat(first, count) + offset]
+
+
+def _rectangles(q0: np.ndarray, q1: np.ndarray, k0: np.ndarray, k1: np.ndarray,
+                causal: bool) -> dict[str, np.ndarray]:
+    """The mask-free rectangles of query position ranges [q0, q1) against key ranges [k0, k1),
+    one pair per index: {pair, q0, q1, k0, k1, kind, left, right} arrays, by pair and then in
+    the order below (docs/parallelism.md §4). Causal, with lo, hi the overlap's ends:
+        keys all before the queries            -> full
+        keys before the overlap [k0, lo)       -> full, for the overlap's queries
+        the overlap [lo, hi) itself            -> causal diagonal
+        queries after the last key [hi, q1)    -> full, every key
+    and nothing when every key follows every query."""
     if not causal:
-        return False
-    return k_run.start >= q_run.end or (window is not None
-                                        and k_run.end <= q_run.start - window + 1)
+        parts = [(np.ones(len(q0), bool), (q0, q1, k0, k1), FULL)]
+    else:
+        before = k1 <= q0
+        lo, hi = np.maximum(q0, k0), np.minimum(q1, k1)
+        meet = ~before & (lo < hi)
+        parts = [(before, (q0, q1, k0, k1), FULL), (meet & (k0 < lo), (lo, hi, k0, lo), FULL),
+                 (meet, (lo, hi, lo, hi), CAUSAL), (meet & (q1 > k1), (hi, q1, k0, k1), FULL)]
+    pair = np.concatenate([np.flatnonzero(mask) for mask, _, _ in parts])
+    ends = [np.concatenate([bounds[i][mask] for mask, bounds, _ in parts]) for i in range(4)]
+    kind = np.concatenate([np.full(np.count_nonzero(mask), kind) for mask, _, kind in parts])
+    order = np.argsort(pair, kind="stable")  # by pair, each pair's parts in the order above
+    out = dict(zip(("q0", "q1", "k0", "k1", "kind"), (v[order] for v in (*ends, kind))))
+    out["pair"] = pair[order]
+    out["left"] = out["right"] = np.full(len(order), -1)
+    return out
 
 
-def _document_calls(qb: Block, kb: Block, b: int, q_run: Run, k_run: Run, causal: bool,
-                    window: int | None):
-    """The calls of row `b`'s query run against its key run: each document only to itself."""
-    row = slice(b, b + 1)
-    q_docs, k_docs = qb.stretches(b, q_run), kb.stretches(b, k_run)
-    for d, q_pieces in q_docs.items():
-        for qo, ql in q_pieces:
-            for ko, kl in k_docs.get(d, ()):
-                for qr, kr, kind, band in _rectangles(q_run.part(qo, ql), k_run.part(ko, kl),
-                                                      causal, window):
-                    yield KernelCall(row, qr.rows, kr.rows, kind, band)
+def _in_window(r: dict[str, np.ndarray], window: int) -> dict[str, np.ndarray]:
+    """What a causal window of `window` keys leaves of mask-free rectangles: a diagonal longer
+    than the window becomes a band (window - 1, 0); a rectangle of keys that all precede its
+    queries is clipped to the queries and keys within reach (dropped when none are), full when
+    its last query still sees its first key, else a band (left, unbounded): the query at p sees
+    keys from p - window + 1 on."""
+    q0, q1, k0, k1, kind = r["q0"], r["q1"], r["k0"], r["k1"], r["kind"]
+    full = kind == FULL
+    q_end = np.where(full, np.minimum(q1, k1 + window - 1), q1)
+    k_start = np.where(full, np.maximum(k0, q0 - window + 1), k0)
+    keep = ~full | ((q_end > q0) & (k_start < k1))
+    long_diagonal = (kind == CAUSAL) & (q1 - q0 > window)
+    clipped = full & (k_start < q_end - window)
+    out = dict(r, q1=q_end, k0=k_start, kind=np.where(long_diagonal | clipped, BAND, kind),
+               left=np.where(long_diagonal, window - 1, np.where(clipped,
+                                                                  k1 - q_end + window - 1, -1)),
+               right=np.where(long_diagonal, 0, -1))
+    return {name: v[keep] for name, v in out.items()}
 
 
 def effective_window(window: int | None, seq_len: int) -> int | None:

@@ -15,7 +15,6 @@ tests all call these functions, so a token's global position is never recomputed
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -285,43 +284,6 @@ def positions(seq_len: int, cp_rank: int, cp: int, load_balance: str,
     [B, S/cp] for load_balance=documents (each row of doc_ids [B, S] has its own split)."""
     pos = _row_positions(seq_len, cp_rank, cp, load_balance, doc_ids, ulysses)
     return pos if device is None else pos.to(device)
-
-
-class Run(NamedTuple):
-    """A maximal stretch of consecutive global positions inside one operand's tokens."""
-
-    local: int
-    """Index of its first token in the operand."""
-    start: int
-    """Global position of its first token."""
-    length: int
-
-    @property
-    def end(self) -> int:
-        """Global position just after its last token."""
-        return self.start + self.length
-
-    @property
-    def rows(self) -> slice:
-        """Its tokens' local indices."""
-        return slice(self.local, self.local + self.length)
-
-    def clamp(self, position: int) -> int:
-        """`position` clamped into [start, end]."""
-        return min(max(position, self.start), self.end)
-
-    def part(self, offset: int, length: int) -> Run:
-        """The sub-run of `length` tokens starting `offset` tokens in."""
-        return Run(self.local + offset, self.start + offset, length)
-
-
-def runs(pos: Tensor) -> list[Run]:
-    """Maximal runs of consecutive positions in `pos` [S] (a host tensor), in local order:
-    found where a position is not its predecessor's + 1, vectorised."""
-    p = pos.numpy()
-    starts = np.concatenate([[0], np.flatnonzero(np.diff(p) != 1) + 1]).tolist()
-    ends = [*starts[1:], len(p)]
-    return [Run(s, int(p[s]), e - s) for s, e in zip(starts, ends)] if len(p) else []
 
 
 def document_positions(doc_ids: Tensor) -> Tensor:
