@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from lctrain import device
-from lctrain.layout.segments import Segments, segments
+from lctrain.layout.segments import Segments, expand, segments
 from lctrain.layout.sequence import take
 
 ALL_ROWS = slice(None)
@@ -360,14 +360,17 @@ def _pack(calls: list[KernelCall], sq: int, sk: int) -> list[VarlenGroup]:
     groups = []
     for kind, band in dict.fromkeys((c.kind, c.band) for c in calls):  # in order of appearance
         for wave in _waves([c for c in calls if (c.kind, c.band) == (kind, band)]):
-            q_idx = [torch.arange(c.q.start, c.q.stop) + c.rows.start * sq for c in wave]
-            k_idx = [torch.arange(c.k.start, c.k.stop) + c.rows.start * sk for c in wave]
-            q_len = torch.tensor([len(i) for i in q_idx])
-            k_len = torch.tensor([len(i) for i in k_idx])
+            row, q0, q1, k0, k1 = np.array([(c.rows.start, c.q.start, c.q.stop, c.k.start,
+                                             c.k.stop) for c in wave]).T
             groups.append(VarlenGroup(
-                causal=kind == "causal", band=band, q_index=torch.cat(q_idx),
-                k_index=torch.cat(k_idx),
-                cu_q=torch.cat([torch.zeros(1, dtype=torch.int32), q_len.cumsum(0).int()]),
-                cu_k=torch.cat([torch.zeros(1, dtype=torch.int32), k_len.cumsum(0).int()]),
-                max_q=int(q_len.max()), max_k=int(k_len.max())))
+                causal=kind == "causal", band=band,
+                q_index=torch.from_numpy(expand(row * sq + q0, q1 - q0)),
+                k_index=torch.from_numpy(expand(row * sk + k0, k1 - k0)),
+                cu_q=_cumulative(q1 - q0), cu_k=_cumulative(k1 - k0),
+                max_q=int((q1 - q0).max()), max_k=int((k1 - k0).max())))
     return groups
+
+
+def _cumulative(lengths: np.ndarray) -> Tensor:
+    """int32 cu_seqlens of sequences of `lengths`: 0 and their running sums."""
+    return torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))

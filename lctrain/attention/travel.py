@@ -106,17 +106,22 @@ def _latest_elsewhere(segs: list[Segments]) -> list[np.ndarray]:
 def stretch_travel(block: Block, per_row: list[tuple[np.ndarray, np.ndarray]], no_doc: int,
                    n: int | None = None) -> Travel:
     """The block's tokens given per row as stretches (first local index, length), ascending,
-    as a Travel of n per row (default: the most any row has); pads get the document `no_doc`,
-    which no query has."""
+    each inside one segment (consecutive positions of one document), as a Travel of n per row
+    (default: the most any row has); pads get the document `no_doc`, which no query has, and
+    positions past the block's that continue one run (the fewest runs to plan). Built stretch
+    by stretch: the positions and documents come from each stretch's first token."""
     counts = [int(length.sum()) for _, length in per_row]
     n = max(counts) if n is None else n
     pos, doc = block.row_pos.numpy(), block.doc.numpy()
     index = np.zeros((len(per_row), n), dtype=np.int64)
-    # pads: positions that continue one run (fewest runs to plan), a document no query has
-    out_pos = np.broadcast_to(int(pos.max()) + 1 + np.arange(n), index.shape).copy()
-    out_doc = np.full(index.shape, no_doc, dtype=doc.dtype)
+    out_pos = np.empty(index.shape, dtype=pos.dtype)
+    out_doc = np.empty(index.shape, dtype=doc.dtype)
+    pad_from = int(pos.max()) + 1
     for b, ((first, length), k) in enumerate(zip(per_row, counts)):
         index[b, :k] = expand(first, length)
-        out_pos[b, :k], out_doc[b, :k] = pos[b, index[b, :k]], doc[b, index[b, :k]]
+        out_pos[b, :k] = expand(pos[b, first], length)
+        out_doc[b, :k] = np.repeat(doc[b, first], length)
+        out_pos[b, k:] = np.arange(pad_from + k, pad_from + n)
+        out_doc[b, k:] = no_doc
     return Travel(torch.from_numpy(index), Block(torch.from_numpy(out_pos),
                                                  torch.from_numpy(out_doc)))
