@@ -6,6 +6,7 @@ import torch
 
 from lctrain.attention import ContextParallelAttention, CPGroups
 from lctrain.layout import sequence
+from lctrain.layout.segments import segments
 
 
 @pytest.mark.parametrize("cp,lb", [(1, "zigzag"), (2, "zigzag"), (3, "none"), (4, "zigzag"),
@@ -20,11 +21,13 @@ def test_split_merge_round_trip(cp, lb):
         assert torch.equal(parts[r][0], sequence.positions(48, r, cp, lb))
 
 
-def test_zigzag_chunks_and_runs():
+def test_zigzag_chunks_and_segments():
     assert sequence.rank_chunks(1, 4, "zigzag") == [1, 6]
     pos = sequence.positions(16, 1, 4, "zigzag")
     assert pos.tolist() == [2, 3, 12, 13]
-    assert sequence.runs(pos) == [(0, 2, 2), (2, 12, 2)]
+    seg = segments(pos.numpy(), None)
+    assert (seg.local.tolist(), seg.start.tolist(), seg.length.tolist()) == ([0, 2], [2, 12],
+                                                                            [2, 2])
     with pytest.raises(ValueError, match="not divisible into 8 chunks"):
         sequence.split(torch.zeros(1, 20), 1, 0, 4, "zigzag")
 
