@@ -280,8 +280,11 @@ def run_ranks(fn: Callable, nproc: int, args: tuple = (), *, start_method: str =
         if failures:
             # Peers of a dead rank fail right after it (connection closed): give them a moment,
             # then blame the earliest failure; a rank that died without a word comes first.
-            if pending:
-                _collect(pending, conns, procs, results, failures, 1.0)
+            # (A peer's report can arrive before the dead rank's pipe is seen closed: its exit
+            # closes the sockets first. So the whole moment is waited, not the first event.)
+            grace = time.monotonic() + 1.0
+            while pending and (left := grace - time.monotonic()) > 0:
+                _collect(pending, conns, procs, results, failures, left)
             raise RankFailure(*min(failures)[1:])
     except BaseException:
         _stop(procs)
