@@ -7,7 +7,7 @@ recipe. Prints four tables.
 
 Kept: storages a training forward leaves alive for the backward
 (lctrain.training.measure.measure_activations, gloo ranks on the CPU) against
-lctrain.planning.memory's block and head formulas. Peak: the most bytes alive at once in
+lctrain.planning.activations' block and head formulas. Peak: the most bytes alive at once in
 storages the step's ops created (measure_peak): activations, gradients, the backward's
 temporaries (weights and AdamW moments exist before and are added as 12 bytes per parameter).
 The longest sequence fits a line to the measured peaks at two lengths (every term grows linearly
@@ -32,13 +32,13 @@ from lctrain.config import LctrainConfig, ModelConfig  # noqa: E402
 from lctrain.config.compose import compose  # noqa: E402
 from lctrain.config.validation import validate  # noqa: E402
 from lctrain.parallel.launch import run_ranks  # noqa: E402
-from lctrain.planning.estimate import build_plan  # noqa: E402
-from lctrain.planning.memory import (  # noqa: E402
+from lctrain.planning.activations import (  # noqa: E402
     activation_formula,
     head_activation_formula,
-    local_params,
     planning_bytes,
 )
+from lctrain.planning.estimate import build_plan  # noqa: E402
+from lctrain.planning.state import local_params  # noqa: E402
 from lctrain.training.measure import (  # noqa: E402
     build_measured_model,
     measure_activations,

@@ -36,13 +36,13 @@ DeepSpeed put it on its offload device: the ds_tensor partitions under offload_p
 master partition, its gradients (`grad_partitions_flat_buffer` too: it lives on the optimizer's
 device) and AdamW's state under offload_optimizer.
 
-Columns (MiB per rank; P = lctrain.planning.memory.param_count, n = dp): measured (`meas`)
+Columns (MiB per rank; P = lctrain.config.model_size.param_count, n = dp): measured (`meas`)
 beside the formula (`form`) of lctrain's 16 bytes per parameter: weights 4P, or 4P/n where
 sharded (FSDP, ZeRO-3); gradients 4P (DDP, ZeRO-1) or 4P/n (FSDP, ZeRO-2, ZeRO-3); optimizer
 8P (DDP) or 8P/n; under offload the device formulas are 0 and `host` is 16P/n. Weights,
 optimizer and host are read `after` the step, gradients and buffers at the instant where they
 are largest. `device total` = weights + grads + optimizer on the device, beside its formula and
-`plan` (lctrain.planning.memory.state_bytes_per_rank, what `lctrain plan` reports).
+`plan` (lctrain.planning.state.state_bytes_per_rank, what `lctrain plan` reports).
 
 Where DeepSpeed (0.19.8, fp32) holds more than the formula, the detail tables show why:
 ZeRO-1/2 keep the model's whole parameters and an fp32 master partition beside them (+4P/n);
@@ -79,6 +79,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lctrain.config import LctrainConfig, ModelConfig  # noqa: E402
+from lctrain.config.model_size import param_count  # noqa: E402
 from lctrain.config.validation import validate  # noqa: E402
 from lctrain.data.loader import build_loader  # noqa: E402
 from lctrain.parallel import deepspeed_engine  # noqa: E402
@@ -86,7 +87,7 @@ from lctrain.parallel.data_parallel import data_parallel_engine  # noqa: E402
 from lctrain.parallel.launch import run_ranks  # noqa: E402
 from lctrain.parallel.parallelize import build_model  # noqa: E402
 from lctrain.parallel.runtime import setup_distributed  # noqa: E402
-from lctrain.planning.memory import param_count, state_bytes_per_rank  # noqa: E402
+from lctrain.planning.state import state_bytes_per_rank  # noqa: E402
 from lctrain.training.loop import train_step  # noqa: E402
 from lctrain.training.optim import build_optimizer, build_scheduler  # noqa: E402
 
@@ -108,7 +109,7 @@ SHARDED = {  # name -> the categories sharded over dp (the rest replicated)
 OFFLOADED = {"zero3_offload": ("weights", "grads", "optimizer")}
 """name -> the categories the formula puts in host memory."""
 BYTES_PER_PARAM = {"weights": 4, "grads": 4, "optimizer": 8}
-"""lctrain.planning.memory.state_parts under FSDP and DDP: 16 bytes per parameter, split."""
+"""lctrain.planning.state.state_parts under FSDP and DDP: 16 bytes per parameter, split."""
 INSTANTS = ("reduce", "step", "after")
 
 
@@ -347,7 +348,7 @@ COLUMNS = ("weights", "grads", "optimizer", "device", "host")
 LEGEND = (
     "form: weights 4P, grads 4P, optimizer 8P, each / n where the engine shards it (FSDP all; "
     "ZeRO-1 optimizer; ZeRO-2 + grads; ZeRO-3 + weights), offloaded ones under host. plan: "
-    "lctrain.planning.memory.state_bytes_per_rank. weights, optimizer, host: after the step; "
+    "lctrain.planning.state.state_bytes_per_rank. weights, optimizer, host: after the step; "
     "grads, buffers: at their largest instant (reduce buckets at nominal size). ms: median step;"
     " * more ranks than cores (time-sliced).")
 

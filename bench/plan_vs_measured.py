@@ -13,7 +13,7 @@ Columns (measured / predicted, or the two side by side):
             /cp, /pp, /dp) against `build_plan(...)["predicted"]`: "exact" when all are equal;
   act       bytes one micro-batch keeps for the backward (blocks, head, shared planning),
             measured from live storages after one training forward (lctrain.training.measure),
-            against lctrain.planning.memory's formulas; under pipelining a block keeps the same
+            against lctrain.planning.activations' formulas; under pipelining a block keeps the same
             bytes, so the pp rows measure the same model on the same ranks at pp 1;
   state     weights, gradients and AdamW state of the live shards of every rank (local tensors,
             counted in an optimizer step post-hook during training) against `state_parts` for
@@ -47,14 +47,14 @@ from lctrain.config.derived import local_world_size  # noqa: E402
 from lctrain.config.validation import validate  # noqa: E402
 from lctrain.parallel.launch import run_ranks  # noqa: E402
 from lctrain.parallel.runtime import setup_distributed  # noqa: E402
-from lctrain.planning.estimate import build_plan  # noqa: E402
-from lctrain.planning.hardware import hardware_for  # noqa: E402
-from lctrain.planning.memory import (  # noqa: E402
+from lctrain.planning.activations import (  # noqa: E402
     activation_formula,
     head_activation_formula,
     planning_bytes,
-    state_parts,
 )
+from lctrain.planning.estimate import build_plan  # noqa: E402
+from lctrain.planning.hardware import hardware_for  # noqa: E402
+from lctrain.planning.state import state_parts  # noqa: E402
 from lctrain.planning.timing import predict_step_time  # noqa: E402
 from lctrain.training.loop import train  # noqa: E402
 from lctrain.training.measure import build_measured_model, measure_activations  # noqa: E402

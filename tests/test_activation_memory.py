@@ -1,5 +1,5 @@
 """Activation memory: measured (live storages after one training forward) against the formulas
-of lctrain.planning.memory, byte for byte, for tp in {1, 2, 4}, sp on/off, cp in {1, 2, 4}, every
+of lctrain.planning.activations, byte for byte, for tp in {1, 2, 4}, sp on/off, cp in {1, 2, 4}, every
 CP algorithm, FSDP and DDP, every checkpointing mode, fp32 and bf16 (autocast on fp32 weights,
 FSDP's bf16 weights), with and without the tiled MLP, the tiled loss and packed documents; the
 1/(tp*cp) scaling of the sequence-parallel parts; and that one forward measures the same bytes
@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 
-from lctrain.planning.memory import activation_formula, head_activation_formula, planning_bytes
+from lctrain.planning.activations import activation_formula, head_activation_formula, planning_bytes
 from lctrain.training.measure import (
     build_measured_model,
     measure_activations,

@@ -49,7 +49,7 @@ def test_model_presets_compose(model):
 
 
 def test_llama3_8b_has_the_real_shape():
-    from lctrain.planning.memory import param_count
+    from lctrain.config.model_size import param_count
 
     cfg = compose(["model=llama3-8b"]).cfg
     assert round(param_count(cfg.model) / 1e9, 2) == 8.03  # Meta-Llama-3-8B: 8.03B

@@ -198,7 +198,7 @@ def test_planned_expert_gradients_are_the_ranks_own_experts_under_tp():
     -37 GiB of accumulated gradients; its trace held +17). A rank holds E/ep whole experts
     (expert parallelism spans the TP ranks), counted here from the built model's parameters."""
     from lctrain.models.llama import Llama
-    from lctrain.planning.memory import accumulated_grad_bytes, local_params
+    from lctrain.planning.state import accumulated_grad_bytes, local_params
 
     cfg = tiny_config(model=MOE, parallel={"tp": 2, "sp": True, "dp": 2, "ep": 4,
                                            "dp_engine": "ddp"},

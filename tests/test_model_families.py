@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 from lctrain.config import ConfigError
 from lctrain.config.compose import compose
 from lctrain.config.model_families import MODEL_FAMILIES
+from lctrain.config.model_size import active_param_count, param_count
 from lctrain.config.validation import validate
 from lctrain.data.batch import IGNORE_INDEX
 from lctrain.data.loader import build_loader
@@ -45,7 +46,6 @@ from lctrain.models.registry import FAMILY_CODE, new_model
 from lctrain.parallel.data_parallel import unwrap
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
-from lctrain.planning.memory import active_param_count, param_count
 from lctrain.prepare.checks import preflight
 from lctrain.prepare.init_from import resolve_model
 from lctrain.training.loop import Routing, _micro_steps, _token_weighted_loss, read_all

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from lctrain.data.loader import build_loader
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
-from lctrain.planning.memory import host_state_parts
+from lctrain.planning.state import host_state_parts
 from lctrain.training.loop import train_step
 from lctrain.training.measure import measure_host_state
 from lctrain.training.optim import build_optimizer, build_scheduler

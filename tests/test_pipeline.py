@@ -185,7 +185,7 @@ def test_the_plan_counts_a_tied_embeddings_copy_as_the_stages_hold_it(schedule):
     AdamW's moments leave the copy out (docs/parallelism.md §27)."""
     from lctrain.models.llama import sdpa_attention
     from lctrain.parallel.pipeline import stage_model
-    from lctrain.planning.memory import local_params, state_parts, tied_copy_params
+    from lctrain.planning.state import local_params, state_parts, tied_copy_params
 
     virtual = SCHEDULES[schedule]
     for tied in (False, True):

@@ -12,19 +12,14 @@ from torch import nn
 from torch.distributed.pipelining.schedules import _ComputationType
 
 from lctrain.config.compose import compose
+from lctrain.config.model_size import param_count
 from lctrain.config.validation import validate
 from lctrain.layout.stages import rank_stages
 from lctrain.parallel.pipeline import SCHEDULES
+from lctrain.planning.activations import activation_formula, head_activation_formula
 from lctrain.planning.estimate import GIB, build_plan
-from lctrain.planning.memory import (
-    activation_formula,
-    head_activation_formula,
-    in_flight_moments,
-    local_params,
-    param_count,
-    peak_in_flight,
-    stage_params,
-)
+from lctrain.planning.schedule import in_flight_moments, peak_in_flight
+from lctrain.planning.state import local_params, stage_params
 from tests.helpers import run_cli, tiny_config
 
 

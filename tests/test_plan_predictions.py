@@ -12,7 +12,7 @@ import pytest
 from lctrain.config import derive
 from lctrain.config.validation import validate
 from lctrain.planning.estimate import GIB, build_plan
-from lctrain.planning.memory import allocator_allowance, state_bytes_per_rank
+from lctrain.planning.state import allocator_allowance, state_bytes_per_rank
 from tests.helpers import on_ranks, run_cli, tiny_config, train_each
 
 WORLD = 4

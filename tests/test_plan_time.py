@@ -15,7 +15,7 @@ from lctrain.commands.calibrate import calibrate
 from lctrain.config.validation import validate
 from lctrain.layout.topology import Topology
 from lctrain.planning.hardware import Hardware, hardware_for
-from lctrain.planning.memory import local_params
+from lctrain.planning.state import local_params
 from lctrain.planning.timing import (
     StepShape,
     calibrated_layout,

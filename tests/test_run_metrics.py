@@ -17,7 +17,7 @@ from lctrain.config.validation import validate
 from lctrain.data.batch import IGNORE_INDEX
 from lctrain.models.llama import Llama
 from lctrain.planning.flops import datasheet_peak_tflops, mfu, train_flops_per_step
-from lctrain.planning.memory import local_params
+from lctrain.planning.state import local_params
 from lctrain.planning.traffic import attention_traffic, dp_step_bytes
 from lctrain.training.metrics import PeakMemory, measure_matmul_tflops
 from tests.helpers import on_ranks, run_cli, tiny_config

@@ -19,7 +19,7 @@ from lctrain.data.batch import IGNORE_INDEX, MicroBatch, micro_batch_from_tokens
 from lctrain.parallel.data_parallel import gradient_sync
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
-from lctrain.planning.memory import local_params
+from lctrain.planning.state import local_params
 from lctrain.planning.traffic import dp_step_bytes, dp_step_traffic
 from lctrain.training.loop import forward_backward, train, train_step
 from lctrain.training.optim import build_optimizer, build_scheduler

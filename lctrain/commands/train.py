@@ -25,10 +25,10 @@ from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.derived import local_world_size
 from lctrain.config.device_rules import cuda_problems, kernel_device_problems
 from lctrain.config.kernel_backends import backends_on, kernel_backend
+from lctrain.config.model_size import param_count
 from lctrain.config.validation import warnings_for
 from lctrain.data.ingest import DataError
 from lctrain.parallel import launch
-from lctrain.planning.memory import param_count
 from lctrain.prepare.checks import preflight, uses_cuda
 from lctrain.rundir import RunDir, progress
 from lctrain.rundir import lock as run_lock

@@ -204,3 +204,19 @@ def context_stages(cfg: LctrainConfig) -> list[Stage]:
         out.append(Stage(i, first, first + s.steps - 1, stage))
         first += s.steps
     return out
+
+
+def compute_bytes(cfg: LctrainConfig) -> int:
+    """Bytes of one element in the compute dtype (train.dtype): 2 for bf16, else 4."""
+    return 2 if cfg.train.dtype == "bf16" else 4
+
+
+def dtype_bytes(cfg: LctrainConfig, world_size: int) -> tuple[int, int, bool]:
+    """(a, r, casts) of docs/parallelism.md §11: bytes per element of what the matmuls and
+    attention compute (2 under bf16 autocast), bytes per element of the residual stream (2 only
+    when FSDP computes with bf16 weights: the embedding then outputs bf16; autocast on fp32
+    weights keeps it fp32), and whether each matmul keeps a bf16 copy of its fp32 weight
+    (autocast without FSDP's bf16 weights)."""
+    bf16 = cfg.train.dtype == "bf16"
+    fsdp_bf16 = bf16 and data_parallel_engine_of(cfg, world_size) == "fsdp"
+    return (2 if bf16 else 4), (2 if fsdp_bf16 else 4), bf16 and not fsdp_bf16

@@ -115,3 +115,17 @@ def _unit_costs_of(block_weights: int, attention: float, dim: int,
     block = TRAIN_OVER_FORWARD * FLOPS_PER_WEIGHT * block_weights + attention
     output = TRAIN_OVER_FORWARD * (FLOPS_PER_WEIGHT * dim + SOFTMAX_FLOPS) * vocab
     return TRAIN_OVER_FORWARD * dim, block, output
+
+
+def param_count(m: ModelConfig) -> int:
+    """Parameters of the model of `m` (a tied output layer counted once)."""
+    head = 0 if m.tie_embeddings else m.vocab_size * m.dim
+    blocks = sum(n * block_params(m, i) for i, n in layer_kinds(m, range(m.n_layers)))
+    return m.vocab_size * m.dim + blocks + m.dim + head
+
+
+def active_param_count(m: ModelConfig) -> int:
+    """Parameters one token's forward multiplies by: `param_count` with only k experts of each
+    mixture of experts (the same for a dense model)."""
+    return param_count(m) - sum(block_params(m, i) - block_params(m, i, active=True)
+                                for i in range(m.n_layers) if m.is_moe_layer(i))

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from lctrain import device
 from lctrain.config import LctrainConfig
+from lctrain.config.derived import dtype_bytes
 from lctrain.data.batch import MicroBatch
 from lctrain.layout.stages import rank_of, split_layers, stage_count, stages_of
 from lctrain.models.llama import AttentionCore, Llama
@@ -49,7 +50,6 @@ from lctrain.parallel.tensor import (
     plus_aux,
     vocab_parallel,
 )
-from lctrain.planning.memory import dtype_bytes
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
              "interleaved_1f1b": ScheduleInterleaved1F1B,

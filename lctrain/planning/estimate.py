@@ -2,9 +2,9 @@
 data (`lctrain plan` prints it as text or JSON).
 
 No process, device or process group is created. Traffic: the formulas of
-`lctrain.planning.traffic` (elements sent per rank). Memory (`lctrain.planning.memory`): fp32
-master weights, gradients and AdamW moments (sharded over dp x cp by FSDP, replicated by DDP),
-FSDP's gathered weights, the activations the forward keeps (blocks and head, exact against
+`lctrain.planning.traffic` (elements sent per rank). Memory (`lctrain.planning.state`,
+`.activations`, `.schedule`): fp32 master weights, gradients and AdamW moments (sharded over
+dp x cp by FSDP, replicated by DDP), FSDP's gathered weights, the activations the forward keeps (blocks and head, exact against
 measurement in fp32 and bf16; on the host with train.offload_activations) and the backward's
 working set (an estimate). Under pipeline parallelism every pipeline rank has its own figures
 (its stages, the micro-batches they keep in flight, its receive buffers); the headline is the
@@ -22,31 +22,31 @@ from lctrain.config.derived import (
     load_balance_of,
     slurm_ranks_per_node,
 )
+from lctrain.config.model_size import active_param_count, param_count
 from lctrain.config.schema import SLIDING
 from lctrain.config.validation import warnings_for
 from lctrain.layout.halo import unit_halo
 from lctrain.layout.stages import bubble_fraction, split_layers, stages_of
 from lctrain.layout.topology import AXES, GROUPS, Topology
+from lctrain.planning.activations import attention_buffer_bytes, working_bytes
 from lctrain.planning.documents import load_balance_table
-from lctrain.planning.memory import (
-    ALLOCATOR_FIXED_GIB,
-    ALLOCATOR_FRACTION,
-    accumulated_grad_bytes,
+from lctrain.planning.schedule import (
     accumulating_share,
-    active_param_count,
-    allocator_allowance,
-    attention_buffer_bytes,
     backward_stages,
-    gathered_weight_bytes,
-    host_state_parts,
     in_flight_moments,
-    param_count,
     pipeline_buffer_bytes,
     pipeline_send_bytes,
     stage_activation_bytes,
+)
+from lctrain.planning.state import (
+    ALLOCATOR_FIXED_GIB,
+    ALLOCATOR_FRACTION,
+    accumulated_grad_bytes,
+    allocator_allowance,
+    gathered_weight_bytes,
+    host_state_parts,
     stage_params,
     state_parts,
-    working_bytes,
 )
 from lctrain.planning.traffic import (
     attention_traffic,

@@ -31,7 +31,7 @@ from lctrain.layout.topology import Topology
 from lctrain.planning.documents import packed_documents
 from lctrain.planning.flops import train_flops_per_step
 from lctrain.planning.hardware import Hardware
-from lctrain.planning.memory import local_params
+from lctrain.planning.state import local_params
 from lctrain.planning.traffic import (
     cp_step_bytes,
     cp_step_groups,

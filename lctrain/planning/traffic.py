@@ -19,7 +19,9 @@ import dataclasses
 from lctrain.config import LctrainConfig, derive
 from lctrain.config.cp_algorithms import Transfer, cp_algorithm, halo_transfers
 from lctrain.config.derived import (
+    compute_bytes,
     data_parallel_engine_of,
+    dtype_bytes,
     load_balance_of,
     reduces_each_micro_step,
 )
@@ -27,13 +29,8 @@ from lctrain.config.model_size import expert_params
 from lctrain.layout.halo import unit_halo
 from lctrain.layout.stages import rank_of, split_layers, stage_count, stages_of
 from lctrain.planning.documents import travelling_share
-from lctrain.planning.memory import (
-    compute_bytes,
-    dtype_bytes,
-    local_params,
-    pipeline_buffer_bytes,
-    stage_activation_bytes,
-)
+from lctrain.planning.schedule import pipeline_buffer_bytes, stage_activation_bytes
+from lctrain.planning.state import local_params
 
 DIRECTIONS = {"fwd": "forward", "bwd": "backward"}
 """`Transfer.direction` -> the key of `attention_traffic`."""

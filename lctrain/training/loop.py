@@ -28,6 +28,7 @@ from lctrain import device
 from lctrain.comm import record_traffic
 from lctrain.config import LctrainConfig, ModelConfig
 from lctrain.config.derived import Stage, context_stages, load_balance_of, stage_banner
+from lctrain.config.model_size import param_count
 from lctrain.config.resolved import as_dict, to_yaml
 from lctrain.data.batch import MicroBatch
 from lctrain.data.loader import DataLoader, build_loader
@@ -45,7 +46,6 @@ from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.pipeline import PipelinedModel
 from lctrain.parallel.runtime import Runtime, setup_distributed
 from lctrain.parallel.tensor import loss_value, plus_aux, vocab_parallel
-from lctrain.planning.memory import param_count
 from lctrain.rundir import RunDir
 from lctrain.rundir.checkpoints import complete_checkpoints
 from lctrain.rundir.files import write_atomic

@@ -7,7 +7,7 @@ functions alike, on any device) and, once the forward returns, adds up the stora
 still alive, at their size then (FSDP frees gathered weights by resizing their storage to 0):
 exactly the memory kept for the backward, attributed to the block that created it.
 `measure_host_state` adds up the host storages of the state parallel.offload_state moved.
-`lctrain.planning.memory.activation_formula` is the closed form it is tested against.
+`lctrain.planning.activations.activation_formula` is the closed form it is tested against.
 `measure_peak(run_step, model)` follows the same storages through a forward and backward (or a
 model's build) and reports the most alive at once.
 """
@@ -232,7 +232,7 @@ def measure_host_state(model: nn.Module, optimizer: torch.optim.Optimizer,
     """(bytes, pinned bytes) of the distinct host storages the state offloaded under
     parallel.offload_state holds (0 for none): AdamW's moments, and FSDP's shards and
     gradients (optimizer+params) or HostAdamW's weight and gradient buffers (optimizer).
-    `lctrain.planning.memory.host_state_parts` is the closed form it is tested against."""
+    `lctrain.planning.state.host_state_parts` is the closed form it is tested against."""
     tensors = host_state_tensors(model, optimizer, offload_state)
     storages = {}
     for t in tensors:

@@ -17,7 +17,8 @@ from lctrain.data.loader import build_loader
 from lctrain.parallel.data_parallel import unwrap
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
-from lctrain.planning.memory import activation_formula, host_state_parts
+from lctrain.planning.activations import activation_formula
+from lctrain.planning.state import host_state_parts
 from lctrain.training import loop
 from lctrain.training.measure import (
     build_measured_model,
