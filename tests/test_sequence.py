@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from lctrain.attention import ContextParallelAttention, CPGroups
+from lctrain.config.load_balances import split_of
 from lctrain.layout import sequence
 from lctrain.layout.segments import segments
 
@@ -22,7 +23,7 @@ def test_split_merge_round_trip(cp, lb):
 
 
 def test_zigzag_chunks_and_segments():
-    assert sequence.rank_chunks(1, 4, "zigzag") == [1, 6]
+    assert split_of("zigzag").rank_chunks(1, 4) == [1, 6]
     pos = sequence.positions(16, 1, 4, "zigzag")
     assert pos.tolist() == [2, 3, 12, 13]
     seg = segments(pos.numpy(), None)

@@ -25,6 +25,7 @@ from lctrain.attention.ring import RING
 from lctrain.attention.ulysses import ULYSSES, check_heads
 from lctrain.attention.usp import USP
 from lctrain.comm import traffic_tag
+from lctrain.config.load_balances import split_of
 from lctrain.layout import sequence
 
 for _entry in (ULYSSES, RING, USP, ALLGATHER):
@@ -67,7 +68,7 @@ class ContextParallelAttention:
     @property
     def per_row(self) -> bool:
         """Whether each micro-batch row has its own split (load_balance=documents, cp > 1)."""
-        return self.load_balance == "documents" and self.groups.cp_size > 1
+        return split_of(self.load_balance).per_row and self.groups.cp_size > 1
 
     def rank_positions(self, doc_ids: Tensor | None) -> list[Tensor]:
         """Global positions of every cp rank's tokens ([S/cp], or [B, S/cp] per row)."""

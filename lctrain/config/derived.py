@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from lctrain.config.cp_algorithms import cp_algorithm
+from lctrain.config.load_balances import auto_load_balance
 from lctrain.config.schema import LctrainConfig, ParallelConfig
 
 
@@ -108,7 +109,7 @@ def load_balance_of(cfg: LctrainConfig) -> str:
     (docs/parallelism.md §24)."""
     if cfg.parallel.load_balance != "auto":
         return cfg.parallel.load_balance
-    return "documents" if cfg.data.document_masking else "zigzag"
+    return auto_load_balance(cfg.data.document_masking)
 
 
 def ulysses_degree(p: ParallelConfig) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 from lctrain.config.cp_algorithms import CP_ALGORITHMS
 from lctrain.config.fields import at_least, each_one_of, one_of
 from lctrain.config.kernel_backends import KERNEL_BACKENDS
+from lctrain.config.load_balances import LOAD_BALANCES
 from lctrain.config.model_families import MODEL_FAMILIES
 from lctrain.config.schema_launch import LaunchConfig, PlanConfig, SlurmConfig
 
@@ -185,11 +186,10 @@ class ParallelConfig:
     registry in lctrain/config/cp_algorithms.py)."""
     ulysses_degree: int = at_least(1, 1)
     """Ulysses degree inside usp; the ring degree is cp / ulysses_degree."""
-    load_balance: str = one_of("auto", "zigzag", "none", "documents")
+    load_balance: str = one_of("auto", registry=LOAD_BALANCES)
     """Sequence split across cp ranks: auto (documents with data.document_masking, else zigzag)
-    | zigzag (2*cp chunks, causal balance for one document per sequence) | none (contiguous) |
-    documents (each packed row split by its own documents: S/cp tokens per rank, causal work
-    balanced, short documents kept whole; needs data.document_masking)."""
+    or a split of the registry in lctrain/config/load_balances.py (`lctrain keys` lists each
+    with its summary)."""
     ep: int = at_least(1, 1)
     """Expert parallelism: the experts of every mixture-of-experts layer split over ep of the
     dp x cp x tp ranks (ep divides dp x cp x tp and model.n_experts; the attention's layout is

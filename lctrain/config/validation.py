@@ -22,6 +22,7 @@ from lctrain.config.deepspeed import conflicts
 from lctrain.config.derived import context_stages, load_balance_of, stage_problems, ulysses_degree
 from lctrain.config.device_rules import cuda_problems, kernel_device_problems
 from lctrain.config.eval_rules import eval_problems, has_validation
+from lctrain.config.load_balances import auto_load_balance, split_of
 from lctrain.config.model_families import model_family
 from lctrain.config.schema import FULL, SLIDING, LctrainConfig, ModelConfig, ParallelConfig
 from lctrain.config.suggest import divisors, nearest_multiple
@@ -144,23 +145,24 @@ def _context(cfg: LctrainConfig) -> list[str]:
                         f"{p.cp} (ring degree = cp / ulysses_degree); try ulysses_degree in "
                         f"{divisors(p.cp)}")
     balance = load_balance_of(cfg)
-    if balance == "documents" and not cfg.data.document_masking:
-        problems.append("parallel.load_balance=documents splits each sequence by its documents "
-                        "and needs data.document_masking=true; set it, or use "
-                        "parallel.load_balance=zigzag")
+    split, fixed = split_of(balance), auto_load_balance(False)
+    if split.per_row and not cfg.data.document_masking:
+        problems.append(f"parallel.load_balance={balance} splits each sequence by its documents "
+                        f"and needs data.document_masking=true; set it, or use "
+                        f"parallel.load_balance={fixed}")
     units = p.cp // ulysses_degree(p) if p.cp % ulysses_degree(p) == 0 else 1
-    if balance == "documents" and s < 2 * units * units:
-        problems.append(f"parallel.load_balance=documents over {units} balance units (the ring "
+    if s < split.min_seq_len(units):
+        problems.append(f"parallel.load_balance={balance} over {units} balance units (the ring "
                         f"degree) needs train.seq_len >= 2 x {units}^2 = {2 * units * units} "
                         f"(docs/parallelism.md §24); got {s}: raise train.seq_len or use "
-                        f"parallel.load_balance=zigzag")
+                        f"parallel.load_balance={fixed}")
     needs, why = 1, []
     if p.cp > 1:
-        chunks = 2 * p.cp if balance == "zigzag" else p.cp
+        chunks = split.chunks(p.cp)
         needs = chunks
         named = balance if p.load_balance == balance else f"auto ({balance})"
         why.append(f"parallel.cp={p.cp} with load_balance={named} splits it into "
-                   f"{chunks} {'chunks' if balance != 'documents' else 'equal parts'}")
+                   f"{chunks} {'equal parts' if split.per_row else 'chunks'}")
     if p.sp and p.tp > 1:
         needs = math.lcm(needs, p.cp * p.tp)
         why.append(f"parallel.sp=true splits each cp shard over parallel.tp={p.tp}")

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lctrain import device as accelerator
+from lctrain.config.load_balances import split_of
 from lctrain.layout import sequence
 
 IGNORE_INDEX = -100
@@ -105,8 +106,8 @@ def build_micro_batch(windows: list[Window], seq_len: int, cp_rank: int, cp: int
                       load_balance: str, document_masking: bool, ulysses: int = 1) -> MicroBatch:
     """This cp rank's MicroBatch of `windows`, reading only its chunks of each (`ulysses`: the
     cp ranks that share one balance unit, for load_balance=documents)."""
-    per_row = load_balance == "documents" and cp > 1
-    assert document_masking or not per_row, "load_balance=documents needs document masking"
+    per_row = split_of(load_balance).per_row and cp > 1
+    assert document_masking or not per_row, f"load_balance={load_balance} needs document masking"
     inputs, labels, positions, docs, where = [], [], [], [], []
     for w in windows:
         ids = torch.from_numpy(document_ids(w.lengths, seq_len)) if document_masking else None

@@ -15,6 +15,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
+from lctrain.config.load_balances import split_of
 from lctrain.layout.sequence import positions
 
 
@@ -77,5 +78,5 @@ def unit_halo(seq_len: int, cp: int, window: int, load_balance: str,
     """(sent, received) tokens of balance unit 0 (the rank that logs) in a window layer over
     one sequence; load_balance=documents splits it as one document (packed documents only cut
     windows shorter: an upper bound)."""
-    doc_ids = torch.zeros(1, seq_len, dtype=torch.long) if load_balance == "documents" else None
+    doc_ids = torch.zeros(1, seq_len, dtype=torch.long) if split_of(load_balance).per_row else None
     return halo_tokens(seq_len, cp, window, load_balance, ulysses, doc_ids)[0]

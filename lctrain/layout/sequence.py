@@ -3,13 +3,13 @@
 The data path, the RoPE position ids, the loss labels, the attention masks, the evals and the
 tests all call these functions, so a token's global position is never recomputed a second way.
 
-- load_balance="none": S is cut into cp contiguous chunks; rank r holds chunk r.
-- load_balance="zigzag": S is cut into 2*cp chunks; rank r holds chunks r and 2*cp-1-r, so every
-  rank gets the same amount of causal attention work for one document (docs/parallelism.md §3).
-- load_balance="documents": each packed row has its own split, computed from its document lengths
-  alone (`document_ranges`, docs/parallelism.md §24): exactly S/cp tokens per rank and the causal
-  work of the row's documents balanced, short documents kept whole where that balances. It needs
-  the document ids; its positions are [B, S/cp], one row per sequence.
+The splits are the entries of `lctrain.config.load_balances`: a fixed split cuts S into equal
+chunks and gives each rank its entry's chunk ids (none: rank r holds chunk r of cp; zigzag: chunks
+r and 2*cp-1-r of 2*cp, so every rank gets the same causal work for one document,
+docs/parallelism.md §3); a per-row split (documents) cuts each packed row by its own document
+lengths alone (`document_ranges`, docs/parallelism.md §24): exactly S/cp tokens per rank and the
+causal work of the row's documents balanced, short documents kept whole where that balances. It
+needs the document ids; its positions are [B, S/cp], one row per sequence.
 """
 
 from __future__ import annotations
@@ -20,31 +20,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-LOAD_BALANCES = ("zigzag", "none", "documents")
-"""parallel.load_balance's splits (`auto` picks documents or zigzag: lctrain.config)."""
+from lctrain.config.load_balances import split_of
 
 
-def rank_chunks(cp_rank: int, cp: int, load_balance: str) -> list[int]:
-    """Chunk ids held by `cp_rank`, in the order they are laid out locally (zigzag, none)."""
-    assert 0 <= cp_rank < cp, f"cp_rank {cp_rank} outside [0, {cp})"
-    if load_balance == "zigzag":
-        return [cp_rank, 2 * cp - 1 - cp_rank]
-    assert load_balance == "none", f"no fixed chunks for load_balance {load_balance!r}"
-    return [cp_rank]
-
-
-def num_chunks(cp: int, load_balance: str) -> int:
-    """Equal parts S must divide into: 2 cp for zigzag, cp otherwise (documents: S/cp tokens
-    per rank)."""
-    return 2 * cp if load_balance == "zigzag" else cp
-
-
-def check_divisible(seq_len: int, cp: int, load_balance: str) -> None:
-    assert load_balance in LOAD_BALANCES, f"unknown load_balance {load_balance!r}"
-    n = num_chunks(cp, load_balance)
+def check_divisible(seq_len: int, cp: int, balance: str) -> None:
+    n = split_of(balance).chunks(cp)
     if seq_len % n:
         raise ValueError(f"sequence length {seq_len} is not divisible into {n} chunks "
-                         f"(cp={cp}, load_balance={load_balance}); use a multiple of {n}")
+                         f"(cp={cp}, load_balance={balance}); use a multiple of {n}")
 
 
 Ranges = tuple[tuple[int, int], ...]
@@ -192,14 +175,15 @@ def chunk_ranges(seq_len: int, cp_rank: int, cp: int, load_balance: str,
     if cp == 1:
         return [(0, seq_len)]
     check_divisible(seq_len, cp, load_balance)
-    if load_balance == "documents":
-        assert lengths is not None, "load_balance=documents needs the document lengths"
+    split = split_of(load_balance)
+    if split.per_row:
+        assert lengths is not None, f"load_balance={load_balance} needs the document lengths"
         assert int(np.sum(lengths)) == seq_len and cp % ulysses == 0, (seq_len, cp, ulysses)
         unit = document_ranges(lengths, cp // ulysses)[cp_rank // ulysses]
         local, member = seq_len // cp, cp_rank % ulysses
         return list(_take_tokens(unit, member * local, (member + 1) * local))
-    width = seq_len // num_chunks(cp, load_balance)
-    return [(c * width, (c + 1) * width) for c in rank_chunks(cp_rank, cp, load_balance)]
+    width = seq_len // split.chunks(cp)
+    return [(c * width, (c + 1) * width) for c in split.rank_chunks(cp_rank, cp)]
 
 
 def _range_positions(ranges: list[tuple[int, int]]) -> Tensor:
@@ -220,7 +204,7 @@ def _row_positions(seq_len: int, cp_rank: int, cp: int, load_balance: str,
         return _range_positions(chunk_ranges(seq_len, cp_rank, cp, load_balance, row_lengths,
                                              ulysses))
 
-    if load_balance != "documents" or cp == 1:
+    if not split_of(load_balance).per_row or cp == 1:
         return of(None)
     assert doc_ids is not None, "load_balance=documents needs the document ids"
     if lengths is None:
@@ -231,7 +215,7 @@ def _row_positions(seq_len: int, cp_rank: int, cp: int, load_balance: str,
 def every_rank_positions(seq_len: int, cp: int, load_balance: str,
                          doc_ids: Tensor | None = None, ulysses: int = 1) -> list[Tensor]:
     """`positions` of every cp rank, in cp-rank order (each row's documents read once)."""
-    lengths = None if doc_ids is None or load_balance != "documents" or cp == 1 else [
+    lengths = None if doc_ids is None or not split_of(load_balance).per_row or cp == 1 else [
         document_lengths(row) for row in doc_ids.cpu().numpy()]
     return [_row_positions(seq_len, r, cp, load_balance, doc_ids, ulysses, lengths)
             for r in range(cp)]
@@ -254,7 +238,7 @@ def split(x: Tensor, dim: int, cp_rank: int, cp: int, load_balance: str,
     doc_ids [B, S] name each row's documents)."""
     if cp == 1:
         return x
-    if load_balance == "documents":
+    if split_of(load_balance).per_row:
         return take(x, positions(x.shape[dim], cp_rank, cp, load_balance, doc_ids=doc_ids,
                                  ulysses=ulysses), dim)
     parts = [x.narrow(dim, a, b - a) for a, b in chunk_ranges(x.shape[dim], cp_rank, cp,
@@ -269,14 +253,14 @@ def merge(parts: list[Tensor], dim: int, load_balance: str, doc_ids: Tensor | No
     if cp == 1:
         return parts[0]
     seq_len = sum(p.shape[dim] for p in parts)
-    if load_balance == "documents":
+    split = split_of(load_balance)
+    if split.per_row:
         index = torch.cat([positions(seq_len, r, cp, load_balance, doc_ids=doc_ids,
                                      ulysses=ulysses) for r in range(cp)], dim=-1)
         return take(torch.cat(parts, dim=dim), torch.argsort(index, dim=-1), dim)
-    n = num_chunks(cp, load_balance)
-    chunks: list[Tensor | None] = [None] * n
+    chunks: list[Tensor | None] = [None] * split.chunks(cp)
     for r, part in enumerate(parts):
-        ids = rank_chunks(r, cp, load_balance)
+        ids = split.rank_chunks(r, cp)
         for c, piece in zip(ids, part.chunk(len(ids), dim=dim)):
             chunks[c] = piece
     return torch.cat(chunks, dim=dim)

@@ -12,6 +12,7 @@ import dataclasses
 from lctrain.config import LctrainConfig, ModelConfig, derive
 from lctrain.config.cp_algorithms import LayerShape, MemoryTerms, cp_algorithm
 from lctrain.config.derived import dtype_bytes, load_balance_of
+from lctrain.config.load_balances import split_of
 from lctrain.config.model_families import NORM_TILE_ELEMENTS, model_family
 from lctrain.config.model_size import expert_params, layer_kinds, mlp_params
 from lctrain.planning.documents import travelling_share
@@ -192,13 +193,13 @@ def planning_bytes(cfg: LctrainConfig, batch: int) -> float:
     documents all-gather KV's key block of every token)."""
     p, S = cfg.parallel, cfg.train.seq_len
     terms = cp_algorithm(p.attention).memory if p.cp > 1 else MemoryTerms()
-    balance = load_balance_of(cfg) if p.cp > 1 else "none"
-    sorts = terms.sorts_positions and balance == "zigzag"
+    split = split_of(load_balance_of(cfg)) if p.cp > 1 else None
+    sorts = terms.sorts_positions and split is not None and not split.group_in_order
     tokens = terms.block_tokens(batch * S, p.cp)
     total = 8 * tokens * (2 if sorts else 1) if cfg.data.document_masking else 0
     if sorts:
         total += 24 * S  # three int64 tensors of S: sort index, inverse, sorted positions
-    if balance == "documents":
+    if split is not None and split.per_row:
         total += 8 * tokens
     share = travelling_share(cfg) if cfg.data.document_masking else None
     return total + terms.travel_plans(batch, S, p.cp, share)

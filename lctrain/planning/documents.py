@@ -24,6 +24,7 @@ import numpy as np
 
 from lctrain.config import LctrainConfig
 from lctrain.config.derived import load_balance_of, ulysses_degree
+from lctrain.config.load_balances import auto_load_balance
 from lctrain.layout.packed import LengthSampler, sample_rows, split_cost
 
 ROWS = 8
@@ -102,12 +103,13 @@ def travelling_share(cfg: LctrainConfig) -> float:
 
 
 def load_balance_table(cfg: LctrainConfig) -> dict[str, dict[str, float]]:
-    """{load balance: its predicted attention_fraction, balance and share} for zigzag and
-    documents (`lctrain plan`'s comparison); {} without a histogram or at cp = 1."""
+    """{load balance: its predicted attention_fraction, balance and share} for the two splits
+    `auto` chooses between, zigzag and documents (`lctrain plan`'s comparison); {} without a
+    histogram or at cp = 1."""
     if cfg.parallel.cp == 1 or not packed_documents(cfg).known:
         return {}
     out = {}
-    for name in ("zigzag", "documents"):
+    for name in (auto_load_balance(False), auto_load_balance(True)):
         docs = packed_documents(cfg, name)
         out[name] = {"attention_fraction": docs.attention_fraction, "balance": docs.balance,
                      "share": docs.share}
