@@ -27,9 +27,12 @@ def test_keys_lists_every_field_with_its_docstring(capsys):
     for section in dataclasses.fields(LctrainConfig):
         for f in dataclasses.fields(getattr(root, section.name)):
             assert f"\n{section.name}.{f.name}: " in "\n" + out, (section.name, f.name)
-    # a line from a docstring, with the choices and the default beside the key
+    # a line from a docstring, with the choices and the default beside the key, and a
+    # registry's entries each with its summary, from the entry
     assert "parallel.attention: str = 'ring'  [ulysses | ring | usp | allgather]" in out
-    assert "Context-parallel attention: ulysses | ring | usp | allgather" in out
+    assert "Context-parallel attention: one of the registry" in out
+    assert "\n      ring: K/V blocks passed around the cp ranks" in out
+    assert "\n      documents: each packed row split by its own documents" in out
     code, out, _ = run_cli(["keys", "deepspeed"], capsys)
     assert code == 0 and out.startswith("deepspeed.zero_stage: int = 1  [>= 1]")
     assert "parallel." not in out

@@ -1,13 +1,16 @@
-"""The one sequence split (zigzag / contiguous), document ids and positions, and the errors the
+"""The one sequence split (its registered splits), document ids and positions, and the errors the
 attention layer raises before any collective. No processes."""
 
 import pytest
 import torch
 
 from lctrain.attention import ContextParallelAttention, CPGroups
-from lctrain.config.load_balances import split_of
+from lctrain.config.keys import keys
+from lctrain.config.load_balances import LOAD_BALANCES, LoadBalance, split_of
+from lctrain.config.validation import validate
 from lctrain.layout import sequence
 from lctrain.layout.segments import segments
+from tests.helpers import tiny_config
 
 
 @pytest.mark.parametrize("cp,lb", [(1, "zigzag"), (2, "zigzag"), (3, "none"), (4, "zigzag"),
@@ -91,3 +94,22 @@ def test_block_kernels_with_offsets_documents_and_empty_rows(dtype, tol):
     for a, b in zip(ours, ref):
         assert torch.isfinite(a.grad).all()
         torch.testing.assert_close(a.grad.double(), b.grad, rtol=tol, atol=tol)
+
+
+def test_a_registered_split_is_valid_everywhere_and_only_while_registered():
+    """A split is one registry entry (config/load_balances.py): registered, it is an allowed
+    value, validation takes it, `lctrain keys` lists it, and the split, its inverse and the
+    positions follow its chunks; removed, it is refused again."""
+    toy = LoadBalance("reversed", "rank r holds chunk cp - 1 - r (a toy)",
+                      lambda r, cp: [cp - 1 - r])
+    cfg = tiny_config(parallel={"cp": 2, "load_balance": "reversed"})
+    with LOAD_BALANCES.registered(toy):
+        assert validate(cfg, 2) == []
+        assert "reversed" in next(k for k in keys("parallel")
+                                  if k.name == "parallel.load_balance").allowed
+        x = torch.arange(16).view(1, 16)
+        parts = [sequence.split(x, 1, r, 2, "reversed") for r in range(2)]
+        assert parts[0].tolist() == [list(range(8, 16))]
+        assert torch.equal(sequence.merge(parts, 1, "reversed"), x)
+        assert torch.equal(sequence.positions(16, 0, 2, "reversed"), parts[0][0])
+    assert any("parallel.load_balance" in problem for problem in validate(cfg, 2))

@@ -71,7 +71,8 @@ def transfers(L: float, d: float, d_kv: float, P: int, u: int) -> tuple[Transfer
 
 
 FACTS = CPAlgorithm(
-    NAME, "docs/parallelism.md §8", heads_over="none", transfers=transfers,
+    NAME, "docs/parallelism.md §8", "every rank all-gathers the whole K and V (a toy)",
+    heads_over="none", transfers=transfers,
     memory=MemoryTerms(gathered_kv, gathered_kv_grads, block_tokens=own_and_gathered),
     timing=TimingTerms(lambda R, u: {"allgather": 1.0}))  # all-gather's calibrated extra
 """The entry that would go into lctrain/config/cp_algorithms.py."""

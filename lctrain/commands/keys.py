@@ -23,4 +23,7 @@ def run(args: CommandArgs) -> int:
             if key.doc:
                 print(textwrap.fill(key.doc, 96, initial_indent="    ",
                                     subsequent_indent="    "))
+            for name, summary in key.registered:
+                print(textwrap.fill(f"{name}: {summary}", 96, initial_indent="      ",
+                                    subsequent_indent="        "))
     return 0

@@ -147,6 +147,8 @@ class CPAlgorithm:
     name: str
     doc: str
     """Where its formulas are derived (docs/parallelism.md §N)."""
+    summary: str
+    """One line for `lctrain keys` and the docs."""
     heads_over: str
     """Which ranks split the heads, i.e. its Ulysses degree: none (1) | cp (all of them) |
     ulysses_degree (parallel.ulysses_degree of them, a ring across the groups)."""
@@ -277,14 +279,20 @@ ULYSSES_MEMORY = MemoryTerms(kept_per_token=ulysses_output_copy, sorts_positions
                              unmodelled="Ulysses' all-to-all buffers")
 
 register(CPAlgorithm(
-    "ulysses", "docs/parallelism.md §5", heads_over="cp", transfers=ulysses_ring_transfers,
+    "ulysses", "docs/parallelism.md §5",
+    "all-to-all of Q, K, V and the output: each rank attends the whole sequence for H/cp heads",
+    heads_over="cp", transfers=ulysses_ring_transfers,
     memory=ULYSSES_MEMORY, timing=TimingTerms(ring_and_ulysses_costs, calibrated=True)))
 register(CPAlgorithm(
-    "ring", "docs/parallelism.md §6", heads_over="none", transfers=ulysses_ring_transfers,
+    "ring", "docs/parallelism.md §6",
+    "K/V blocks passed around the cp ranks, each step's attention merged by its lse",
+    heads_over="none", transfers=ulysses_ring_transfers,
     memory=MemoryTerms(buffers=ring_buffers, travel_plans=ring_travel_plans),
     timing=TimingTerms(ring_and_ulysses_costs, calibrated=True)))
 register(CPAlgorithm(
-    "usp", "docs/parallelism.md §7", heads_over="ulysses_degree",
+    "usp", "docs/parallelism.md §7",
+    "Ulysses over parallel.ulysses_degree ranks, a ring across those groups",
+    heads_over="ulysses_degree",
     transfers=ulysses_ring_transfers,
     memory=MemoryTerms(ulysses_output_copy, ring_buffers, sorts_positions=True,
                        travel_plans=ring_travel_plans, unmodelled=ULYSSES_MEMORY.unmodelled),
@@ -331,6 +339,8 @@ def own_and_gathered(tokens: int, cp: int) -> int:
 
 
 register(CPAlgorithm(
-    "allgather", "docs/parallelism.md §8", heads_over="none", transfers=allgather_transfers,
+    "allgather", "docs/parallelism.md §8",
+    "K and V all-gathered before the attention, their gradients reduce-scattered after",
+    heads_over="none", transfers=allgather_transfers,
     memory=MemoryTerms(gathered_kv, gathered_kv_grads, travel_plans=gathered_travel_plans),
     timing=TimingTerms(lambda R, u: {"allgather": 1.0}, calibrated=True)))

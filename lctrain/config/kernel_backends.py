@@ -42,12 +42,12 @@ class KernelBackend:
 
 KERNEL_BACKENDS: Registry[KernelBackend] = Registry("attention kernel backend")
 for _backend in (
-        KernelBackend("torch", "cuda", "PyTorch's built-in flash attention, no extra package",
+        KernelBackend("torch", "cuda", "CUDA: PyTorch's built-in flash attention, no extra package",
                       varlen=True, auto_rank=1),
-        KernelBackend("flash_attn", "cuda", "the flash-attn package, the `gpu` extra",
+        KernelBackend("flash_attn", "cuda", "CUDA: the flash-attn package, the `gpu` extra",
                       varlen=True, package="flash-attn", install=FLASH_INSTALL, auto_rank=0),
-        KernelBackend("cpu", "cpu", "PyTorch's CPU flash-attention op", auto_rank=0),
-        KernelBackend("reference", "cpu", "a plain-torch varlen kernel, for checks",
+        KernelBackend("cpu", "cpu", "CPU: PyTorch's CPU flash-attention op", auto_rank=0),
+        KernelBackend("reference", "cpu", "CPU: a plain-torch varlen kernel, for checks",
                       varlen=True)):
     KERNEL_BACKENDS.add(_backend)
 

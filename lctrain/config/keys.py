@@ -23,6 +23,8 @@ class Key:
     allowed: str
     """the choices, or the lower bound, from the field's metadata ("" when free)"""
     doc: str
+    registered: tuple[tuple[str, str], ...] = ()
+    """For a field backed by a registry: each entry's name and summary, in registration order."""
 
 
 def _field_docs() -> dict[tuple[str, str], str]:
@@ -58,6 +60,9 @@ def keys(section: str | None = None) -> list[Key]:
             meta = f.metadata
             allowed = (" | ".join(map(str, meta["choices"])) if "choices" in meta
                        else f">= {meta['min']}" if meta.get("min") is not None else "")
+            registry = getattr(meta.get("choices"), "registry", None)
+            registered = () if registry is None else tuple(
+                (name, registry[name].summary) for name in registry)
             out.append(Key(f"{top.name}.{f.name}", str(f.type), getattr(node, f.name), allowed,
-                           docs.get((type(node).__name__, f.name), "")))
+                           docs.get((type(node).__name__, f.name), ""), registered))
     return out

@@ -61,6 +61,20 @@ class ModelFamily:
     expert_bias: bool = False
     """Each expert's projections carry biases (GPT-OSS: 2 F_e + D per expert)."""
 
+    @property
+    def summary(self) -> str:
+        """What its blocks have beyond a Llama block, from the flags above (`lctrain keys`)."""
+        features = [label for flag, label in (
+            (self.qkv_bias, "Q/K/V biases"), (self.qk_norm, "Q and K head norms"),
+            (self.sliding_window, "window layers"), (self.sandwich_norms, "sandwich norms"),
+            (self.norm_offset, "norms scale by 1 + w"),
+            (self.mlp_activation != "silu", f"gated MLP with {self.mlp_activation}"),
+            (self.embed_scale, "embedding scaled by sqrt(dim)"),
+            (self.moe, "mixtures of experts"), (self.out_bias, "output projection bias"),
+            (self.sinks, "attention sinks"), (self.router_bias, "router bias"),
+            (self.expert_bias, "expert biases")) if flag]
+        return f"{self.hf_class}: " + (", ".join(features) if features else "Llama's block")
+
     def __post_init__(self):
         if not self.hf_config_class:
             object.__setattr__(self, "hf_config_class",

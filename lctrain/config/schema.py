@@ -29,10 +29,8 @@ class ModelConfig:
     name: str = "tiny"
     """Preset name, for logs only."""
     family: str = one_of(registry=MODEL_FAMILIES, default="llama")
-    """Model family (config.json's model_type): llama | qwen2 (Q/K/V biases) | qwen3 (RMSNorm
-    of each Q and K head before RoPE) | mistral | gemma3_text (Gemma 3: window layers, sandwich
-    norms, GeGLU) | qwen3_moe (Qwen3 with mixtures of experts) | mixtral (Mistral with
-    mixtures of experts) | gpt_oss (GPT-OSS: sinks, window layers, experts with biases). The
+    """Model family (config.json's model_type): one of the registry in
+    lctrain/config/model_families.py (`lctrain keys` lists each with what its blocks add). The
     blocks differ; the layouts do not."""
     vocab_size: int = at_least(1, 512)
     """Vocabulary size (rows of the embedding and of the output layer)."""
@@ -182,8 +180,8 @@ class ParallelConfig:
     dp: int = -1
     """Data-parallel size; -1 derives it as world_size / (tp * cp * pp)."""
     attention: str = one_of(registry=CP_ALGORITHMS, default="ring")
-    """Context-parallel attention: ulysses | ring | usp | allgather (ignored when cp = 1; the
-    registry in lctrain/config/cp_algorithms.py)."""
+    """Context-parallel attention: one of the registry in lctrain/config/cp_algorithms.py
+    (`lctrain keys` lists each with its summary; ignored when cp = 1)."""
     ulysses_degree: int = at_least(1, 1)
     """Ulysses degree inside usp; the ring degree is cp / ulysses_degree."""
     load_balance: str = one_of("auto", registry=LOAD_BALANCES)
@@ -270,12 +268,10 @@ class TrainConfig:
     CPU kernels are deterministic anyway."""
     attention_kernel: str = one_of("auto", registry=KERNEL_BACKENDS)
     """Attention kernels under lctrain's attention layer (context parallelism, packed documents,
-    deterministic): auto (CUDA: flash_attn when installed, else torch; CPU: cpu) | torch
-    (CUDA: PyTorch's built-in flash attention, no extra package) | flash_attn (CUDA: the
-    flash-attn package, the `gpu` extra) | cpu (PyTorch's CPU flash-attention op) | reference
-    (CPU: plain-torch varlen kernel, for checks), or a backend registered in
-    lctrain.config.kernel_backends. Anything but auto also routes plain local attention
-    through lctrain's kernels instead of SDPA."""
+    deterministic): auto (on its device, the installed backend `auto` ranks first: flash_attn,
+    then torch on CUDA; cpu on the CPU) or a backend of the registry in
+    lctrain/config/kernel_backends.py (`lctrain keys` lists each with its summary). Anything but
+    auto also routes plain local attention through lctrain's kernels instead of SDPA."""
     activation_checkpointing: str = one_of("none", "selective", "full")
     """none | selective (save matmul and attention outputs, recompute the rest) | full (whole
     blocks recomputed in backward)."""
