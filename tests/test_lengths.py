@@ -106,7 +106,7 @@ def _data_cfg(corpus, **data):
 
 @pytest.mark.slow  # 1.7 s: 4 ranks train (the mix and best fit's units stay fast)
 def test_training_runs_on_mixed_best_fit_data(corpus):
-    from lctrain.config.schema import LengthBucket
+    from lctrain.config.schema_data import LengthBucket
 
     mix = [LengthBucket(b, w) for b, w in MIX]
     cfg = _data_cfg(corpus, length_mix=mix, packing="best_fit")
@@ -119,7 +119,7 @@ def test_training_runs_on_mixed_best_fit_data(corpus):
 
 
 def test_bad_length_settings_are_refused_by_name(corpus):
-    from lctrain.config.schema import LengthBucket
+    from lctrain.config.schema_data import LengthBucket
     from lctrain.prepare.checks import preflight
 
     cfg = _data_cfg(corpus, length_mix=[LengthBucket(512, 1.0), LengthBucket(128, 0.0)])

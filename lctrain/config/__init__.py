@@ -9,20 +9,17 @@ from lctrain.config.errors import ConfigError
 from lctrain.config.fields import choices_of
 from lctrain.config.schema import (
     CheckpointConfig,
-    DataConfig,
-    EvalConfig,
     LaunchConfig,
     LctrainConfig,
     LoggingConfig,
-    MixtureEntry,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
     PlanConfig,
-    PreprocessConfig,
     SlurmConfig,
     TrainConfig,
 )
+from lctrain.config.schema_data import DataConfig, EvalConfig, MixtureEntry, PreprocessConfig
 
 __all__ = ["CheckpointConfig", "ConfigError", "DataConfig", "Derived", "EvalConfig",
            "LaunchConfig", "LctrainConfig", "LoggingConfig", "MixtureEntry", "ModelConfig",

@@ -1,7 +1,7 @@
 """Every configuration key with its type, default, allowed values and meaning, read straight from
 the schema (`lctrain keys`): the meaning is the docstring under each field, found by parsing the
-modules that define the sections (lctrain/config/schema.py, schema_launch.py), so the listing
-never drifts from them.
+modules that define the sections (lctrain/config/schema.py, schema_launch.py, schema_data.py),
+so the listing never drifts from them.
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ from lctrain.config.derived import context_stages, load_balance_of, stage_proble
 from lctrain.config.device_rules import cuda_problems, kernel_device_problems
 from lctrain.config.eval_rules import eval_problems, has_validation
 from lctrain.config.load_balances import auto_load_balance, split_of
-from lctrain.config.model_families import model_family
-from lctrain.config.schema import FULL, SLIDING, LctrainConfig, ModelConfig, ParallelConfig
+from lctrain.config.model_rules import expert_problems, window_problems
+from lctrain.config.schema import LctrainConfig, ModelConfig, ParallelConfig
 from lctrain.config.suggest import divisors, nearest_multiple
 
 
@@ -393,82 +393,6 @@ def _length_mix(cfg: LctrainConfig) -> list[str]:
     return problems
 
 
-def _window(cfg: LctrainConfig) -> list[str]:
-    """model.sliding_window and model.layer_types: a window only where the family has one, one
-    layer type per layer, sliding layers only with a window."""
-    m = cfg.model
-    problems = []
-    if m.sliding_window is not None and not model_family(m.family).sliding_window:
-        problems.append(f"model.sliding_window={m.sliding_window} with model.family={m.family}, "
-                        "which has no attention window; set model.sliding_window=null")
-    if m.layer_types is None:
-        return problems
-    if len(m.layer_types) != m.n_layers:
-        problems.append(f"model.layer_types has {len(m.layer_types)} entries for "
-                        f"model.n_layers={m.n_layers}; give one per layer (or null)")
-    unknown = sorted(set(m.layer_types) - {SLIDING, FULL})
-    if unknown:
-        problems.append(f"model.layer_types has {unknown}; each layer is {FULL} or {SLIDING}")
-    if SLIDING in m.layer_types and m.sliding_window is None:
-        problems.append(f"model.layer_types has {SLIDING} layers but model.sliding_window is "
-                        "null; set the window (e.g. model.sliding_window=4096)")
-    return problems
-
-
-def _experts(cfg: LctrainConfig, world_size: int) -> list[str]:
-    """The mixture-of-experts fields: experts only in a family that has them (and then some),
-    k of them per token, MoE layers that exist; the layouts MoE layers do not run in yet."""
-    m, p = cfg.model, cfg.parallel
-    family = model_family(m.family)
-    if p.ep > 1 and not (family.moe and m.n_experts):
-        return [f"parallel.ep={p.ep} splits a mixture of experts, but model.family={m.family} "
-                f"(model.n_experts={m.n_experts}) has none; set parallel.ep=1"]
-    if not family.moe:
-        return [] if m.n_experts == 0 else [
-            f"model.n_experts={m.n_experts} with model.family={m.family}, whose MLPs are dense; "
-            "set model.n_experts=0, or a family with experts (qwen3_moe, mixtral)"]
-    if m.n_experts == 0:
-        return [f"model.family={m.family} is a mixture of experts: set model.n_experts (e.g. "
-                "model.n_experts=8) or start from its config.json (model.init_from)"]
-    problems = []
-    if m.experts_per_token > m.n_experts:
-        problems.append(f"model.experts_per_token={m.experts_per_token} exceeds model.n_experts="
-                        f"{m.n_experts}; route each token to at most {m.n_experts}")
-    if m.moe_layers is not None:
-        bad = sorted({i for i in m.moe_layers if not 0 <= i < m.n_layers})
-        if bad or len(set(m.moe_layers)) != len(m.moe_layers):
-            problems.append(f"model.moe_layers={list(m.moe_layers)} must name distinct layers "
-                            f"0..{m.n_layers - 1}" + (f" (not {bad})" if bad else ""))
-    problems += _expert_parallel(cfg, world_size)
-    moe = f"with a mixture-of-experts model (model.n_experts={m.n_experts})"
-    if p.tp > 1 and not p.sp:
-        problems.append(f"parallel.tp={p.tp} without parallel.sp {moe}: every TP rank would hold "
-                        "the same tokens and compute the same experts; set parallel.sp=true "
-                        "(each TP rank then routes its own sequence shard) or parallel.tp=1")
-    if p.dp_engine == "deepspeed":
-        problems.append(f"parallel.dp_engine=deepspeed {moe}: lctrain does not lay experts out "
-                        "on DeepSpeed's engine yet; set parallel.dp_engine=fsdp")
-    return problems
-
-
-def _expert_parallel(cfg: LctrainConfig, world_size: int) -> list[str]:
-    """parallel.ep: whole experts per rank, ep ranks inside dp x cp x tp, FSDP over the rest."""
-    m, p = cfg.model, cfg.parallel
-    if p.ep == 1:
-        return []
-    problems = []
-    if m.n_experts % p.ep:
-        problems.append(f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts}; "
-                        f"try parallel.ep={math.gcd(m.n_experts, p.ep)}")
-    dp = p.dp if p.dp != -1 else world_size // (p.tp * p.cp * p.pp)
-    if dp >= 1 and (dp * p.cp * p.tp) % p.ep:
-        problems.append(f"parallel.ep={p.ep} must divide dp x cp x tp = {dp} x {p.cp} x {p.tp}: "
-                        "the expert ranks are data, context and tensor ranks; try parallel.ep="
-                        f"{math.gcd(dp * p.cp * p.tp, p.ep)}")
-
-    return problems
-
-
 def _stages(cfg: LctrainConfig, world_size: int) -> list[str]:
     """train.stages: the schedule, then every stage's own layout, named by its stage."""
     problems = stage_problems(cfg)
@@ -502,8 +426,8 @@ def layout_problems(cfg: LctrainConfig, world_size: int, later: list[str] | None
     if later is None:
         later = _scalars(cfg) + _logging(cfg) + _length_mix(cfg)
     world = _world(cfg, world_size)
-    problems = (world + _heads(cfg) + _window(cfg) + _experts(cfg, world_size) + _context(cfg)
-                + _pipeline(cfg) + later
+    problems = (world + _heads(cfg) + window_problems(cfg) + expert_problems(cfg, world_size)
+                + _context(cfg) + _pipeline(cfg) + later
                 + eval_problems(cfg) + offload_problems(cfg))
     if cfg.train.device == "cuda":  # train.device=auto is resolved where the run starts
         problems += cuda_problems(cfg)
