@@ -27,8 +27,8 @@ from lctrain.parallel.launch import run_ranks  # noqa: E402
 from lctrain.parallel.parallelize import build_model  # noqa: E402
 from lctrain.parallel.runtime import setup_distributed  # noqa: E402
 from lctrain.training.checkpoint import Checkpointer, TrainState  # noqa: E402
-from lctrain.training.loop import train_step  # noqa: E402
 from lctrain.training.optim import build_optimizer, build_scheduler  # noqa: E402
+from lctrain.training.step import train_step  # noqa: E402
 
 SIZES = {
     "tiny": ModelConfig(),

@@ -105,8 +105,8 @@ def _train_step_seconds(cfg, source) -> float:
     from lctrain.data.loader import DataLoader
     from lctrain.parallel.parallelize import build_model
     from lctrain.parallel.runtime import setup_distributed
-    from lctrain.training.loop import train_step
     from lctrain.training.optim import build_optimizer, build_scheduler
+    from lctrain.training.step import train_step
 
     rt = setup_distributed(cfg)
     model = build_model(cfg, rt)

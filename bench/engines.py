@@ -88,8 +88,8 @@ from lctrain.parallel.launch import run_ranks  # noqa: E402
 from lctrain.parallel.parallelize import build_model  # noqa: E402
 from lctrain.parallel.runtime import setup_distributed  # noqa: E402
 from lctrain.planning.state import state_bytes_per_rank  # noqa: E402
-from lctrain.training.loop import train_step  # noqa: E402
 from lctrain.training.optim import build_optimizer, build_scheduler  # noqa: E402
+from lctrain.training.step import train_step  # noqa: E402
 
 MIB = 2**20
 ENGINES = {  # name -> (parallel.dp_engine, deepspeed section)

@@ -72,7 +72,7 @@ from lctrain.layout.stages import bubble_fraction, split_layers  # noqa: E402
 from lctrain.parallel.launch import run_ranks  # noqa: E402
 from lctrain.parallel.parallelize import build_model  # noqa: E402
 from lctrain.parallel.runtime import setup_distributed  # noqa: E402
-from lctrain.training.loop import forward_backward  # noqa: E402
+from lctrain.training.step import forward_backward  # noqa: E402
 
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2, "zbv": 2}
 """schedule -> virtual stages per rank"""

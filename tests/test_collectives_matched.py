@@ -12,6 +12,7 @@ import torch.distributed as dist
 from lctrain.parallel.collective_log import Call, CollectiveLog, mismatches
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.training import loop
+from lctrain.training.step import train_step
 from tests.helpers import on_ranks, tiny_config
 
 MOE = {"family": "qwen3_moe", "n_experts": 4, "experts_per_token": 2, "expert_ffn_dim": 48}
@@ -37,7 +38,7 @@ def _logged_step(cfg) -> list[Call]:
     model, optimizer, scheduler, loader = loop.build_training(cfg, rt)
     batch = loader.next_step()
     with CollectiveLog() as log:
-        loop.train_step(model, optimizer, scheduler, batch, cfg, rt)
+        train_step(model, optimizer, scheduler, batch, cfg, rt)
     return log.calls
 
 

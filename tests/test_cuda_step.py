@@ -218,13 +218,14 @@ def _two_steps(cfg) -> tuple[list[float], str, list[bool], bool]:
     from lctrain.parallel.data_parallel import unwrap
     from lctrain.parallel.runtime import setup_distributed
     from lctrain.training import loop
+    from lctrain.training.step import train_step
 
     rt = setup_distributed(cfg)
     model, optimizer, scheduler, loader = loop.build_training(cfg, rt)
     seen = []
     unwrap(model).register_forward_pre_hook(
         lambda *_: seen.append(torch.are_deterministic_algorithms_enabled()))
-    losses = [loop.train_step(model, optimizer, scheduler, loader.next_step(), cfg, rt)["loss"]
+    losses = [train_step(model, optimizer, scheduler, loader.next_step(), cfg, rt)["loss"]
               for _ in range(2)]
     digest = hashlib.sha256()
     for p in model.parameters():

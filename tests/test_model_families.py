@@ -49,7 +49,7 @@ from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.prepare.checks import preflight
 from lctrain.prepare.init_from import resolve_model
-from lctrain.training.loop import Routing, _micro_steps, _token_weighted_loss, read_all
+from lctrain.training.step import Routing, micro_steps, read_all, token_weighted_loss
 from tests.helpers import on_ranks, run_cli, single_process, train_each
 
 REPO = Path(__file__).resolve().parents[1]
@@ -312,8 +312,8 @@ def _one_step(cfgs: dict, out_dir: str) -> dict:
         loader = build_loader(cfg, rt.topology, rt.rank, rt.derived.grad_accum)
         micro_batches = loader.next_step()
         routing = Routing()
-        loss, _ = _token_weighted_loss(micro_batches, rt, partial(
-            _micro_steps, model, micro_batches, rt=rt, routing=routing))
+        loss, _ = token_weighted_loss(micro_batches, rt, partial(
+            micro_steps, model, micro_batches, rt=rt, routing=routing))
         grads = {}
         for name, param in unwrap(model).named_parameters():  # (DDP's module.* names)
             grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad

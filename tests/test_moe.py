@@ -15,7 +15,7 @@ from lctrain.models.moe import EP_TAG, load_balancing_loss
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.planning.traffic import ep_step_bytes, expert_all_to_all_elements
-from lctrain.training.loop import Routing, _micro_steps
+from lctrain.training.step import Routing, micro_steps
 from tests.helpers import on_ranks, tiny_config
 
 MOE = {"family": "qwen3_moe", "n_experts": 4, "experts_per_token": 2, "expert_ffn_dim": 48,
@@ -47,7 +47,7 @@ def _ep_traffic(cfgs: dict) -> dict:
         routing = Routing()
         tokens = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in micro_batches)
         with record_traffic() as traffic:
-            _micro_steps(model, micro_batches, 1.0 / tokens, rt, routing)
+            micro_steps(model, micro_batches, 1.0 / tokens, rt, routing)
         counts = [torch.zeros_like(routing.counts) for _ in range(rt.world_size)]
         dist.all_gather(counts, routing.counts)
         out[name] = (traffic.total(tag=EP_TAG), torch.stack(counts))

@@ -12,7 +12,7 @@ from lctrain.config.derived import load_balance_of, ulysses_degree
 from lctrain.data.batch import array_window, build_micro_batch
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
-from lctrain.training.loop import forward_backward
+from lctrain.training.step import forward_backward
 from tests.helpers import HEADS_8, on_ranks, tiny_config
 
 ROWS = [np.array([1, 5, 3, 17, 3, 3]), np.array([2, 3, 5, 7, 11, 4])]  # 32 tokens (+1 label)

@@ -21,7 +21,8 @@ from lctrain.layout.stages import bubble_fraction, rank_stages, split_layers, st
 from lctrain.layout.topology import Topology
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
-from lctrain.training.loop import _micro_steps, train
+from lctrain.training.loop import train
+from lctrain.training.step import micro_steps
 from tests.helpers import (
     on_ranks,
     reference_model,
@@ -126,7 +127,7 @@ def _one_step_gradient_error(cfg, ref: dict) -> float:
     local = torch.tensor(float(sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in mbs)),
                          dtype=torch.float64)
     tokens = rt.sum_scores(local) / rt.topology.pp  # every pipeline rank counts the same batch
-    _micro_steps(model, mbs, rt.topology.group_size("dp_cp") / tokens.item(), rt)
+    micro_steps(model, mbs, rt.topology.group_size("dp_cp") / tokens.item(), rt)
     worst = 0.0
     for name, param in model.named_parameters():
         grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad

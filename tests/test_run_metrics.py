@@ -170,10 +170,11 @@ def _train_counting_sends(cfg, run_dir):
     from torch.distributed.pipelining import stage
 
     import lctrain.training.loop as T
+    import lctrain.training.step as S
     from lctrain.comm import record_dtensor_traffic
 
     sent, per_step = {"tp": 0, "pp": 0}, []
-    real_micro, real_step = T._micro_steps, T.train_step
+    real_micro, real_step = S.micro_steps, T.train_step
 
     def micro(*args, **kwargs):
         with record_dtensor_traffic() as rec:
@@ -195,7 +196,7 @@ def _train_counting_sends(cfg, run_dir):
             sent["pp"] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
             return ops
         setattr(stage._PipelineStageBase, name, counted)
-    T._micro_steps, T.train_step = micro, step
+    S.micro_steps, T.train_step = micro, step
     return T.train(cfg, run_dir), per_step
 
 

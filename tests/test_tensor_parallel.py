@@ -15,7 +15,8 @@ from lctrain.models.llama import RotaryEmbedding, TransformerBlock
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.parallel.tensor import tp_plan
-from lctrain.training.loop import forward_backward, train
+from lctrain.training.loop import train
+from lctrain.training.step import forward_backward
 from tests.helpers import HEADS_8, on_ranks, reference_model, tiny_config, train_on_ranks
 
 MODEL = HEADS_8

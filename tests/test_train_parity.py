@@ -21,8 +21,9 @@ from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.planning.state import local_params
 from lctrain.planning.traffic import dp_step_bytes, dp_step_traffic
-from lctrain.training.loop import forward_backward, train, train_step
+from lctrain.training.loop import train
 from lctrain.training.optim import build_optimizer, build_scheduler
+from lctrain.training.step import forward_backward, train_step
 from tests.helpers import on_ranks, reference_model, tiny_config
 
 

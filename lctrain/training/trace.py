@@ -3,7 +3,7 @@
 For each rank role of a layout, `trace_role` builds the configured model on that rank exactly as
 `lctrain train` does (the same `build_training`: kernel backend, dtype, mixed precision,
 checkpointing, tiling, TP, CP, FSDP or DDP, expert parallelism) and runs one whole optimizer step
-(every accumulation micro-step, `loop.train_step`) on fake tensors: torch's FakeTensorMode
+(every accumulation micro-step, `train_step`) on fake tensors: torch's FakeTensorMode
 (`lctrain.device.HostAwareFakeMode`), a fake process group of the real world size, and
 `lctrain.device.Traced` in place of the accelerator, so the CUDA code path runs (flash-attention
 ops and grouped matmuls on their meta kernels) and nothing is computed or allocated.
@@ -50,6 +50,7 @@ from lctrain.training.measure import (
     host_state_tensors,
     optimizer_state_tensors,
 )
+from lctrain.training.step import train_step
 
 PARTS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 """The traced peak's parts: the local parameters (their fp32 shards and buffers), the gradients
@@ -349,7 +350,7 @@ def warm_optimizer(model: nn.Module, optimizer) -> None:
 
 def measure_step(cfg: LctrainConfig, model: nn.Module, optimizer, scheduler, micro_batches,
                  rt) -> dict:
-    """One `loop.train_step` under `StepMemory`, the optimizer's state made beforehand
+    """One `train_step` under `StepMemory`, the optimizer's state made beforehand
     (`warm_optimizer`): the peak bytes of this rank's device memory, its parts (`PARTS`) and
     where it happened. Works alike on real tensors and in a trace."""
     warm_optimizer(model, optimizer)
@@ -394,7 +395,7 @@ def measure_step(cfg: LctrainConfig, model: nn.Module, optimizer, scheduler, mic
         gc.collect()  # no earlier garbage freed inside the step; and none collected during it:
         gc.disable()  # what reference cycles hold then lives to the step's end, every time
         with tracker, crossing:
-            loop.train_step(model, optimizer, scheduler, micro_batches, cfg, rt)
+            train_step(model, optimizer, scheduler, micro_batches, cfg, rt)
     finally:
         gc.enable()
         for hook in hooks:

@@ -19,13 +19,13 @@ from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.planning.activations import activation_formula
 from lctrain.planning.state import host_state_parts
-from lctrain.training import loop
 from lctrain.training.measure import (
     build_measured_model,
     measure_activations,
     measure_host_state,
 )
 from lctrain.training.optim import build_optimizer, build_scheduler
+from lctrain.training.step import train_step
 
 
 def measure_block_activations(cfg: LctrainConfig, batch: int) -> float:
@@ -119,7 +119,7 @@ def _offloaded_steps(cfg: LctrainConfig) -> dict:
     host: list[tuple[int, int]] = []
     optimizer.register_step_post_hook(
         lambda opt, *_: host.append(measure_host_state(model, opt, mode)))
-    losses = [loop.train_step(model, optimizer, scheduler, loader.next_step(), cfg, rt)["loss"]
+    losses = [train_step(model, optimizer, scheduler, loader.next_step(), cfg, rt)["loss"]
               for _ in range(cfg.train.steps)]
     allocated = torch.cuda.memory_allocated() if rt.device.type == "cuda" else 0
     total, pinned = host[-1]
