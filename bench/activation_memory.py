@@ -6,7 +6,7 @@ recipe. Prints four tables.
     python bench/activation_memory.py [--cap-gib 1.0] [--chunk 256]
 
 Kept: storages a training forward leaves alive for the backward
-(lctrain.training.measure.measure_activations, gloo ranks on the CPU) against
+(lctrain.tracing.measure.measure_activations, gloo ranks on the CPU) against
 lctrain.planning.activations' block and head formulas. Peak: the most bytes alive at once in
 storages the step's ops created (measure_peak): activations, gradients, the backward's
 temporaries (weights and AdamW moments exist before and are added as 12 bytes per parameter).
@@ -39,7 +39,7 @@ from lctrain.planning.activations import (  # noqa: E402
 )
 from lctrain.planning.estimate import build_plan  # noqa: E402
 from lctrain.planning.state import local_params  # noqa: E402
-from lctrain.training.measure import (  # noqa: E402
+from lctrain.tracing.measure import (  # noqa: E402
     build_measured_model,
     measure_activations,
     measure_peak,

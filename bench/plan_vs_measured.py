@@ -12,7 +12,7 @@ Columns (measured / predicted, or the two side by side):
   traffic   every traffic key metrics.jsonl logs at the last step (cp_bytes_sent, traffic/tp,
             /cp, /pp, /dp) against `build_plan(...)["predicted"]`: "exact" when all are equal;
   act       bytes one micro-batch keeps for the backward (blocks, head, shared planning),
-            measured from live storages after one training forward (lctrain.training.measure),
+            measured from live storages after one training forward (lctrain.tracing.measure),
             against lctrain.planning.activations' formulas; under pipelining a block keeps the same
             bytes, so the pp rows measure the same model on the same ranks at pp 1;
   state     weights, gradients and AdamW state of the live shards of every rank (local tensors,
@@ -56,8 +56,8 @@ from lctrain.planning.estimate import build_plan  # noqa: E402
 from lctrain.planning.hardware import hardware_for  # noqa: E402
 from lctrain.planning.state import state_parts  # noqa: E402
 from lctrain.planning.timing import predict_step_time  # noqa: E402
+from lctrain.tracing.measure import build_measured_model, measure_activations  # noqa: E402
 from lctrain.training.loop import train  # noqa: E402
-from lctrain.training.measure import build_measured_model, measure_activations  # noqa: E402
 
 TRAFFIC_KEYS = ("cp_bytes_sent", "traffic/cp", "traffic/tp", "traffic/pp", "traffic/dp")
 STATE_PARTS = ("weights", "gradients", "optimizer_state")

@@ -3,7 +3,7 @@ the CUDA path" decision of the package goes through the functions here (device c
 count, the process-group backend, pinning, synchronisation, the allocator's peak, RNG state,
 host reads of values the device computed).
 
-`lctrain plan --trace` (lctrain.training.trace) swaps the accelerator for `Traced`: the CUDA
+`lctrain plan --trace` (lctrain.tracing.trace) swaps the accelerator for `Traced`: the CUDA
 code path (flash kernels, grouped matmuls, bf16 rules) runs on fake CPU tensors under torch's
 FakeTensorMode and a fake process group, so a whole training step executes symbolically at full
 size on a machine without a GPU. Code that asks `gpu_path(device)` takes the CUDA branch; what
@@ -126,7 +126,7 @@ class Accelerator:
 
 
 class Traced(Accelerator):
-    """The CUDA code path on fake CPU tensors (lctrain.training.trace): `gpu_path` is true for
+    """The CUDA code path on fake CPU tensors (lctrain.tracing.trace): `gpu_path` is true for
     the CPU device the fake tensors live on (with `cuda=False`, the CPU path, to compare with a
     real CPU run), nothing touches a GPU, `fake_mode` allocates the
     model, and host reads of device values return placeholders (ones; finite: yes, so the

@@ -11,7 +11,7 @@ import itertools
 import pytest
 
 from lctrain.planning.activations import activation_formula, head_activation_formula, planning_bytes
-from lctrain.training.measure import (
+from lctrain.tracing.measure import (
     build_measured_model,
     measure_activations,
 )

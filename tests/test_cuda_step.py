@@ -1,7 +1,7 @@
 """The CUDA step proven on the CPU, feature by feature: every model family, CP algorithm, load
 balance and data-parallel engine that validation accepts, traced on the CUDA code path (fake
 tensors, torch's meta kernels for the flash and grouped-matmul ops, whose argument checks run:
-lctrain.training.trace), and the moments the host would wait for the GPU counted in each
+lctrain.tracing.trace), and the moments the host would wait for the GPU counted in each
 (`HostSyncs`): none in a micro-step's forward and backward, but the one read per MoE layer and
 micro-step of the split sizes that expert parallelism's uneven all-to-all needs, and one read
 per step around them."""
@@ -19,7 +19,7 @@ from lctrain.config.derived import derive
 from lctrain.config.validation import validate
 from lctrain.models import llama
 from lctrain.models.moe import sorted_counts
-from lctrain.training import trace
+from lctrain.tracing import trace
 from lctrain.training.optim import REDISTRIBUTE_LOG
 from tests.helpers import tiny_config
 

@@ -18,8 +18,8 @@ from lctrain.parallel import launch
 from lctrain.parallel.checkpointing import saved_ops
 from lctrain.parallel.parallelize import build_attention_core
 from lctrain.parallel.runtime import setup_distributed
+from lctrain.tracing.measure import build_measured_model
 from lctrain.training import loop
-from lctrain.training.measure import build_measured_model
 from tests.helpers import exit_code, on_ranks, run_cli, tiny_config
 
 CLI = ["+recipe=tiny", "model.vocab_size=128", "model.dim=64", "model.n_layers=2",

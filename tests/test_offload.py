@@ -18,7 +18,7 @@ from lctrain.data.loader import build_loader
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.planning.state import host_state_parts
-from lctrain.training.measure import measure_host_state
+from lctrain.tracing.measure import measure_host_state
 from lctrain.training.optim import build_optimizer, build_scheduler
 from lctrain.training.step import train_step
 from tests.helpers import on_ranks, run_cli, tiny_config, train_on_ranks, with_overrides

@@ -7,7 +7,7 @@ import torch
 
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
-from lctrain.training.measure import measure_peak
+from lctrain.tracing.measure import measure_peak
 from tests.helpers import HEADS_8, on_ranks, reference_model, tiny_config, train_each
 
 MODEL = HEADS_8

@@ -1,5 +1,5 @@
 """`lctrain plan --trace`: the training step on fake tensors and a fake process group at the
-layout's world size (lctrain.training.trace) against the same step run for real on gloo ranks
+layout's world size (lctrain.tracing.trace) against the same step run for real on gloo ranks
 (its peak and every part equal, byte for byte), the flash kernels' contract checked in the
 trace, the CLI, and the one device seam (no torch.cuda call outside lctrain/device.py)."""
 
@@ -21,7 +21,8 @@ from lctrain.config.device_rules import VARLEN_TOKENS_MAX, cuda_problems
 from lctrain.parallel.launch import RankFailure, run_ranks
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.planning.estimate import rank_memory
-from lctrain.training import loop, trace
+from lctrain.tracing import trace
+from lctrain.training import loop
 from tests.helpers import HEADS_8, on_ranks, run_cli, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]

@@ -135,7 +135,7 @@ def check_flash_call(func, args) -> None:
     """The CUDA contract of a call of `aten._flash_attention_forward` / `_backward` (`func`,
     its positional `args`): `_check_operands`, and operands in fp16 or bf16, the backward's
     output gradient and output like q. The ops' meta kernels check none of it, so a trace on
-    fake tensors runs this before each call (lctrain.training.trace)."""
+    fake tensors runs this before each call (lctrain.tracing.trace)."""
     backward = func is torch.ops.aten._flash_attention_backward.default
     operands = args[:6] if backward else args[:3]
     q, k, v = operands[1:4] if backward else operands

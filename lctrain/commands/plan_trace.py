@@ -1,5 +1,5 @@
 """`lctrain plan --trace` (plan.trace=true): one training step of each rank role traced at full
-size (lctrain.training.trace) and set beside the plan's memory, part by part."""
+size (lctrain.tracing.trace) and set beside the plan's memory, part by part."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.derived import plans_gpu_nodes
 from lctrain.config.device_rules import cuda_problems
 from lctrain.planning.estimate import rank_memory
-from lctrain.training import trace
+from lctrain.tracing import trace
 
 GIB = 2**30
 

@@ -66,7 +66,7 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int,
                        layer: int = 0) -> float:
     """Bytes one block keeps for the backward on one rank (its input included, wherever the
     backward keeps it: on the device, or on the host under train.offload_activations); derived
-    op by op in docs/parallelism.md §11 and exact against `lctrain.training.measure`
+    op by op in docs/parallelism.md §11 and exact against `lctrain.tracing.measure`
     measurements, fp32 and bf16.
 
     n = batch * S / cp local tokens; t = tp; s = t with SP, else 1; D, F model and SwiGLU

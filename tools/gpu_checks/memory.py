@@ -19,7 +19,7 @@ from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.planning.activations import activation_formula
 from lctrain.planning.state import host_state_parts
-from lctrain.training.measure import (
+from lctrain.tracing.measure import (
     build_measured_model,
     measure_activations,
     measure_host_state,

@@ -24,10 +24,7 @@ import dataclasses
 import gc
 import os
 import time
-import traceback
 import weakref
-from collections import Counter
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -44,12 +41,13 @@ from lctrain.layout.stages import stages_of
 from lctrain.parallel.data_parallel import unwrap
 from lctrain.parallel.launch import run_ranks
 from lctrain.parallel.runtime import setup_distributed
-from lctrain.training import loop
-from lctrain.training.measure import (
+from lctrain.tracing.host_syncs import HostSyncs, sync_name
+from lctrain.tracing.measure import (
     holding_tensor,
     host_state_tensors,
     optimizer_state_tensors,
 )
+from lctrain.training import loop
 from lctrain.training.step import train_step
 
 PARTS = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
@@ -62,71 +60,6 @@ optimizer made: gathered weights, working tensors, communication buffers)."""
 
 def _storage(t: Tensor):
     return holding_tensor(t).untyped_storage()
-
-
-_aten = torch.ops.aten
-HOST_SYNC_OPS = {_aten._local_scalar_dense.default: "item", _aten.nonzero.default: "nonzero",
-                 _aten._unique2.default: "unique", _aten.unique_dim.default: "unique",
-                 _aten.unique_consecutive.default: "unique_consecutive",
-                 _aten.bincount.default: "bincount", _aten.masked_select.default: "masked_select",
-                 _aten.equal.default: "equal", _aten.is_nonzero.default: "is_nonzero"}
-"""Ops that make the host wait for the device when they take a device tensor: a value read
-(item, tolist, bool, a Python number), or an output whose size depends on the values (CUDA
-reads it back before allocating). torch.repeat_interleave without output_size is one too
-(`_sync_name`)."""
-
-_PACKAGE = Path(__file__).resolve().parents[1]
-_SEAMS = (_PACKAGE / "device.py", Path(__file__).resolve())
-
-
-def _caller() -> str:
-    """The innermost line of lctrain outside the device seam and this tracer: where the
-    package asked for the value."""
-    for frame in reversed(traceback.extract_stack()):
-        path = Path(frame.filename).resolve()
-        if path.is_relative_to(_PACKAGE) and path not in _SEAMS:
-            return f"{path.relative_to(_PACKAGE.parent)}:{frame.lineno} ({frame.name})"
-    return "outside lctrain"
-
-
-def _sync_name(func, args, kwargs) -> str | None:
-    """The host sync `func` makes on these arguments, or None: only on device tensors (fake,
-    in a trace; host tensors keep their values and cost no wait)."""
-    if not any(isinstance(t, FakeTensor) for t in tree_flatten((args, kwargs))[0]):
-        return None
-    if func is _aten.repeat_interleave.Tensor and (kwargs or {}).get("output_size") is None:
-        return "repeat_interleave without output_size"
-    return HOST_SYNC_OPS.get(func)
-
-
-class HostSyncs:
-    """Every moment of a traced step at which the host would wait for the GPU: the ops
-    `_sync_name` names, and the reads of device values through `lctrain.device` (values,
-    counts), each with its phase (forward, backward, optimizer, or the step's own code
-    between them) and the line of lctrain that asked."""
-
-    def __init__(self):
-        self.seen: Counter = Counter()  # (what, phase, where) -> count
-        self.in_forward = 0
-
-    def phase(self, in_optimizer: bool) -> str:
-        if in_optimizer:
-            return "optimizer"
-        if torch._C._current_graph_task_id() != -1:
-            return "backward"
-        return "forward" if self.in_forward else "step"
-
-    def note(self, what: str, in_optimizer: bool) -> None:
-        self.seen[(what, self.phase(in_optimizer), _caller())] += 1
-
-    def report(self) -> dict:
-        """{"per_step": N, "by_phase": {...}, "sites": [{what, phase, where, count}, ...]}."""
-        by_phase = Counter()
-        for (_, phase, _), n in self.seen.items():
-            by_phase[phase] += n
-        sites = [{"what": what, "phase": phase, "where": where, "count": n}
-                 for (what, phase, where), n in sorted(self.seen.items(), key=lambda kv: -kv[1])]
-        return {"per_step": sum(self.seen.values()), "by_phase": dict(by_phase), "sites": sites}
 
 
 class StepMemory(TorchDispatchMode):
@@ -180,10 +113,10 @@ class StepMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in FLASH_OPS:  # the CUDA kernel's rules, which its meta kernel does not check
             check_flash_call(func, args)
-        sync = None if self.syncs is None else _sync_name(func, args, kwargs)
+        sync = None if self.syncs is None else sync_name(func, args, kwargs)
         if sync is not None:
             self.syncs.note(sync, self.in_optimizer)
-            if func is _aten._local_scalar_dense.default:  # a placeholder: the trace goes on
+            if func is torch.ops.aten._local_scalar_dense.default:  # a placeholder: the trace goes on
                 return True if args[0].dtype == torch.bool else 1
         out = func(*args, **(kwargs or {}))
         self.ops += 1
