@@ -126,3 +126,30 @@ def test_every_allowed_value_list_is_enforced():
         setattr(section, f.name, bad)
         problems = validate(cfg, 1)
         assert any(p.startswith(key) and "nonsense" in p for p in problems), (key, problems)
+
+
+def _distributed_imports(tree: ast.AST) -> list[str]:
+    """Every torch.distributed module a module imports but its tensor submodule (DTensor
+    parameters and their placements)."""
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names += [node.module] if node.module != "torch" else [
+                f"torch.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+    return [n for n in names if n.split(".")[:2] == ["torch", "distributed"]
+            and n.split(".")[:3] != ["torch", "distributed", "tensor"]]
+
+
+def test_the_model_holds_no_collective_and_no_process_group():
+    """lctrain.models is single-device code: no torch.distributed but DTensor's module (the
+    collectives and process groups are parallel/'s, which applies every parallelism from
+    outside; import-linter keeps lctrain.comm out). The check fails on such an import."""
+    found = {str(p.relative_to(REPO)): _distributed_imports(ast.parse(p.read_text()))
+             for p in sorted((REPO / "lctrain" / "models").glob("*.py"))}
+    assert {p: n for p, n in found.items() if n} == {}
+    assert _distributed_imports(ast.parse("import torch.distributed as dist\n"
+                                          "from torch.distributed.tensor import DTensor\n"
+                                          "from torch import distributed")) == [
+        "torch.distributed", "torch.distributed"]

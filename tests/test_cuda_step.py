@@ -129,7 +129,7 @@ def _check(cfg) -> dict:
     syncs = out["host_syncs"]
     in_micro_steps = [s for s in syncs["sites"] if s["phase"] in ("forward", "backward")]
     assert sum(s["count"] for s in in_micro_steps) == _expected_micro_step_syncs(cfg), syncs
-    assert all(s["what"] == "device.counts" and "moe.py" in s["where"]
+    assert all(s["what"] == "device.counts" and "parallel/experts.py" in s["where"]
                for s in in_micro_steps), syncs
     # around the micro-steps, one read: the update's decision with the step's metrics (the
     # token count is counted on the host; the loss scale stays on the device)

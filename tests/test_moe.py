@@ -11,7 +11,8 @@ from lctrain.comm import record_traffic
 from lctrain.config.validation import validate
 from lctrain.data.batch import IGNORE_INDEX
 from lctrain.data.loader import build_loader
-from lctrain.models.moe import EP_TAG, load_balancing_loss
+from lctrain.models.moe import load_balancing_loss
+from lctrain.parallel.experts import EP_TAG
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.planning.traffic import ep_step_bytes, expert_all_to_all_elements

@@ -16,21 +16,15 @@ statistics in the model's `RouterLog` and the model computes the loss after its 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lctrain import device
-from lctrain.comm import all_to_all_rows_autograd, traffic_tag
 from lctrain.config import ModelConfig
 from lctrain.models.init import ZEROS
-
-EP_TAG = "ep"
-"""The traffic tag of the experts' all-to-all (metrics' traffic/ep)."""
 
 
 def _in_backward() -> bool:
@@ -110,16 +104,6 @@ def _splits(xs: Tensor, counts: Tensor, known: list[int] | None, *widths: int
     return known if known is not None else device.counts(counts, xs.shape[0])
 
 
-class Dispatch(NamedTuple):
-    """What one call's all-to-all over the ep group needs: the rows this rank's experts receive
-    from each rank [ep, E/ep] (on the device) and, on the host, the rows this rank sends to each
-    expert and receives for each (source rank, own expert), flattened [E] each."""
-
-    received: Tensor
-    sent_sizes: list[int]
-    received_sizes: list[int]
-
-
 class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, factor):
@@ -135,71 +119,44 @@ class Experts(nn.Module):
     """The experts of one MoE layer, their matrices stacked by expert: w1 (gate) and w3 (up)
     [E, F, D], w2 (down) [E, D, F], expert e computing w2[e] (act(w1[e] x) * w3[e] x).
 
-    Every parameter of an Experts module is stacked by expert (dim 0). Under expert parallelism
-    (`lctrain.parallel.experts` sets `group`) each rank of an ep group holds E/ep consecutive
-    experts (each parameter a DTensor sharded by expert): the rows go to their experts' ranks
-    and come back by all-to-all, counted under the traffic tag "ep"."""
+    Every parameter of an Experts module is stacked by expert (dim 0), so that expert
+    parallelism can give each rank E/ep consecutive experts from outside
+    (`lctrain.parallel.experts`: each parameter a DTensor sharded by expert, the rows carried to
+    their experts' ranks and back around this module's own computation)."""
 
     def __init__(self, cfg: ModelConfig, activation: Callable[[Tensor], Tensor] = F.silu):
         super().__init__()
-        e, d, f = cfg.n_experts, cfg.dim, cfg.expert_dim
-        self.n_experts = e
+        self.n_experts = cfg.n_experts
+        self.activation = activation
+        self.std, self.out_std = cfg.init_std, cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        self.grad_scale = 1.0
+        """Factor on the experts' gradients (tp/ep under expert parallelism, §28)."""
+        self.make_parameters(cfg.n_experts, cfg.dim, cfg.expert_dim)
+
+    def make_parameters(self, e: int, d: int, f: int) -> None:
+        """The experts' parameters, each stacked by expert (E first), in the order `mlp` takes
+        them."""
         self.w1 = nn.Parameter(torch.empty(e, f, d))
         self.w3 = nn.Parameter(torch.empty(e, f, d))
         self.w2 = nn.Parameter(torch.empty(e, d, f))
-        self.activation = activation
-        self.std, self.out_std = cfg.init_std, cfg.init_std / (2 * cfg.n_layers) ** 0.5
-        self.group: dist.ProcessGroup | None = None
-        """The ep group (None: every expert here)."""
-        self.grad_scale = 1.0
-        """Factor on the experts' gradients (tp/ep: `lctrain.parallel.experts`, §28)."""
 
-    def forward(self, xs: Tensor, counts: Tensor, dispatch: Dispatch | None = None) -> Tensor:
-        """Each expert's MLP over its rows of xs [N k, D] (sorted by expert; counts [E]);
-        `dispatch`: its all-to-all's sizes when `Experts.dispatch` made them already."""
-        # in the activations' dtype under every engine: torch's grouped matmul has no autocast
-        # rule and takes one dtype, and autocast would leave fp32 biases promoting the rows (a
-        # no-op under FSDP's bf16 weights)
-        weights = [(w.to_local() if isinstance(w, DTensor) else w).to(xs.dtype)
+    def forward(self, xs: Tensor, counts: Tensor, ahead: object = None) -> Tensor:
+        """Each expert's MLP over its rows of xs [N k, D] (sorted by expert; counts [E]).
+        `ahead`: what a parallel style around this module found ahead for these rows (none
+        here)."""
+        return self.mlp(xs, counts, *self.local_weights(xs.dtype))
+
+    def local_weights(self, dtype: torch.dtype) -> list[Tensor]:
+        """This module's parameters in registration order as plain tensors of `dtype`, their
+        gradients scaled by `grad_scale`: in the activations' dtype under every engine (torch's
+        grouped matmul has no autocast rule and takes one dtype, and autocast would leave fp32
+        biases promoting the rows; a no-op under FSDP's bf16 weights); a DTensor's local shard
+        (its experts on this rank)."""
+        weights = [(w.to_local() if isinstance(w, DTensor) else w).to(dtype)
                    for w in self.parameters(recurse=False)]
         if self.grad_scale != 1.0:
             weights = [_ScaleGrad.apply(w, self.grad_scale) for w in weights]
-        if self.group is None:
-            return self.mlp(xs, counts, *weights)
-        with traffic_tag(EP_TAG):
-            if dispatch is None:
-                (dispatch,) = self.dispatch(counts[None], [xs.shape[0]])
-            return self._dispatched(xs, dispatch, weights)
-
-    def dispatch(self, counts: Tensor, rows: list[int]) -> list[Dispatch]:
-        """The `Dispatch` of each of C calls, from their tokens per expert [C, E] (call c sends
-        rows[c] rows): one exchange of the counts over the ep group, and one host read for all
-        C calls (NCCL's uneven all-to-all takes its split sizes as numbers)."""
-        ep = dist.get_world_size(self.group)
-        local = self.n_experts // ep
-        sent = counts.reshape(-1, ep, local).transpose(0, 1).contiguous()  # [rank, call, expert]
-        received = torch.empty_like(sent)  # [source rank, call, my expert]
-        dist.all_to_all_single(received, sent, group=self.group)
-        both = torch.stack([sent.transpose(0, 1), received.transpose(0, 1)], dim=1)
-        sizes = device.counts(both.reshape(len(rows), 2, ep * local),
-                              [n for n in rows for _ in range(2)])
-        return [Dispatch(received[:, c], *sizes[c]) for c in range(len(rows))]
-
-    def _dispatched(self, xs: Tensor, dispatch: Dispatch, weights: list[Tensor]) -> Tensor:
-        ep, local = dispatch.received.shape
-        by_rank = [[sizes[r * local:(r + 1) * local] for r in range(ep)]
-                   for sizes in (dispatch.sent_sizes, dispatch.received_sizes)]
-        send, receive = [sum(row) for row in by_rank[0]], [sum(row) for row in by_rank[1]]
-        rows = all_to_all_rows_autograd(xs, self.group, send, receive)
-        # from (source, expert) order to (expert, source) order and back
-        segment = torch.repeat_interleave(torch.arange(ep * local, device=xs.device),
-                                          dispatch.received.reshape(-1),
-                                          output_size=sum(receive))
-        order = torch.argsort((segment % local) * ep + segment // local, stable=True)
-        mine = [sum(column) for column in zip(*by_rank[1])]  # rows for each of my experts
-        out = self.mlp(rows[order], dispatch.received.sum(dim=0), *weights, splits=mine)
-        out = torch.empty_like(out).index_copy_(0, order, out)
-        return all_to_all_rows_autograd(out, self.group, receive, send)
+        return weights
 
     def mlp(self, xs: Tensor, counts: Tensor, w1: Tensor, w3: Tensor, w2: Tensor,
             splits: list[int] | None = None) -> Tensor:
@@ -222,16 +179,14 @@ class GptOssExperts(Experts):
     to +-limit, out = (up + 1) * gate * sigmoid(alpha gate) (`model.swiglu_alpha`)."""
 
     def __init__(self, cfg: ModelConfig, activation: Callable[[Tensor], Tensor] = F.silu):
-        nn.Module.__init__(self)
-        e, d, f = cfg.n_experts, cfg.dim, cfg.expert_dim
-        self.n_experts = e
+        super().__init__(cfg, activation)
+        self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+
+    def make_parameters(self, e: int, d: int, f: int) -> None:
         self.gate_up_proj = nn.Parameter(torch.empty(e, d, 2 * f))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * f))
         self.down_proj = nn.Parameter(torch.empty(e, f, d))
         self.down_proj_bias = nn.Parameter(torch.empty(e, d))
-        self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
-        self.std, self.out_std = cfg.init_std, cfg.init_std / (2 * cfg.n_layers) ** 0.5
-        self.group, self.grad_scale = None, 1.0
 
     def mlp(self, xs: Tensor, counts: Tensor, gate_up: Tensor, gate_up_bias: Tensor,
             down: Tensor, down_bias: Tensor, splits: list[int] | None = None) -> Tensor:
@@ -289,15 +244,14 @@ class MoE(nn.Module):
         self.log.record(self.layer, counts, probs.sum(dim=0), probs.shape[0])
         return top.to(x.dtype), order, counts
 
-    def forward(self, x: Tensor, chosen: Tensor | None = None,
-                dispatch: Dispatch | None = None) -> Tensor:
-        """x [B, S, D] through its tokens' experts (`chosen`, `dispatch`: as `route` and
+    def forward(self, x: Tensor, chosen: Tensor | None = None, ahead: object = None) -> Tensor:
+        """x [B, S, D] through its tokens' experts (`chosen`, `ahead`: as `route` and
         `Experts.forward` take them, when found ahead)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, order, counts = self.route(x, chosen)
         token = order // self.top_k
-        y = self.experts(flat[token], counts, dispatch)
+        y = self.experts(flat[token], counts, ahead)
         y = y * weights.reshape(-1)[order, None]
         return torch.zeros_like(flat).index_add_(0, token, y).reshape(shape)
 

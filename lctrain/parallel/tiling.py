@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lctrain.models.llama import FeedForward, cross_entropy_sum
 from lctrain.models.moe import MoE, sorted_counts
+from lctrain.parallel.experts import ExpertParallel
 
 
 class ChunkedLoss:
@@ -92,7 +93,7 @@ class TiledMoE(_SequenceTiled, MoE):
     tokens exactly as the forward did."""
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.experts.group is None:  # no sizes to read: each chunk routes for itself
+        if not isinstance(self.experts, ExpertParallel):  # no sizes: each chunk routes itself
             return super().forward(x)
         pieces = [self._cut(x, index) for index in self._pieces(x)]
         chosen = [self.choose(piece) for piece in pieces]

@@ -25,12 +25,12 @@ from lctrain.config.resolved import as_dict, to_yaml
 from lctrain.data.loader import DataLoader, build_loader
 from lctrain.layout.stages import split_layers
 from lctrain.models.hf import export_hf, full_parameters
-from lctrain.models.moe import EP_TAG
 from lctrain.parallel import deepspeed_engine
 from lctrain.parallel.data_parallel import (
     data_parallel_engine,
     unwrap,
 )
+from lctrain.parallel.experts import EP_TAG
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.pipeline import PipelinedModel
 from lctrain.parallel.runtime import Runtime, setup_distributed
