@@ -30,7 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from lctrain.rundir.progress import read_records  # noqa: E402
+from lctrain.rundir.rank_records import read_records  # noqa: E402
 from lctrain.training.checkpoint import complete_checkpoints, damaged_files  # noqa: E402
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled",

@@ -13,7 +13,7 @@ import pytest
 from bench.faults import agent_sigkill, parent_sigkill, rank_sigstop
 from lctrain.commands.status import rank_rows
 from lctrain.parallel.launch import run_ranks
-from lctrain.rundir.progress import diagnose, stall_report
+from lctrain.rundir.rank_records import diagnose, stall_report
 
 TIMEOUT_S = 6
 

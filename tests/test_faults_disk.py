@@ -22,7 +22,7 @@ from lctrain.data.loader import DataLoader
 from lctrain.data.shards import DatasetChangedError, ShardWriter, TokenStore
 from lctrain.parallel.launch import RankFailure, run_ranks
 from lctrain.rundir import files
-from lctrain.rundir.metrics import read_metrics
+from lctrain.rundir.metrics_log import read_metrics
 from lctrain.training import checkpoint as ck
 from lctrain.training import metrics as M
 from tests.helpers import dp2_config, on_ranks, with_overrides

@@ -9,7 +9,7 @@ from matplotlib import colors
 from matplotlib import image as mpimg
 
 from lctrain.commands import plot
-from lctrain.rundir.metrics import read_metrics
+from lctrain.rundir.metrics_log import read_metrics
 from tests.helpers import run_cli
 
 

@@ -55,7 +55,7 @@ def _finished_run(run_dir: Path) -> None:
     """What a live run leaves: its config, two logged steps, a complete checkpoint, its one
     rank's progress record, and its lock (held by this process)."""
     from lctrain.config.resolved import to_yaml
-    from lctrain.rundir import lock, progress
+    from lctrain.rundir import lock, rank_records
 
     composed = compose(["+recipe=tiny", f"hydra.run.dir={run_dir}"])
     room = RunDir(run_dir)
@@ -70,7 +70,7 @@ def _finished_run(run_dir: Path) -> None:
     room.progress.mkdir()
     (room.progress / "rank-00000.json").write_text(json.dumps({
         "rank": 0, "host": "h", "pid": 1, "groups": {}, "seq": {}, "step": 2, "micro_step": 0,
-        "phase": "train", "advanced_at": time.time(), "written_at": time.time()}).ljust(progress.RECORD_BYTES))
+        "phase": "train", "advanced_at": time.time(), "written_at": time.time()}).ljust(rank_records.RECORD_BYTES))
     return lock.acquire(run_dir)
 
 

@@ -7,7 +7,7 @@ forked rank."""
 import signal
 from pathlib import Path
 
-from lctrain.rundir.progress import read_records
+from lctrain.rundir.rank_records import read_records
 from tests.helpers import on_ranks, tiny_config
 
 ALL = ["checkpointer", "watcher", "record", "metrics"]

@@ -33,7 +33,7 @@ from pathlib import Path
 from lctrain.commands import CommandArgs
 from lctrain.config import ConfigError
 from lctrain.rundir import RunDir
-from lctrain.rundir.metrics import read_metrics
+from lctrain.rundir.metrics_log import read_metrics
 
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2",
            "#17becf")

@@ -20,9 +20,9 @@ from lctrain.commands import CommandArgs
 from lctrain.config import ConfigError
 from lctrain.rundir import CONFIG, RunDir
 from lctrain.rundir import lock as run_lock
-from lctrain.rundir.checkpoints import complete_checkpoints
-from lctrain.rundir.metrics import read_metrics
-from lctrain.rundir.progress import diagnose, read_records, stopped
+from lctrain.rundir.checkpoint_dirs import complete_checkpoints
+from lctrain.rundir.metrics_log import read_metrics
+from lctrain.rundir.rank_records import diagnose, read_records, stopped
 
 RATE_WINDOW = 10
 """Logged steps whose mean step time estimates the time left."""

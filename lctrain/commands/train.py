@@ -30,7 +30,7 @@ from lctrain.config.validation import warnings_for
 from lctrain.data.ingest import DataError
 from lctrain.parallel import launch
 from lctrain.prepare.checks import preflight, uses_cuda
-from lctrain.rundir import RunDir, progress
+from lctrain.rundir import RunDir, rank_records
 from lctrain.rundir import lock as run_lock
 from lctrain.rundir.files import RunDirError, write_atomic
 from lctrain.training import loop
@@ -121,11 +121,11 @@ def _rank_main(cfg: LctrainConfig, run_dir: str, work: RankWork = loop.train) ->
 def _report_stall(run_dir: Path, why: str, always: bool = False) -> list[int]:
     """Print and save the stall report when some rank is behind (or `always`); returns those
     ranks."""
-    records = progress.read_records(run_dir)
-    behind, _ = progress.diagnose(records)
+    records = rank_records.read_records(run_dir)
+    behind, _ = rank_records.diagnose(records)
     if behind or always:
-        report = progress.stall_report(records, why)
-        path = progress.write_report(run_dir, report)
+        report = rank_records.stall_report(records, why)
+        path = rank_records.write_report(run_dir, report)
         print(f"{report}\n(saved to {path})", file=sys.stderr, flush=True)
     return behind
 
@@ -133,7 +133,7 @@ def _report_stall(run_dir: Path, why: str, always: bool = False) -> list[int]:
 def _stall_watchdog(run_dir: Path, stall_s: int):
     """For the local launcher: (rank, reason) once no rank has advanced for stall_s."""
     def check() -> tuple[int, str] | None:
-        idle = progress.stalled_for(progress.read_records(run_dir))
+        idle = rank_records.stalled_for(rank_records.read_records(run_dir))
         if not stall_s or idle <= stall_s:
             return None
         behind = _report_stall(run_dir, f"no rank advanced for {idle:.0f} s; "
@@ -217,14 +217,14 @@ def _start(cfg: LctrainConfig, under_launcher: bool, world: int, run_dir: Path,
                          collective_timeout_s=cfg.launch.timeout_s,
                          watchdog=_stall_watchdog(Path(run_dir), cfg.launch.stall_s))
     except launch.RankFailure as e:
-        behind = (progress.diagnose(progress.read_records(Path(run_dir)))[0]
+        behind = (rank_records.diagnose(rank_records.read_records(Path(run_dir)))[0]
                   if "launch.stall_s" in e.reason else _report_stall(Path(run_dir), str(e)))
         blame = (f"rank(s) {', '.join(map(str, behind))} fell behind (stall report above); "
                  if behind else "")
         print(f"lctrain: {blame}{e}; all ranks were stopped (its traceback, if any, is above)",
               file=sys.stderr)
         return 1
-    early = progress.stopped(progress.read_records(Path(run_dir)))
+    early = rank_records.stopped(rank_records.read_records(Path(run_dir)))
     print(f"lctrain: {'done' if early is None else 'stopped after step ' + str(early['step'])}; "
           f"run dir {Path(run_dir).resolve()}")
     return 0

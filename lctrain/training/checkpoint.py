@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from lctrain.parallel import deepspeed_engine
 from lctrain.rundir import CONFIG, RunDir
-from lctrain.rundir.checkpoints import (
+from lctrain.rundir.checkpoint_dirs import (
     MANIFEST,
     STATE,
     complete_checkpoints,
@@ -71,7 +71,7 @@ from lctrain.training.checkpoint_format import (
 )
 from lctrain.training.optim import resume_scheduler
 
-__all__ = [  # with checkpoint_format's and rundir.checkpoints' names, which tools and bench import here
+__all__ = [  # with checkpoint_format's and rundir.checkpoint_dirs' names, which tools and bench import here
     "MANIFEST", "STATE", "CheckpointError", "Checkpointer", "SafeReader", "TrainState",
     "complete_checkpoints", "damaged_files", "full_weights", "rng_state", "set_rng_state",
     "step_dir", "tensor_state",

@@ -1,5 +1,5 @@
 """What a checkpoint directory holds and how it is read: the file names and the manifest check
-(from lctrain.rundir.checkpoints; the layout is listed in lctrain.training.checkpoint's
+(from lctrain.rundir.checkpoint_dirs; the layout is listed in lctrain.training.checkpoint's
 docstring), a DCP metadata reader that runs no code, the per-rank RNG states, the tensors DCP
 saves, and whole weights read by one process.
 

@@ -35,7 +35,7 @@ from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.pipeline import PipelinedModel
 from lctrain.parallel.runtime import Runtime, setup_distributed
 from lctrain.rundir import RunDir
-from lctrain.rundir.checkpoints import complete_checkpoints
+from lctrain.rundir.checkpoint_dirs import complete_checkpoints
 from lctrain.rundir.files import write_atomic
 from lctrain.training import progress
 from lctrain.training.checkpoint import Checkpointer, TrainState

@@ -1,5 +1,5 @@
 """Where every rank is, cheaply, for diagnosing a stalled job: this rank's progress record
-(`lctrain.rundir.progress` says what it holds and reads it), written by a daemon thread.
+(`lctrain.rundir.rank_records` says what it holds and reads it), written by a daemon thread.
 
 The record, RUN_DIR/.progress/rank-NNNNN.json, is memory-mapped: the thread rewrites it every
 INTERVAL_S (a memcpy, no system call) with the step, micro-step and phase the training loop
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from lctrain.rundir import RunDir
-from lctrain.rundir.progress import (
+from lctrain.rundir.rank_records import (
     INTERVAL_S,
     RECORD_BYTES,
     read_records,
