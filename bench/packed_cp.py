@@ -73,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import lctrain.attention.allgather as allgather_module  # noqa: E402
 import lctrain.attention.ring as ring_module  # noqa: E402
 from lctrain.attention import CP_ATTENTION, ContextParallelAttention, CPGroups  # noqa: E402
-from lctrain.attention.calls import Block, kernel_calls, pairs_computed  # noqa: E402
+from lctrain.attention.calls import Block, KeyBlocks, kernel_calls, pairs_computed  # noqa: E402
 from lctrain.attention.travel import Travel, travel_plan  # noqa: E402
 from lctrain.comm import record_traffic  # noqa: E402
 from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm  # noqa: E402
@@ -200,7 +200,7 @@ def count_layout(row: RowSplits, name: str, u: int, lb: str,
     _, keys = row.blocks(name, lb, u, 0)
     share = None
     if len(keys) > 1:
-        share = travel_plan(keys, causal=True)[0].size / (row.seq_len / len(keys))
+        share = travel_plan(KeyBlocks(keys), causal=True)[0].size / (row.seq_len / len(keys))
     return np.repeat(work / u, u), share
 
 

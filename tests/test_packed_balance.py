@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lctrain.attention.calls import Block, kernel_calls, pairs_computed
+from lctrain.attention.calls import Block, KeyBlocks, kernel_calls, pairs_computed
 from lctrain.attention.travel import travel_plan
 from lctrain.layout import sequence
 from lctrain.layout.packed import (
@@ -98,14 +98,14 @@ def test_work_and_travelling_tokens_match_the_attention_plans():
         docs = torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.from_numpy(r))
                             for r in rows])
         pos = [sequence.positions(96, r, cp, lb, doc_ids=docs).expand(2, -1) for r in range(cp)]
-        blocks = [Block(p, docs.gather(1, p)) for p in pos]
+        blocks = KeyBlocks(Block(p, docs.gather(1, p)) for p in pos)
         plan = travel_plan(blocks, causal=True)
         for b, lengths in enumerate(rows):
             ranges = [sequence.chunk_ranges(96, r, cp, lb, lengths) for r in range(cp)]
             row_blocks = [Block(p[b:b + 1], docs[b:b + 1].gather(1, p[b:b + 1])) for p in pos]
             for r in range(cp):
                 assert _kernel_work(row_blocks[r], row_blocks) == causal_work(lengths, ranges[r])
-            row_plan = travel_plan(row_blocks, causal=True)
+            row_plan = travel_plan(KeyBlocks(row_blocks), causal=True)
             assert row_plan[0].size == travelling_tokens(lengths, ranges)
         assert plan[0].size == max(travelling_tokens(r, [sequence.chunk_ranges(
             96, k, cp, lb, r) for k in range(cp)]) for r in rows)

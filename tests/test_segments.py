@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from lctrain.attention.calls import Block
+from lctrain.attention.calls import Block, KeyBlocks
 from lctrain.attention.halo import halo_plan
 from lctrain.attention.travel import travel_plan
 from lctrain.layout import sequence
@@ -32,11 +32,11 @@ def _rows(rng, rows: int, seq_len: int) -> torch.Tensor:
     return torch.from_numpy(np.stack(out))
 
 
-def _blocks(seq_len: int, cp: int, balance: str, doc: torch.Tensor | None) -> list[Block]:
+def _blocks(seq_len: int, cp: int, balance: str, doc: torch.Tensor | None) -> KeyBlocks:
     pos = sequence.every_rank_positions(seq_len, cp, balance, doc)
     if doc is None:
-        return [Block(p) for p in pos]
-    return [Block(p, sequence.take(doc, p, 1)) for p in pos]
+        return KeyBlocks(Block(p) for p in pos)
+    return KeyBlocks(Block(p, sequence.take(doc, p, 1)) for p in pos)
 
 
 def _tokens(travel, keys: Block, rows: int) -> list[set[int]]:

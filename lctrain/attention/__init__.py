@@ -18,7 +18,7 @@ from torch import Tensor
 from lctrain import device
 from lctrain.attention.algorithms import CP_ATTENTION, CPGroups, register, registered
 from lctrain.attention.allgather import ALLGATHER
-from lctrain.attention.calls import Block, PlanCache, effective_window
+from lctrain.attention.calls import Block, KeyBlocks, PlanCache, effective_window
 from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions
 from lctrain.attention.local import local_attention
 from lctrain.attention.ring import RING
@@ -81,7 +81,7 @@ class ContextParallelAttention:
         pos = self.rank_positions(doc_ids)
         return (pos[0], [pos[0]]) if len(pos) == 1 else self._run.blocks(pos, self.groups)
 
-    def _make_blocks(self, doc_ids: Tensor | None) -> tuple[Block, list[Block]]:
+    def _make_blocks(self, doc_ids: Tensor | None) -> tuple[Block, KeyBlocks]:
         """(this rank's query block, the key blocks its algorithm attends to)."""
         doc = None if doc_ids is None else doc_ids.cpu()
         query, keys = self._fixed_pos or self._block_positions(doc)
@@ -92,10 +92,10 @@ class ContextParallelAttention:
                 made[id(p)] = Block(p, None if doc is None else sequence.take(doc, p, 1))
             return made[id(p)]
 
-        return block(query), [block(p) for p in keys]
+        return block(query), KeyBlocks(block(p) for p in keys)
 
     @device.on_host
-    def blocks(self, doc_ids: Tensor | None) -> tuple[Block, list[Block]]:
+    def blocks(self, doc_ids: Tensor | None) -> tuple[Block, KeyBlocks]:
         """The blocks for these document ids, planned once per micro-batch (`PlanCache`)."""
         if doc_ids is None:
             if self._blocks is None:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lctrain import device
 from lctrain.attention.algorithms import CPAttention, CPGroups, rank_blocks
-from lctrain.attention.calls import Block
+from lctrain.attention.calls import Block, KeyBlocks
 from lctrain.attention.halo import halo_attention
 from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions, acc_dtype, sink_grad
 from lctrain.attention.local import block_backward, forward_and_save
@@ -63,8 +63,8 @@ class _SharedKVAttention(torch.autograd.Function):
                                     sink=sink)
         k_all, v_all = (torch.cat([x, *_others(all_gather(travel[rank].gather(x), group, dim=1),
                                                rank, size)], dim=1) for x in (k, v))
-        return forward_and_save(ctx, q, k_all, v_all, qb, _joined(blocks, travel, rank), causal,
-                                scale, options, sink=sink)
+        return forward_and_save(ctx, q, k_all, v_all, qb, _joined(blocks, travel, rank, causal),
+                                causal, scale, options, sink=sink)
 
     @staticmethod
     def backward(ctx, dout, _dlse):
@@ -94,24 +94,24 @@ def _others(gathered: Tensor, rank: int, size: int) -> list[Tensor]:
 
 
 @device.on_host
-def _joined(blocks: list[Block], travel: list[Travel], rank: int) -> Block:
+def _joined(blocks: KeyBlocks, travel: list[Travel], rank: int, causal: bool) -> Block:
     """The key block of the own tokens followed by every other rank's travelling tokens (the
-    order `_SharedKVAttention` concatenates K/V in); made once per plan."""
-    key = ("joined", rank)
-    if key not in travel[rank].block._plans:
+    order `_SharedKVAttention` concatenates K/V in); made once per micro-batch (the blocks'
+    `joined`)."""
+    if (rank, causal) not in blocks.joined:
         parts = [blocks[rank]] + [t.block for j, t in enumerate(travel) if j != rank]
-        travel[rank].block._plans[key] = Block(torch.cat([b.row_pos for b in parts], dim=1),
-                                               torch.cat([b.doc for b in parts], dim=1))
-    return travel[rank].block._plans[key]
+        blocks.joined[rank, causal] = Block(torch.cat([b.row_pos for b in parts], dim=1),
+                                            torch.cat([b.doc for b in parts], dim=1))
+    return blocks.joined[rank, causal]
 
 
 @device.on_host
-def _all_tokens(blocks: list[Block]) -> Block:
-    """Every rank's tokens as one key block, in rank order (no documents); made once."""
-    key = ("all", len(blocks))
-    if key not in blocks[0]._plans:
-        blocks[0]._plans[key] = Block(torch.cat([b.pos for b in blocks], dim=-1))
-    return blocks[0]._plans[key]
+def _all_tokens(blocks: KeyBlocks) -> Block:
+    """Every rank's tokens as one key block, in rank order (no documents); made once per
+    micro-batch (the blocks' `all_tokens`)."""
+    if blocks.all_tokens is None:
+        blocks.all_tokens = Block(torch.cat([b.pos for b in blocks], dim=-1))
+    return blocks.all_tokens
 
 
 def allgather_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, blocks: list[Block],

@@ -107,7 +107,12 @@ class Block:
 
     pos: Tensor
     doc: Tensor | None = None
-    _plans: dict = field(default_factory=dict, compare=False, repr=False)
+    _segments: dict[int, Segments] = field(default_factory=dict, compare=False, repr=False)
+    """Each row's segments, found once (`segments`)."""
+    _calls: dict[tuple[int, bool, int | None], tuple[Block, list]] = field(
+        default_factory=dict, compare=False, repr=False)
+    """(partner's id, causal, window) -> (the partner, [its calls, their varlen groups or None])
+    (`_plan`; the partner is kept so that a new block at a reused id plans again)."""
 
     def __post_init__(self):
         object.__setattr__(self, "pos", self.pos.cpu())
@@ -134,12 +139,11 @@ class Block:
 
     def segments(self, b: int) -> Segments:
         """Row `b`'s tokens as segments (consecutive positions of one document), found once."""
-        key = ("segments", b)
-        if key not in self._plans:
+        if b not in self._segments:
             pos = self.pos if self.pos.dim() == 1 else self.pos[b]
-            self._plans[key] = segments(pos.numpy(),
-                                        None if self.doc is None else self.doc[b].numpy())
-        return self._plans[key]
+            self._segments[b] = segments(pos.numpy(),
+                                         None if self.doc is None else self.doc[b].numpy())
+        return self._segments[b]
 
     def calls(self, kb: Block, causal: bool, window: int | None = None) -> list[KernelCall]:
         """The kernel calls of this block's queries against `kb`'s keys (planned once)."""
@@ -158,9 +162,37 @@ class Block:
     @device.on_host
     def _plan(self, kb: Block, causal: bool, window: int | None) -> list:
         key = (id(kb), causal, window)
-        if key not in self._plans or self._plans[key][0] is not kb:
-            self._plans[key] = (kb, [list(kernel_calls(self, kb, causal, window)), None])
-        return self._plans[key][1]
+        if key not in self._calls or self._calls[key][0] is not kb:
+            self._calls[key] = (kb, [list(kernel_calls(self, kb, causal, window)), None])
+        return self._calls[key][1]
+
+
+class KeyBlocks(list):
+    """A micro-batch's key blocks, in the order the algorithm attends them (block i: cp rank i's
+    tokens where the algorithm exchanges whole ranks' blocks), and what is planned once over all
+    of them, each table filled on first use by the module that plans it: the state of a
+    micro-batch's plan, held where it belongs instead of in a cache keyed by object ids."""
+
+    def __init__(self, blocks):
+        super().__init__(blocks)
+        self._ordered: KeyBlocks | None = None
+        self.travel: dict[bool, list | None] = {}
+        """causal -> the travelling tokens of each block (`lctrain.attention.travel`)."""
+        self.halo: dict[tuple[int, int], object] = {}
+        """(rank, window) -> that rank's halo exchange (`lctrain.attention.halo`)."""
+        self.joined: dict[tuple[int, bool], Block] = {}
+        """(rank, causal) -> all-gather KV's key block of the own tokens and every other
+        rank's travelling ones (`lctrain.attention.allgather`)."""
+        self.all_tokens: Block | None = None
+        """all-gather KV's key block of every rank's tokens, without documents."""
+
+    @property
+    def ordered(self) -> KeyBlocks:
+        """The blocks in position order (`Block.ordered`), as KeyBlocks of their own: made
+        once, so what is planned over them is planned once too (USP's ring)."""
+        if self._ordered is None:
+            self._ordered = KeyBlocks(b.ordered.block for b in self)
+        return self._ordered
 
 
 class PlanCache:

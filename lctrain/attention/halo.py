@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lctrain import device
-from lctrain.attention.calls import Block
+from lctrain.attention.calls import Block, KeyBlocks
 from lctrain.attention.kernels import (
     KernelOptions,
     acc_dtype,
@@ -51,20 +51,17 @@ class Halo:
 
 
 @device.on_host
-def halo_plan(blocks: list[Block], rank: int, window: int) -> Halo:
+def halo_plan(blocks: KeyBlocks, rank: int, window: int) -> Halo:
     """The halo of `rank`, whose tokens are blocks[rank], among key blocks that are also their
     ranks' queries (block i: group rank i's tokens). Planned once per list of blocks, from
     their segments (`lctrain.layout.segments`): no step of it is per token but the indices it
-    returns."""
-    key = ("halo", rank, window, tuple(id(b) for b in blocks))
-    cached = blocks[rank]._plans.get(key)
-    if cached is None or any(a is not b for a, b in zip(cached[0], blocks)):
+    returns. Planned once per micro-batch (the blocks' `halo`)."""
+    if (rank, window) not in blocks.halo:
         own, peers = blocks[rank], [j for j in range(len(blocks)) if j != rank]
         send = {j: t for j in peers if (t := _needed(own, blocks[j], window)) is not None}
         recv = {j: t for j in peers if (t := _needed(blocks[j], own, window)) is not None}
-        cached = (list(blocks), Halo(send, recv))
-        blocks[rank]._plans[key] = cached
-    return cached[1]
+        blocks.halo[rank, window] = Halo(send, recv)
+    return blocks.halo[rank, window]
 
 
 def _needed(keys: Block, queries: Block, window: int) -> Travel | None:

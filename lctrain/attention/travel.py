@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from lctrain import device
-from lctrain.attention.calls import Block
+from lctrain.attention.calls import Block, KeyBlocks
 from lctrain.layout.segments import Segments, expand, prefixes
 from lctrain.layout.sequence import take
 
@@ -59,18 +59,13 @@ class Travel:
 
 
 @device.on_host
-def travel_plan(blocks: list[Block], causal: bool) -> list[Travel] | None:
+def travel_plan(blocks: KeyBlocks, causal: bool) -> list[Travel] | None:
     """For key blocks whose tokens are also the queries of their ranks (block i: rank i's
     tokens), each block's travelling tokens; None without documents (everything travels).
-    Planned once per list of blocks (cached on the first)."""
-    if blocks[0].doc is None:
-        return None
-    key = ("travel", tuple(id(b) for b in blocks), causal)
-    cached = blocks[0]._plans.get(key)
-    if cached is None or any(a is not b for a, b in zip(cached[0], blocks)):
-        cached = (list(blocks), _plan(blocks, causal))
-        blocks[0]._plans[key] = cached
-    return cached[1]
+    Planned once per micro-batch (the blocks' `travel`)."""
+    if causal not in blocks.travel:
+        blocks.travel[causal] = None if blocks[0].doc is None else _plan(blocks, causal)
+    return blocks.travel[causal]
 
 
 def _plan(blocks: list[Block], causal: bool) -> list[Travel]:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lctrain.attention.algorithms import CPAttention, CPGroups, ring_group_blocks
-from lctrain.attention.calls import Block
+from lctrain.attention.calls import Block, KeyBlocks
 from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions
 from lctrain.attention.ring import ring_attention
 from lctrain.attention.ulysses import (
@@ -25,7 +25,7 @@ from lctrain.attention.ulysses import (
 )
 
 
-def usp_attention(q: Tensor, k: Tensor, v: Tensor, blocks: list[Block],
+def usp_attention(q: Tensor, k: Tensor, v: Tensor, blocks: KeyBlocks,
                   ulysses_group: dist.ProcessGroup, ring_group: dist.ProcessGroup, *,
                   causal: bool, scale: float, kv_replication: int = 1,
                   options: KernelOptions = DEFAULT_KERNEL, window: int | None = None,
@@ -38,7 +38,7 @@ def usp_attention(q: Tensor, k: Tensor, v: Tensor, blocks: list[Block],
     # travel the ring are then in their owners' position order
     ordered = blocks[dist.get_rank(ring_group)].ordered
     q, k, v = in_position_order(ordered, *(scatter_heads(x, ulysses_group) for x in (q, k, v)))
-    out, lse = ring_attention(q, k, v, ordered.block, [b.ordered.block for b in blocks],
+    out, lse = ring_attention(q, k, v, ordered.block, blocks.ordered,
                               ring_group, causal=causal, scale=scale, options=options,
                               window=window, sink=head_shard(sink, ulysses_group))
     out, lse = in_block_order(ordered, out, lse)
