@@ -1,6 +1,8 @@
 """The independent reference the attention tests and tools/gpu_check.py compare against: plain
 torch attention over the whole sequence with an explicit mask (causal, and documents), no
-blocks, no online softmax, no merge."""
+blocks, no online softmax, no merge; and which keys a window layer's queries see, key by key
+(`window_needed`: what lctrain finds from segments, `lctrain.layout.halo.needed`, is tested
+against it)."""
 
 from __future__ import annotations
 
@@ -46,3 +48,39 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, qb: Block, kb: Block, c
     probs = torch.exp(scores - lse[..., None]) * mask
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
     return out, lse.masked_fill(~visible[..., 0], _NEG_INF)
+
+
+def window_needed(key_pos: Tensor, key_doc: Tensor | None, query_pos: Tensor,
+                  query_doc: Tensor | None, window: int) -> Tensor:
+    """[R, Sk] bool: which keys some query sees through a causal window of `window` keys.
+    Positions [S] or [B, S]; documents [B, S] or None (then R = 1 row of shared positions)."""
+    kp, kd = _rows(key_pos, key_doc)
+    qp, qd = _rows(query_pos, query_doc)
+    low = min(int(kd.min()), int(qd.min()))
+    span = int(max(kp.max(), qp.max())) + window + 1
+    queries = window_keys(query_pos, query_doc, low, span).sort(dim=1).values
+    return needed_by(queries, window_keys(key_pos, key_doc, low, span), window)
+
+
+def window_keys(pos: Tensor, doc: Tensor | None, low: int, span: int) -> Tensor:
+    """[R, S] (document, position) as one sortable integer, (doc - low) x span + position: two
+    tokens' keys differ by less than `span` only within one document, for documents from `low`
+    on and positions below span - window."""
+    p, d = _rows(pos, doc)
+    return (d - low) * span + p
+
+
+def needed_by(sorted_query_keys: Tensor, token_keys: Tensor, window: int) -> Tensor:
+    """[R, Sk] bool: the tokens (`window_keys`) some query (its keys sorted per row) sees
+    through a causal window of `window` keys: the first query at or after a token is at most
+    window - 1 positions after it, in its document."""
+    at = torch.searchsorted(sorted_query_keys, token_keys)
+    first = sorted_query_keys.gather(1, at.clamp(max=sorted_query_keys.shape[1] - 1))
+    return (at < sorted_query_keys.shape[1]) & (first < token_keys + window)
+
+
+def _rows(pos: Tensor, doc: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(positions, documents) [R, S]: R = B with documents, one shared row without."""
+    if doc is None:
+        return pos.reshape(1, -1), torch.zeros(1, pos.shape[-1], dtype=torch.long)
+    return pos.expand_as(doc), doc

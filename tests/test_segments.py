@@ -1,6 +1,6 @@
 """The host plans made from segments (lctrain.layout.segments: interval arithmetic over runs of
 consecutive positions of one document) against token-by-token answers: the halo a window
-layer exchanges (against `lctrain.layout.halo.window_needed`, which compares every key with
+layer exchanges (against `tests.reference.window_needed`, which compares every key with
 every query's document and position) and the tokens Ring and all-gather KV send (against a
 brute-force count of the latest query elsewhere of each token's document), on random packed
 rows of mixed lengths, zigzag and documents splits, windows shorter and longer than the
@@ -16,8 +16,8 @@ from lctrain.attention.calls import Block, KeyBlocks
 from lctrain.attention.halo import halo_plan
 from lctrain.attention.travel import travel_plan
 from lctrain.layout import sequence
-from lctrain.layout.halo import window_needed
 from lctrain.layout.segments import merged
+from tests.reference import window_needed
 
 
 def _rows(rng, rows: int, seq_len: int) -> torch.Tensor:

@@ -1,11 +1,11 @@
 """Window layers under context parallelism: a halo exchange instead of a ring.
 
 A query of a sliding-window layer sees only the W keys ending at its own position (W = the
-window; with packed documents, only its own document's). A token of rank j's key block is then
-needed by rank i only if i holds a query of the same document at most W - 1 positions after it.
-Each rank sends every other rank exactly those of its tokens, point to point and all pairs at
-once, attends to its own block while they travel, then to what arrived; the backward sends the
-dK/dV of the received tokens back along the same pairs (float32, as Ring's). No K/V reaches a
+window; with packed documents, only its own document's); which of a rank's tokens another rank
+needs is `lctrain.layout.halo`'s rule (`needed`). Each rank sends every other rank exactly those
+of its tokens, point to point and all pairs at once, attends to its own block while they travel,
+then to what arrived; the backward sends the dK/dV of the received tokens back along the same
+pairs (float32, as Ring's). No K/V reaches a
 rank whose queries all lie more than W - 1 positions after it, and the elements a rank sends are
 proportional to W, not to S (docs/parallelism.md §25). Ring, USP's ring and all-gather KV take
 this path for window layers; Ulysses holds the whole sequence after its all-to-all and applies
@@ -36,7 +36,8 @@ from lctrain.attention.kernels import (
 from lctrain.attention.local import save_final
 from lctrain.attention.travel import Travel, stretch_travel
 from lctrain.comm import PeerExchange, current_tag, traffic_tag
-from lctrain.layout.segments import Axis, covered, expand, window_intervals
+from lctrain.layout.halo import needed
+from lctrain.layout.segments import expand
 
 HALO_TAG = 13
 
@@ -67,12 +68,8 @@ def halo_plan(blocks: KeyBlocks, rank: int, window: int) -> Halo:
 def _needed(keys: Block, queries: Block, window: int) -> Travel | None:
     """The tokens of `keys` that a query of `queries` sees through a causal window (same
     document, at most window - 1 positions before it), as a Travel; None when there are none."""
-    per_row = []
-    for b in range(1 if keys.doc is None else keys.doc.shape[0]):
-        k, q = keys.segments(b), queries.segments(b)
-        axis = Axis(low=int(min(k.doc.min(), q.doc.min())),
-                    span=int(max(k.end.max(), q.end.max())) + window)
-        per_row.append(covered(k, axis, *window_intervals(q, axis, window)))
+    per_row = [needed(keys.segments(b), queries.segments(b), window)
+               for b in range(1 if keys.doc is None else keys.doc.shape[0])]
     if all(len(first) == 0 for first, _ in per_row):
         return None
     if keys.doc is None:  # the same tokens in every row
