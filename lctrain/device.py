@@ -1,7 +1,8 @@
 """The one seam between lctrain and the accelerator: every `torch.cuda.*` call and every "is this
-the CUDA path" decision of the package goes through the functions here (device choice and
+the CUDA path" decision of the package goes through the operations here (device choice and
 count, the process-group backend, pinning, synchronisation, the allocator's peak, RNG state,
-host reads of values the device computed).
+host reads of values the device computed): `device.values(t)` and the like, each the current
+accelerator's method (`OPERATIONS`), stated once in `Accelerator`.
 
 `lctrain plan --trace` (lctrain.tracing.trace) swaps the accelerator for `Traced`: the CUDA
 code path (flash kernels, grouped matmuls, bf16 rules) runs on fake CPU tensors under torch's
@@ -32,12 +33,14 @@ class Accelerator:
     traced = False
 
     def gpu_path(self, device: torch.device) -> bool:
+        """Whether work on `device` takes the CUDA code path (flash kernels, grouped matmuls)."""
         return device.type == "cuda"
 
     def available(self) -> bool:
         return torch.cuda.is_available()
 
     def initialized(self) -> bool:
+        """Whether this process initialised CUDA (ranks forked from it could not use it)."""
         return torch.cuda.is_initialized()
 
     def count(self) -> int:
@@ -56,6 +59,7 @@ class Accelerator:
                 os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = previous
 
     def training_device(self, use_gpu: bool, local_rank: int) -> torch.device:
+        """The device a rank trains on (set as the current CUDA device on a GPU)."""
         if not use_gpu:
             return torch.device("cpu")
         torch.cuda.set_device(local_rank)
@@ -67,6 +71,7 @@ class Accelerator:
         return "cuda:nccl,cpu:gloo" if use_gpu else "gloo"
 
     def name(self, device: torch.device) -> str:
+        """The GPU's product name."""
         return torch.cuda.get_device_name(device)
 
     def group_options(self, device: torch.device) -> dict:
@@ -79,6 +84,7 @@ class Accelerator:
         return device.type == "cuda"
 
     def synchronize(self, device: torch.device) -> None:
+        """Wait for `device`'s queued work (no-op on the CPU)."""
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -86,9 +92,11 @@ class Accelerator:
         torch.cuda.reset_peak_memory_stats(device)
 
     def peak_allocated(self, device: torch.device) -> int:
+        """The allocator's peak of allocated bytes since `reset_peak`."""
         return torch.cuda.max_memory_allocated(device)
 
     def rng_state(self) -> list[int] | None:
+        """The CUDA RNG state (None when CUDA is not in use)."""
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             return torch.cuda.get_rng_state().tolist()
         return None
@@ -98,9 +106,14 @@ class Accelerator:
             torch.cuda.set_rng_state(torch.tensor(state, dtype=torch.uint8))
 
     def values(self, t: Tensor) -> float | list:
+        """`t`'s values read on the host (`Tensor.tolist`: a number for one element)."""
         return t.tolist()
 
     def counts(self, t: Tensor, total: int | list[int]) -> list:
+        """Counts (an integer tensor [..., n] of rows of n, each summing to its total: `total`, or
+        total[i] for row i of the leading dimensions flattened) read on the host as nested lists:
+        the split sizes of an uneven all-to-all or of per-expert matmuls. In a trace, a balanced
+        split of each total."""
         return t.tolist()
 
     def allocate(self, model: torch.nn.Module, on: torch.device) -> None:
@@ -115,6 +128,7 @@ class Accelerator:
             torch.__future__.set_swap_module_params_on_conversion(swap)
 
     def holds_values(self) -> bool:
+        """Whether tensors hold values (not in a trace: weights are then allocated, never filled)."""
         return True
 
     def allocating(self) -> contextlib.AbstractContextManager:
@@ -283,6 +297,20 @@ def current() -> Accelerator:
     return _current
 
 
+OPERATIONS = frozenset(name for name, member in vars(Accelerator).items()
+                       if callable(member) and not name.startswith("_"))
+"""What the package asks of the accelerator, each stated once, as a method of `Accelerator`
+(and again in `Traced` where a trace answers otherwise)."""
+
+
+def __getattr__(name: str):
+    """`device.X` is the current accelerator's X for every operation: looked up when called, so
+    a trace's `Traced` answers inside `tracing` (import the module, never the names)."""
+    if name in OPERATIONS:
+        return getattr(_current, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 @contextlib.contextmanager
 def tracing(accelerator: Traced):
     """Inside the block the package runs on `accelerator` (one trace at a time per process)."""
@@ -292,101 +320,6 @@ def tracing(accelerator: Traced):
         yield accelerator
     finally:
         _current = previous
-
-
-def gpu_path(device: torch.device) -> bool:
-    """Whether work on `device` takes the CUDA code path (flash kernels, grouped matmuls)."""
-    return _current.gpu_path(device)
-
-
-def available() -> bool:
-    return _current.available()
-
-
-def initialized() -> bool:
-    """Whether this process initialised CUDA (ranks forked from it could not use it)."""
-    return _current.initialized()
-
-
-def count() -> int:
-    """GPUs this process can see (NVML; CUDA itself is not initialised)."""
-    return _current.count()
-
-
-def training_device(use_gpu: bool, local_rank: int) -> torch.device:
-    """The device a rank trains on (set as the current CUDA device on a GPU)."""
-    return _current.training_device(use_gpu, local_rank)
-
-
-def backend(use_gpu: bool) -> str:
-    return _current.backend(use_gpu)
-
-
-def name(device: torch.device) -> str:
-    """The GPU's product name."""
-    return _current.name(device)
-
-
-def group_options(device: torch.device) -> dict:
-    """init_process_group's options for a rank training on `device` (NCCL started eagerly)."""
-    return _current.group_options(device)
-
-
-def pins(device: torch.device) -> bool:
-    """Whether host buffers that feed `device` are pinned."""
-    return _current.pins(device)
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for `device`'s queued work (no-op on the CPU)."""
-    _current.synchronize(device)
-
-
-def reset_peak(device: torch.device) -> None:
-    _current.reset_peak(device)
-
-
-def peak_allocated(device: torch.device) -> int:
-    """The allocator's peak of allocated bytes since `reset_peak`."""
-    return _current.peak_allocated(device)
-
-
-def rng_state() -> list[int] | None:
-    """The CUDA RNG state (None when CUDA is not in use)."""
-    return _current.rng_state()
-
-
-def set_rng_state(state: list[int]) -> None:
-    _current.set_rng_state(state)
-
-
-def values(t: Tensor) -> float | list:
-    """`t`'s values read on the host (`Tensor.tolist`: a number for one element)."""
-    return _current.values(t)
-
-
-def counts(t: Tensor, total: int | list[int]) -> list:
-    """Counts (an integer tensor [..., n] of rows of n, each summing to its total: `total`, or
-    total[i] for row i of the leading dimensions flattened) read on the host as nested lists:
-    the split sizes of an uneven all-to-all or of per-expert matmuls. In a trace, a balanced
-    split of each total."""
-    return _current.counts(t, total)
-
-
-def allocate(model: torch.nn.Module, on: torch.device) -> None:
-    """Storage on `on` for a model built on the meta device (fake storage in a trace)."""
-    _current.allocate(model, on)
-
-
-def allocating() -> contextlib.AbstractContextManager:
-    """The context in which a wrapper allocates its own device buffers (DDP's gradient
-    buckets): in a trace, fake."""
-    return _current.allocating()
-
-
-def holds_values() -> bool:
-    """Whether tensors hold values (not in a trace: weights are then allocated, never filled)."""
-    return _current.holds_values()
 
 
 @contextlib.contextmanager

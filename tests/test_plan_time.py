@@ -259,7 +259,7 @@ def test_a_cpu_machine_gets_one_note_it_can_act_on(monkeypatch):
     CPU; how to plan that), not a Slurm mismatch and a GPU-rates aside."""
     from lctrain.commands import plan as plan_command
 
-    monkeypatch.setattr(plan_command.device, "count", lambda: 0)
+    monkeypatch.setattr(plan_command.device.Accelerator, "count", lambda self: 0)
     cfg = tiny_config(parallel={"cp": 2, "dp": 2})
     (note,) = plan_command.world_note(cfg, 4)
     assert note.startswith("this machine has no GPU: `lctrain train` runs these 4 ranks on its "

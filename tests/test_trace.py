@@ -21,7 +21,7 @@ from lctrain.config.device_rules import VARLEN_TOKENS_MAX, cuda_problems
 from lctrain.parallel.launch import RankFailure, run_ranks
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.planning.estimate import rank_memory
-from lctrain.tracing import trace
+from lctrain.tracing import patches, trace
 from lctrain.training import loop
 from tests.helpers import HEADS_8, on_ranks, run_cli, tiny_config
 
@@ -284,3 +284,17 @@ def test_one_device_seam():
              for n, line in enumerate(path.read_text().splitlines(), 1)
              if pattern.search(line.split("#")[0]) and '"""' not in line]
     assert found == [], found
+
+
+def test_every_torch_patch_of_the_trace_still_applies_and_is_undone():
+    """The trace's patches of torch internals (lctrain/tracing/patches.py) all find their
+    target in this torch; one that would not is named; `patched` restores the attribute, or
+    removes it again where the owner inherited it."""
+    assert patches.problems() == [], f"torch {torch.__version__}: {patches.problems()}"
+    gone = patches.Patch("torch.distributed.pipelining.schedules", "_no_such_thing", "a test")
+    assert patches.problems((gone,)) == [
+        "torch.distributed.pipelining.schedules._no_such_thing: no such callable"]
+    inherited = "cpu" not in torch.Tensor.__dict__
+    with patches.patched({patches.TENSOR_CPU: lambda original: lambda t: "patched"}):
+        assert torch.zeros(1).cpu() == "patched"
+    assert torch.zeros(1).cpu().shape == (1,) and ("cpu" not in torch.Tensor.__dict__) == inherited

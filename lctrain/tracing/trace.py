@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.autograd.profiler import record_function as _RecordFunction
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -41,12 +40,14 @@ from lctrain.layout.stages import stages_of
 from lctrain.parallel.data_parallel import unwrap
 from lctrain.parallel.launch import run_ranks
 from lctrain.parallel.runtime import setup_distributed
+from lctrain.tracing import patches
 from lctrain.tracing.host_syncs import HostSyncs, sync_name
 from lctrain.tracing.measure import (
     holding_tensor,
     host_state_tensors,
     optimizer_state_tensors,
 )
+from lctrain.tracing.patches import patched
 from lctrain.training import loop
 from lctrain.training.step import train_step
 
@@ -86,28 +87,26 @@ class StepMemory(TorchDispatchMode):
         self.peak_where = ("before the step", 0, "")
         self.gradients: dict[int, list] = {}  # id(storage) -> [bytes, made, freed or None]
         self.standing: dict[int, int] = {}  # gradient storages older than the step
-        self._resize = None
+        self._patches = contextlib.ExitStack()
 
     def __enter__(self):
-        original = torch.UntypedStorage.resize_
         tracker = self
 
-        def resize_(storage, size):
-            out = original(storage, size)
-            tracker._resized(storage)
-            return out
+        def resizing(original):
+            def resize_(storage, size):
+                out = original(storage, size)
+                tracker._resized(storage)
+                return out
+            return resize_
 
-        self._resize = (original, _RecordFunction.__enter__, _RecordFunction.__exit__)
-        torch.UntypedStorage.resize_ = resize_
-        # profiler annotations allocate nothing; under a second dispatch mode torch's
-        # selective checkpointing meets those FSDP makes in a recompute but not in the forward
-        _RecordFunction.__enter__ = lambda self: self
-        _RecordFunction.__exit__ = lambda self, *exc: None
+        self._patches.enter_context(patched({
+            patches.STORAGE_RESIZE: resizing,
+            patches.PROFILER_ENTER: lambda original: lambda self: self,
+            patches.PROFILER_EXIT: lambda original: lambda self, *exc: None}))
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.UntypedStorage.resize_, _RecordFunction.__enter__, _RecordFunction.__exit__ = \
-            self._resize
+        self._patches.close()
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -209,25 +208,18 @@ class HostMoves:
     in its post-backward hook), where torch runs with no function mode active; and the
     dispatcher never sees a move to the device a tensor is already on."""
 
-    METHODS = ("to", "cpu")
-
     def __init__(self, tracker: StepMemory):
         self.tracker = tracker
-        self._saved: dict[str, object] = {}
+        self._patches = contextlib.ExitStack()
 
     def __enter__(self):
-        for name in self.METHODS:
-            original = getattr(Tensor, name)
-            self._saved[name] = Tensor.__dict__.get(name)
-            setattr(Tensor, name, self._moving(name, original))
+        self._patches.enter_context(patched({
+            p: lambda original, name=p.name: self._moving(name, original)
+            for p in (patches.TENSOR_TO, patches.TENSOR_CPU)}))
         return self
 
     def __exit__(self, *exc):
-        for name, saved in self._saved.items():
-            if saved is None:
-                delattr(Tensor, name)
-            else:
-                setattr(Tensor, name, saved)
+        self._patches.close()
 
     def _moving(self, name: str, original):
         def method(t, *args, **kwargs):
@@ -381,18 +373,13 @@ class _HeldWork:
 def _sends_held():
     """Inside the block the pipeline schedule's sends and receives keep their tensors alive
     until waited for (`_HeldWork`)."""
-    from torch.distributed.pipelining import schedules  # patched for the trace only
+    def holding(original):
+        def batch(ops, desc=None):
+            return [_HeldWork(w, [op.tensor for op in ops]) for w in original(ops, desc)]
+        return batch
 
-    original = schedules._batch_p2p
-
-    def batch(ops, desc=None):
-        return [_HeldWork(w, [op.tensor for op in ops]) for w in original(ops, desc)]
-
-    schedules._batch_p2p = batch
-    try:
+    with patched({patches.PIPELINE_P2P: holding}):
         yield
-    finally:
-        schedules._batch_p2p = original
 
 
 @contextlib.contextmanager
