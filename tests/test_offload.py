@@ -85,11 +85,11 @@ def _all_modes(layout: str) -> dict:
     return {mode: _steps(_config(parallel, train, mode, model), world) for mode in modes}
 
 
-# in the fast tier one rank, data parallel, CP's ring and all-gather with DDP; the MoE, 4-rank
-# USP, TP and tiled layouts (1 to 3 s each) in the full suite
+# in the fast tier one rank, data parallel, CP's all-gather with DDP; the MoE, 4-rank (ring
+# with dp, USP), TP and tiled layouts (1 to 3 s each) in the full suite
 @pytest.mark.parametrize("layout", [
     pytest.param(name, marks=pytest.mark.slow)
-    if name.startswith(("moe_", "cp4_", "tp2_", "cp2_ulysses")) else name
+    if name.startswith(("moe_", "cp4_", "tp2_", "cp2_ulysses", "cp2_ring")) else name
     for name in LAYOUTS])
 def test_offloaded_state_equals_device_state(layout):
     world = LAYOUTS[layout][0]
