@@ -9,7 +9,7 @@ from collections import defaultdict
 import pytest
 
 from lctrain.config import LctrainConfig, ModelConfig
-from lctrain.models.llama import Llama
+from lctrain.models.decoder import Decoder
 from lctrain.parallel.launch import run_ranks
 
 HEADS_8 = {"vocab_size": 128, "dim": 64, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4,
@@ -84,10 +84,10 @@ def train_on_ranks(runs: dict[str, tuple[int, LctrainConfig]], root: str,
     return {name: out[name] for name in runs}
 
 
-def reference_model(cfg: LctrainConfig) -> Llama:
+def reference_model(cfg: LctrainConfig) -> Decoder:
     """The unsharded single-process model with the initial weights of train.seed: the reference
     every layout is compared with."""
-    model = Llama(cfg.model)
+    model = Decoder(cfg.model)
     model.init_weights(cfg.train.seed)
     return model
 

@@ -11,7 +11,7 @@ from lctrain.comm import record_dtensor_traffic
 from lctrain.config import ModelConfig
 from lctrain.config.derived import load_balance_of
 from lctrain.data.batch import micro_batch_from_tokens
-from lctrain.models.llama import RotaryEmbedding, TransformerBlock
+from lctrain.models.decoder import RotaryEmbedding, TransformerBlock
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.parallel.tensor import tp_plan

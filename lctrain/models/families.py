@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from lctrain.config import ModelConfig
-from lctrain.models.llama import Attention
+from lctrain.models.decoder import Attention
 from lctrain.models.moe import Experts
 
 
@@ -24,7 +24,7 @@ class FamilyCode:
     name: str
     """The family's name in `lctrain.config.model_families.MODEL_FAMILIES`."""
     attention: Callable[..., nn.Module]
-    """Builds a block's attention: (ModelConfig, core) -> module (lctrain.models.llama's
+    """Builds a block's attention: (ModelConfig, core) -> module (lctrain.models.decoder's
     `Attention` or a subclass)."""
     hf_names: dict[str, str] = field(default_factory=dict)
     """lctrain module path inside a block -> Hugging Face path, beyond (or instead of) Llama's
@@ -49,4 +49,5 @@ class FamilyCode:
 
 LLAMA = FamilyCode("llama", attention=Attention,
                    hf_config=lambda _cfg: {"attention_bias": False, "mlp_bias": False})
-"""Llama: the decoder of lctrain.models.llama as it is; every other family changes it."""
+"""Llama: the generic decoder (lctrain.models.decoder) as it is; every other family changes
+it."""

@@ -9,8 +9,8 @@ gate/up layout). Its top-k-then-softmax routing equals softmax, top-k and renorm
 from __future__ import annotations
 
 from lctrain.config import ModelConfig
+from lctrain.models.decoder import Attention
 from lctrain.models.families import FamilyCode
-from lctrain.models.llama import Attention
 from lctrain.models.moe import GptOssExperts
 from lctrain.models.qwen3_moe import moe_hf_config
 

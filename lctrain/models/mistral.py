@@ -5,8 +5,8 @@ layer applies (`model.sliding_window`; one at least the training sequence is ful
 
 from __future__ import annotations
 
+from lctrain.models.decoder import Attention
 from lctrain.models.families import FamilyCode
-from lctrain.models.llama import Attention
 
 MISTRAL = FamilyCode("mistral", attention=Attention,
                      hf_config=lambda cfg: {"sliding_window": cfg.sliding_window})

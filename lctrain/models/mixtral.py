@@ -6,8 +6,8 @@ block_sparse_moe.experts.{e}.w1/w2/w3.
 
 from __future__ import annotations
 
+from lctrain.models.decoder import Attention
 from lctrain.models.families import FamilyCode
-from lctrain.models.llama import Attention
 from lctrain.models.qwen3_moe import moe_hf_config
 
 MIXTRAL = FamilyCode(

@@ -6,8 +6,8 @@ sliding window is read only where config.json turns it on (use_sliding_window).
 from __future__ import annotations
 
 from lctrain.config import ModelConfig
+from lctrain.models.decoder import Attention
 from lctrain.models.families import FamilyCode
-from lctrain.models.llama import Attention
 
 
 def windowed_hf_config(cfg: ModelConfig) -> dict:

@@ -14,8 +14,8 @@ from torch.distributed.tensor.parallel import SequenceParallel
 
 from lctrain.config import ModelConfig
 from lctrain.config.model_families import model_family
+from lctrain.models.decoder import Attention, AttentionCore, RMSNorm, sdpa_attention
 from lctrain.models.families import FamilyCode
-from lctrain.models.llama import Attention, AttentionCore, RMSNorm, sdpa_attention
 from lctrain.models.qwen2 import windowed_hf_config
 
 HEADS_DIM = 2

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from lctrain.config import ModelConfig
 from lctrain.config.registry import Registry
+from lctrain.models.decoder import AttentionCore, Decoder, sdpa_attention
 from lctrain.models.families import LLAMA, FamilyCode
 from lctrain.models.gemma3 import GEMMA3
 from lctrain.models.gpt_oss import GPT_OSS
-from lctrain.models.llama import AttentionCore, Llama, sdpa_attention
 from lctrain.models.mistral import MISTRAL
 from lctrain.models.mixtral import MIXTRAL
 from lctrain.models.qwen2 import QWEN2
@@ -27,8 +27,8 @@ def family_code(cfg: ModelConfig) -> FamilyCode:
     return FAMILY_CODE[cfg.family]
 
 
-def new_model(cfg: ModelConfig, core: AttentionCore = sdpa_attention) -> Llama:
+def new_model(cfg: ModelConfig, core: AttentionCore = sdpa_attention) -> Decoder:
     """The single-device model of `cfg` (on the current default device): the decoder with the
     family's attention in every block, calling `core`."""
     code = family_code(cfg)
-    return Llama(cfg, core, code.attention, code.experts)
+    return Decoder(cfg, core, code.attention, code.experts)

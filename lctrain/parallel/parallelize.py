@@ -20,9 +20,9 @@ from lctrain.attention.kernels import KernelOptions, forward_ops
 from lctrain.comm import sum_passing_grad
 from lctrain.config import LctrainConfig
 from lctrain.config.derived import load_balance_of
+from lctrain.models.decoder import AttentionCore, Decoder, sdpa_attention
 from lctrain.models.hf import load_hf_weights
 from lctrain.models.init import init_weights
-from lctrain.models.llama import AttentionCore, Llama, sdpa_attention
 from lctrain.models.registry import new_model
 from lctrain.parallel.checkpointing import apply_activation_checkpointing
 from lctrain.parallel.data_parallel import apply_ddp, apply_fsdp, data_parallel_engine
@@ -54,7 +54,7 @@ def build_attention_core(cfg: LctrainConfig, rt: Runtime) -> AttentionCore:
                                     options=attention_options(cfg))
 
 
-def parallelize_model(model: Llama, cfg: LctrainConfig, rt: Runtime,
+def parallelize_model(model: Decoder, cfg: LctrainConfig, rt: Runtime,
                       fill: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """Apply TP + SP, expert parallelism, sequence tiling, activation checkpointing, then FSDP
     over dp x cp (a rank's experts over the ranks holding the same ones); then,
@@ -91,7 +91,7 @@ def _sum_over(x: torch.Tensor, groups: list) -> torch.Tensor:
     return x
 
 
-def apply_compile(model: Llama, tp: int) -> Llama:
+def apply_compile(model: Decoder, tp: int) -> Decoder:
     """torch.compile each block in place (names and hooks kept: TP's, checkpointing's, and
     FSDP's, which come after), and the loss head without TP (the vocab-parallel loss stays
     eager)."""

@@ -39,7 +39,7 @@ from lctrain.config import LctrainConfig
 from lctrain.config.derived import dtype_bytes
 from lctrain.data.batch import MicroBatch
 from lctrain.layout.stages import rank_of, split_layers, stage_count, stages_of
-from lctrain.models.llama import AttentionCore, Llama
+from lctrain.models.decoder import AttentionCore, Decoder
 from lctrain.models.registry import new_model
 from lctrain.parallel.data_parallel import unwrap
 from lctrain.parallel.runtime import Runtime
@@ -61,7 +61,7 @@ def my_stages(cfg: LctrainConfig, rt: Runtime) -> list[int]:
     return stages_of(cfg, rt.axis_rank("pp"))
 
 
-def stage_model(cfg: LctrainConfig, core: AttentionCore, stage: int) -> Llama:
+def stage_model(cfg: LctrainConfig, core: AttentionCore, stage: int) -> Decoder:
     """Stage `stage` of the model on the meta device: its layers under their global ids, the
     embedding if it is the first stage, the final norm and output layer if it is the last. A
     mixture of experts' stage is a `RoutedStage`."""
@@ -118,7 +118,7 @@ def _static_shapes(stages: list[PipelineStage], *_) -> None:
         stage._inference_mode = InferenceMode.STATIC
 
 
-class RoutedStage(Llama):
+class RoutedStage(Decoder):
     """A pipeline stage of a mixture-of-experts model. transformers' load-balancing loss pools
     the routing of every MoE layer of the model (docs/parallelism.md §28), which the stages
     hold apart: each stage adds its layers' routing totals ([2 E + 1]: tokens per expert,

@@ -17,13 +17,13 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
-from lctrain.models.llama import FeedForward, cross_entropy_sum
+from lctrain.models.decoder import FeedForward, cross_entropy_sum
 from lctrain.models.moe import MoE, sorted_counts
 from lctrain.parallel.experts import ExpertParallel
 
 
 class ChunkedLoss:
-    """A loss head (`Llama.loss_head`) over chunks of `chunk` tokens: each chunk's logits are
+    """A loss head (`Decoder.loss_head`) over chunks of `chunk` tokens: each chunk's logits are
     computed, reduced to its loss sum, and dropped; the backward computes them again."""
 
     def __init__(self, chunk: int, chunk_loss=None):

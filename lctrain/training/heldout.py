@@ -3,7 +3,7 @@ of training): val_loss and val_ppl, token-weighted over eval.val_sequences seque
 the training loss is, on the training layout itself; and the same loss by position band
 (eval.position_band), val_loss/pos<lo>-<hi>, over the targets whose predicting token sits at a
 RoPE position in [lo, hi). The bands' token-weighted losses recombine to val_loss: they are its
-parts, each a loss sum of the same forward (`Llama.forward` with one label set per band)."""
+parts, each a loss sum of the same forward (`Decoder.forward` with one label set per band)."""
 
 from __future__ import annotations
 

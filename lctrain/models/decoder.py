@@ -1,6 +1,7 @@
-"""Single-device Llama: RMSNorm, RoPE, GQA, SwiGLU, and the decoder every registered family
-builds from it (a family brings its own attention block: its entry in
-`lctrain.models.registry`). Plain model code: tensor parallelism, activation checkpointing and
+"""The generic single-device decoder every registered family builds (`Decoder`: Llama's
+architecture as the base, RMSNorm, RoPE, GQA, a gated MLP or a mixture of experts; a family
+brings its own attention block and experts, and its flags switch the rest: its entries in
+`lctrain.config.model_families` and `lctrain.models.registry`). Plain model code: tensor parallelism, activation checkpointing and
 data parallelism are applied to it from outside (`lctrain.parallel.parallelize`), and the
 untouched model is every test's reference.
 
@@ -305,7 +306,7 @@ class TransformerBlock(nn.Module):
         return h + (self.ffn_out_norm(f) if self.sandwich else f)
 
 
-class Llama(nn.Module):
+class Decoder(nn.Module):
     """The decoder: embedding, blocks, final norm, output layer. `attention` builds each
     block's attention (`Attention`, or a family's: `lctrain.models.registry.new_model`), and
     `experts` each mixture-of-experts layer's experts (`Experts`, or a family's)."""
