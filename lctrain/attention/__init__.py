@@ -92,7 +92,7 @@ class ContextParallelAttention:
                 made[id(p)] = Block(p, None if doc is None else sequence.take(doc, p, 1))
             return made[id(p)]
 
-        return block(query), KeyBlocks(block(p) for p in keys)
+        return block(query), KeyBlocks([block(p) for p in keys])
 
     @device.on_host
     def blocks(self, doc_ids: Tensor | None) -> tuple[Block, KeyBlocks]:

@@ -191,7 +191,7 @@ class KeyBlocks(list):
         """The blocks in position order (`Block.ordered`), as KeyBlocks of their own: made
         once, so what is planned over them is planned once too (USP's ring)."""
         if self._ordered is None:
-            self._ordered = KeyBlocks(b.ordered.block for b in self)
+            self._ordered = KeyBlocks([b.ordered.block for b in self])
         return self._ordered
 
 
@@ -309,7 +309,7 @@ def _rectangles(q0: np.ndarray, q1: np.ndarray, k0: np.ndarray, k1: np.ndarray,
     ends = [np.concatenate([bounds[i][mask] for mask, bounds, _ in parts]) for i in range(4)]
     kind = np.concatenate([np.full(np.count_nonzero(mask), kind) for mask, _, kind in parts])
     order = np.argsort(pair, kind="stable")  # by pair, each pair's parts in the order above
-    out = dict(zip(("q0", "q1", "k0", "k1", "kind"), (v[order] for v in (*ends, kind))))
+    out = dict(zip(("q0", "q1", "k0", "k1", "kind"), [v[order] for v in (*ends, kind)]))
     out["pair"] = pair[order]
     out["left"] = out["right"] = np.full(len(order), -1)
     return out
