@@ -34,8 +34,8 @@ import transformers
 from torch import Tensor, nn
 
 from lctrain.config import ModelConfig
-from lctrain.models.decoder import Decoder
 from lctrain.models.hf import hf_config, to_hf_state_dict
+from lctrain.models.registry import new_model
 from lctrain.parallel.parallelize import apply_compile
 
 PRESETS = {
@@ -49,9 +49,9 @@ Forward = Callable[[Tensor, Tensor], Tensor]  # tokens, labels [B, S] -> summed 
 def build_models(cfg: ModelConfig, seq_len: int, seed: int) -> dict[str, tuple[nn.Module, Forward]]:
     """lctrain Llama (eager and compiled) and HF LlamaForCausalLM (SDPA, no KV cache) holding
     the same weights."""
-    ours = Decoder(cfg)
+    ours = new_model(cfg)
     ours.init_weights(seed)
-    compiled = Decoder(cfg)
+    compiled = new_model(cfg)
     compiled.load_state_dict(ours.state_dict())
     apply_compile(compiled, tp=1)
     hf = transformers.LlamaForCausalLM(hf_config(

@@ -7,9 +7,10 @@ import dataclasses
 from collections import defaultdict
 
 import pytest
+from torch import nn
 
 from lctrain.config import LctrainConfig, ModelConfig
-from lctrain.models.decoder import Decoder
+from lctrain.models.registry import new_model
 from lctrain.parallel.launch import run_ranks
 
 HEADS_8 = {"vocab_size": 128, "dim": 64, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4,
@@ -84,10 +85,10 @@ def train_on_ranks(runs: dict[str, tuple[int, LctrainConfig]], root: str,
     return {name: out[name] for name in runs}
 
 
-def reference_model(cfg: LctrainConfig) -> Decoder:
+def reference_model(cfg: LctrainConfig) -> nn.Module:
     """The unsharded single-process model with the initial weights of train.seed: the reference
     every layout is compared with."""
-    model = Decoder(cfg.model)
+    model = new_model(cfg.model)
     model.init_weights(cfg.train.seed)
     return model
 

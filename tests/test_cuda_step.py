@@ -17,7 +17,7 @@ from torch.distributed.tensor import _redistribute
 from lctrain.attention.calls import PlanCache
 from lctrain.config.derived import derive
 from lctrain.config.validation import validate
-from lctrain.models import decoder
+from lctrain.models import blocks
 from lctrain.models.moe import sorted_counts
 from lctrain.tracing import trace
 from lctrain.training.optim import REDISTRIBUTE_LOG
@@ -152,18 +152,20 @@ def test_traced_on_the_cuda_path_everywhere(name):
 def test_a_host_read_in_the_attention_is_counted_and_named(monkeypatch):
     """A value read on the host (`.item()`) added to the attention path shows in the count,
     with its line."""
-    def head_norms(self, q, k):
-        if q.sum().item() > 0:  # a host sync: the GPU queue drained in every layer
-            return q, k
-        return q, k
+    rotary = blocks.apply_rotary
 
-    monkeypatch.setattr(decoder.Attention, "head_norms", head_norms)
+    def apply_rotary(x, cos, sin):
+        if x.sum().item() > 0:  # a host sync: the GPU queue drained in every layer
+            return rotary(x, cos, sin)
+        return rotary(x, cos, sin)
+
+    monkeypatch.setattr(blocks, "apply_rotary", apply_rotary)
     cfg = _case(WINDOW)
     out = trace.trace_apart(cfg, 1, 0, 8, True)
     (site,) = [s for s in out["host_syncs"]["sites"] if s["phase"] == "forward"]
     # the innermost line of lctrain on the way: the attention's forward, which called it
-    assert site["what"] == "item" and "lctrain/models/decoder.py" in site["where"], site
-    assert site["count"] == cfg.model.n_layers * derive(cfg, 1).grad_accum, site
+    assert site["what"] == "item" and "lctrain/models/blocks.py" in site["where"], site
+    assert site["count"] == 2 * cfg.model.n_layers * derive(cfg, 1).grad_accum, site
 
 
 def test_experts_in_bf16_under_every_engine():
@@ -197,14 +199,14 @@ def test_planned_expert_gradients_are_the_ranks_own_experts_under_tp():
     them: negative gradient bytes for tp2 x ep8 (qwen3-30b-a3b's search winner planned
     -37 GiB of accumulated gradients; its trace held +17). A rank holds E/ep whole experts
     (expert parallelism spans the TP ranks), counted here from the built model's parameters."""
-    from lctrain.models.decoder import Decoder
+    from lctrain.models.registry import new_model
     from lctrain.planning.state import accumulated_grad_bytes, local_params
 
     cfg = tiny_config(model=MOE, parallel={"tp": 2, "sp": True, "dp": 2, "ep": 4,
                                            "dp_engine": "ddp"},
                       train={"global_batch": 8, "micro_batch": 1})
     with torch.device("meta"):
-        model = Decoder(cfg.model)
+        model = new_model(cfg.model)
     experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     others_local = sum(local_params(cfg)) - experts // cfg.parallel.tp
     assert accumulated_grad_bytes(cfg, 4) == 4 * (others_local + experts // cfg.parallel.ep)

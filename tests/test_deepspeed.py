@@ -167,7 +167,7 @@ def test_export_a_deepspeed_checkpoint_for_transformers(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lctrain.models.decoder import Decoder
+    from lctrain.models.registry import new_model
 
     cfg = _ckpt({"zero_stage": 3}, 2, {"every": 2})
     on_ranks(train, 2, cfg, str(tmp_path / "run"))
@@ -177,7 +177,7 @@ def test_export_a_deepspeed_checkpoint_for_transformers(tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=repo)
     assert done.returncode == 0, done.stderr[-2000:]
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager")
-    model = Decoder(cfg.model)
+    model = new_model(cfg.model)
     model.load_state_dict(deepspeed_engine.full_weights(step))
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 16),
                            generator=torch.Generator().manual_seed(0))

@@ -10,12 +10,12 @@ import torch.nn.functional as F
 import transformers
 
 from lctrain.config import ModelConfig
-from lctrain.models.decoder import Decoder
 from lctrain.models.hf import from_hf_state_dict, hf_config, to_hf_name, to_hf_state_dict
+from lctrain.models.registry import new_model
 
 
 def build_pair(cfg: ModelConfig, seed: int = 0):
-    ours = Decoder(cfg)
+    ours = new_model(cfg)
     ours.init_weights(seed)
     hf = transformers.LlamaForCausalLM(hf_config(cfg))
     hf.config._attn_implementation = "eager"  # independent attention code path
@@ -91,24 +91,24 @@ def test_explicit_positions_match_transformers():
 
 def test_state_dict_round_trip_and_deterministic_init():
     cfg = CASES["gqa_untied"]
-    a, b = Decoder(cfg), Decoder(cfg)
+    a, b = new_model(cfg), new_model(cfg)
     a.init_weights(3)
     b.init_weights(3)
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), n
     back = from_hf_state_dict(to_hf_state_dict(a.state_dict(), False, "llama"), False, "llama")
     assert back.keys() == a.state_dict().keys()
-    c = Decoder(cfg)
+    c = new_model(cfg)
     c.init_weights(4)
     assert not torch.equal(c.layers["0"].attention.wq.weight, a.layers["0"].attention.wq.weight)
 
 
 def test_missing_embedding_and_head_for_pipeline_stages():
     cfg = CASES["gqa_untied"]
-    full = Decoder(cfg)
+    full = new_model(cfg)
     full.init_weights(0)
     tokens = torch.randint(0, cfg.vocab_size, (1, 8))
-    first, last = Decoder(cfg), Decoder(cfg)
+    first, last = new_model(cfg), new_model(cfg)
     first.load_state_dict(full.state_dict())
     last.load_state_dict(full.state_dict())
     del first.layers["1"]
@@ -129,7 +129,7 @@ def test_rms_norm_tile_by_tile_is_transformers_norm(monkeypatch, offset, dtype):
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    import lctrain.models.decoder as llama
+    import lctrain.models.norms as norms
 
     dim = 16
     torch.manual_seed(0)
@@ -143,8 +143,8 @@ def test_rms_norm_tile_by_tile_is_transformers_norm(monkeypatch, offset, dtype):
     # autograd's gradient takes bf16 roundings lctrain's float32 backward does not
     tol = {} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 4e-2}
     for tile_rows in (3, 14):
-        monkeypatch.setattr(llama, "NORM_TILE_ELEMENTS", tile_rows * dim)
-        ours = llama.RMSNorm(dim, 1e-5, offset).to(dtype)
+        monkeypatch.setattr(norms, "NORM_TILE_ELEMENTS", tile_rows * dim)
+        ours = norms.RMSNorm(dim, 1e-5, offset).to(dtype)
         ours.load_state_dict(theirs.state_dict())
         out = ours(x)
         assert torch.equal(out, expected)

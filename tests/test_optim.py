@@ -5,7 +5,7 @@ import math
 import pytest
 
 from lctrain.config import OptimConfig
-from lctrain.models.decoder import Decoder
+from lctrain.models.registry import new_model
 from lctrain.training.optim import build_optimizer, lr_at
 from tests.helpers import tiny_config
 
@@ -22,7 +22,7 @@ def test_warmup_cosine_schedule():
 
 def test_no_weight_decay_on_norms_and_embeddings():
     cfg = tiny_config()
-    model = Decoder(cfg.model)
+    model = new_model(cfg.model)
     opt = build_optimizer(model, cfg.optim)
     decay, no_decay = opt.param_groups
     names = {id(p): n for n, p in model.named_parameters()}

@@ -184,7 +184,7 @@ def test_the_plan_counts_a_tied_embeddings_copy_as_the_stages_hold_it(schedule):
     """local_params per pipeline rank equals the elements of the stage models that rank holds
     (built on the meta device, counted by tensor: a tied model's last stage holds the copy), and
     AdamW's moments leave the copy out (docs/parallelism.md §27)."""
-    from lctrain.models.decoder import sdpa_attention
+    from lctrain.models.blocks import sdpa_attention
     from lctrain.parallel.pipeline import stage_model
     from lctrain.planning.state import local_params, state_parts, tied_copy_params
 

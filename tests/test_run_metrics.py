@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from lctrain.config import derive
 from lctrain.config.validation import validate
 from lctrain.data.batch import IGNORE_INDEX
-from lctrain.models.decoder import Decoder
+from lctrain.models.registry import new_model
 from lctrain.planning.flops import datasheet_peak_tflops, mfu, train_flops_per_step
 from lctrain.planning.state import local_params
 from lctrain.planning.traffic import attention_traffic, dp_step_bytes
@@ -38,7 +38,7 @@ def _dense_causal(q, k, v, doc_ids=None, window=None):
 def test_model_flops_match_a_flop_counter_and_peaks_come_from_the_table():
     cfg = tiny_config()
     m, S, B = cfg.model, cfg.train.seq_len, 3
-    model = Decoder(m, _dense_causal)
+    model = new_model(m, _dense_causal)
     model.init_weights(0)
     tokens = torch.randint(1, m.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
     labels = tokens.roll(-1, 1)

@@ -11,7 +11,9 @@ from lctrain.comm import record_dtensor_traffic
 from lctrain.config import ModelConfig
 from lctrain.config.derived import load_balance_of
 from lctrain.data.batch import micro_batch_from_tokens
-from lctrain.models.decoder import RotaryEmbedding, TransformerBlock
+from lctrain.models.blocks import Block
+from lctrain.models.registry import family_code
+from lctrain.models.rope import RotaryEmbedding
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.parallel.tensor import tp_plan
@@ -57,8 +59,8 @@ def _block_traffic(sp: bool):
     tp, b, s = 2, 2, 24
     mesh = init_device_mesh("cpu", (tp,))
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=64)
-    block = TransformerBlock(cfg)
-    parallelize_module(block, mesh, tp_plan(sp)[1])
+    block = Block(cfg)
+    parallelize_module(block, mesh, tp_plan(sp, family_code(cfg))[1])
     x = torch.randn(b, s // tp if sp else s, cfg.dim)
     cos, sin = RotaryEmbedding(cfg)(
         torch.arange(s)[None], torch.float32)

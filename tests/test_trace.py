@@ -195,11 +195,11 @@ def test_the_flash_kernels_contract_is_checked_in_the_trace(monkeypatch):
 
 def _one_gpu_peaks(cfg, tiles):
     """The traced step of `cfg` at world 1 on the CUDA path, once per RMSNorm tile size."""
-    from lctrain.models import decoder
+    from lctrain.models import norms
 
     out = []
     for elements in tiles:
-        decoder.NORM_TILE_ELEMENTS = elements  # (a forked process: nothing to restore)
+        norms.NORM_TILE_ELEMENTS = elements  # (a forked process: nothing to restore)
         out.append(trace.trace_role(cfg, 1, 0, gpus_per_node=1))
     return out
 

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from omegaconf import OmegaConf  # noqa: E402
 
 from lctrain.config import LctrainConfig  # noqa: E402
-from lctrain.models.decoder import Decoder  # noqa: E402
 from lctrain.models.hf import export_hf, full_parameters  # noqa: E402
+from lctrain.models.registry import new_model  # noqa: E402
 from lctrain.parallel import deepspeed_engine  # noqa: E402
 from lctrain.training.checkpoint import damaged_files, full_weights  # noqa: E402
 
@@ -32,7 +32,7 @@ def export_checkpoint(checkpoint: Path, out: Path) -> None:
         raise SystemExit(f"export_hf: {checkpoint} cannot be used: {'; '.join(problems)}")
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LctrainConfig),
                                               OmegaConf.load(checkpoint / "config.yaml")))
-    model = Decoder(cfg.model)
+    model = new_model(cfg.model)
     if (checkpoint / deepspeed_engine.TAG).is_dir():  # ZeRO shards, consolidated
         model.load_state_dict(deepspeed_engine.full_weights(checkpoint))
     else:

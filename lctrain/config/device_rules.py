@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from lctrain.config.kernel_backends import backends_on, kernel_backend
 from lctrain.config.model_families import model_family
+from lctrain.config.model_parts import SINKS
 from lctrain.config.schema import LctrainConfig
 from lctrain.config.suggest import nearest_multiple
 
@@ -20,7 +21,7 @@ def has_window_or_sinks(cfg: LctrainConfig) -> bool:
     window and the sinks' merge are theirs) at every cp."""
     m, longest = cfg.model, max([cfg.train.seq_len, *(s.seq_len for s in cfg.train.stages)])
     windows = (m.layer_window(i) for i in range(m.n_layers))
-    return model_family(m.family).sinks or any(w is not None and w < longest for w in windows)
+    return model_family(m.family).has(SINKS) or any(w is not None and w < longest for w in windows)
 
 
 def uses_lctrain_kernels(cfg: LctrainConfig) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from lctrain.config.model_families import model_family
+from lctrain.config.model_parts import EXPERTS, WINDOWS
 from lctrain.config.schema import FULL, SLIDING, LctrainConfig
 
 
@@ -16,7 +17,7 @@ def window_problems(cfg: LctrainConfig) -> list[str]:
     layer type per layer, sliding layers only with a window."""
     m = cfg.model
     problems = []
-    if m.sliding_window is not None and not model_family(m.family).sliding_window:
+    if m.sliding_window is not None and not model_family(m.family).has(WINDOWS):
         problems.append(f"model.sliding_window={m.sliding_window} with model.family={m.family}, "
                         "which has no attention window; set model.sliding_window=null")
     if m.layer_types is None:
@@ -38,10 +39,10 @@ def expert_problems(cfg: LctrainConfig, world_size: int) -> list[str]:
     k of them per token, MoE layers that exist; the layouts MoE layers do not run in yet."""
     m, p = cfg.model, cfg.parallel
     family = model_family(m.family)
-    if p.ep > 1 and not (family.moe and m.n_experts):
+    if p.ep > 1 and not (family.has(EXPERTS) and m.n_experts):
         return [f"parallel.ep={p.ep} splits a mixture of experts, but model.family={m.family} "
                 f"(model.n_experts={m.n_experts}) has none; set parallel.ep=1"]
-    if not family.moe:
+    if not family.has(EXPERTS):
         return [] if m.n_experts == 0 else [
             f"model.n_experts={m.n_experts} with model.family={m.family}, whose MLPs are dense; "
             "set model.n_experts=0, or a family with experts (qwen3_moe, mixtral)"]

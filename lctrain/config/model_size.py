@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import cache
 
 from lctrain.config.model_families import model_family
+from lctrain.config.model_parts import EXPERT_BIAS, ROUTER_BIAS
 from lctrain.config.schema import ModelConfig
 
 MLP_MATRICES = 3
@@ -22,7 +23,7 @@ def expert_params(m: ModelConfig, layer: int, experts: int | None = None) -> int
     MLP."""
     if not m.is_moe_layer(layer):
         return 0
-    bias = 2 * m.expert_dim + m.dim if model_family(m.family).expert_bias else 0
+    bias = 2 * m.expert_dim + m.dim if model_family(m.family).has(EXPERT_BIAS) else 0
     count = m.n_experts if experts is None else experts
     return count * (MLP_MATRICES * m.dim * m.expert_dim + bias)
 
@@ -33,14 +34,14 @@ def mlp_params(m: ModelConfig, layer: int, active: bool = False) -> int:
     the k experts one token runs through."""
     if not m.is_moe_layer(layer):
         return MLP_MATRICES * m.dim * m.ffn_dim
-    router = m.n_experts * (m.dim + (1 if model_family(m.family).router_bias else 0))
+    router = m.n_experts * (m.dim + (1 if model_family(m.family).has(ROUTER_BIAS) else 0))
     return router + expert_params(m, layer, m.experts_per_token if active else None)
 
 
 def block_split(m: ModelConfig, layer: int = 0) -> tuple[int, int]:
     """(parameters TP shards, parameters TP replicates) of transformer block `layer`: Q, K, V, O
     and the MLP's matrices (`mlp_params`), plus the family's biases
-    (`ModelFamily.block_extra_params`); the two norms, plus the family's head norms."""
+    (`ModelFamily.block_extra_params`, its parts'); the two norms, plus its parts' replicated ones."""
     return _block_split(m.family, m.dim, m.d_head, m.n_heads, m.n_kv_heads,
                         mlp_params(m, layer))
 

@@ -9,7 +9,6 @@ gate/up layout). Its top-k-then-softmax routing equals softmax, top-k and renorm
 from __future__ import annotations
 
 from lctrain.config import ModelConfig
-from lctrain.models.decoder import Attention
 from lctrain.models.families import FamilyCode
 from lctrain.models.moe import GptOssExperts
 from lctrain.models.qwen3_moe import moe_hf_config
@@ -22,11 +21,8 @@ def _hf_config(cfg: ModelConfig) -> dict:
             **moe_hf_config(cfg, "num_local_experts")}
 
 
-GPT_OSS = FamilyCode(
-    "gpt_oss", attention=Attention,  # its biases and sinks: ModelFamily.qkv_bias, out_bias, sinks
-    hf_names={"feed_forward.router": "mlp.router"},
-    hf_params={"attention.sinks": "self_attn.sinks",
-               **{f"feed_forward.experts.{name}": f"mlp.experts.{name}"
-                  for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj",
-                               "down_proj_bias")}},
-    experts=GptOssExperts, hf_config=_hf_config)
+FAMILY = FamilyCode(
+    hf_config=_hf_config, hf_names={"feed_forward.router": "mlp.router"},
+    hf_params={f"feed_forward.experts.{name}": f"mlp.experts.{name}"
+               for name in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")},
+    experts=GptOssExperts)

@@ -20,7 +20,7 @@ from lctrain.config import ModelConfig
 from lctrain.config.model_families import MODEL_FAMILIES, model_family
 from lctrain.models.hf_params import rope_parameters
 from lctrain.models.init import local_slices
-from lctrain.models.registry import FAMILY_CODE, family_code
+from lctrain.models.registry import family_code
 
 # lctrain module path inside a block -> HF module path (Llama's; a family adds its own)
 _LAYER_MAP = {
@@ -36,7 +36,7 @@ _TOP_MAP = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "outpu
 def _layer_map(family: str) -> dict[str, str]:
     """Llama's block names with the family's own added or renamed (Gemma 3's ffn_norm is its
     pre_feedforward_layernorm)."""
-    return {**_LAYER_MAP, **FAMILY_CODE[family].hf_names}
+    return {**_LAYER_MAP, **family_code(family).hf_names}
 
 
 def to_hf_name(name: str, family: str) -> str:
@@ -51,7 +51,7 @@ def hf_names(name: str, family: str, n_experts: int) -> list[str]:
     expert matrix stored one tensor per expert (`FamilyCode.hf_params` with "{e}") one per
     expert, in expert order."""
     m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    named = FAMILY_CODE[family].hf_params
+    named = family_code(family).hf_params
     if m and m.group(2) in named:
         template = f"model.layers.{m.group(1)}.{named[m.group(2)]}"
         return ([template.format(e=e) for e in range(n_experts)] if "{e}" in template
@@ -73,7 +73,7 @@ def from_hf_state_dict(hf_state: dict[str, Tensor], tie_embeddings: bool,
                        family: str) -> dict[str, Tensor]:
     """The inverse of `to_hf_state_dict`."""
     inverse, ours_of = {}, {h: ours for ours, h in _layer_map(family).items()}
-    params_of = {h: ours for ours, h in FAMILY_CODE[family].hf_params.items() if "{e}" not in h}
+    params_of = {h: ours for ours, h in family_code(family).hf_params.items() if "{e}" not in h}
     for k, v in hf_state.items():
         m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", k)
         named = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", k)

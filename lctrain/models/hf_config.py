@@ -13,6 +13,7 @@ from pathlib import Path
 
 from lctrain.config import ModelConfig, choices_of
 from lctrain.config.model_families import MODEL_FAMILIES, model_family
+from lctrain.config.model_parts import EXPERTS, QKV_BIAS, WINDOWS
 from lctrain.config.schema import FULL, SLIDING
 
 # config.json key -> ModelConfig field (plain copies)
@@ -126,7 +127,7 @@ def _experts(hf: dict) -> dict:
     in mlp_only_layers, as transformers decides), the routing's renormalisation and the aux-loss
     weight (applied as transformers applies it with output_router_logits)."""
     kind = hf.get("model_type")
-    if kind not in MODEL_FAMILIES or not model_family(kind).moe:
+    if kind not in MODEL_FAMILIES or not model_family(kind).has(EXPERTS):
         return {}
     n = hf.get("num_experts", hf.get("num_local_experts", 0))
     out = {"n_experts": n, "experts_per_token": hf.get("num_experts_per_tok", 2),
@@ -154,7 +155,7 @@ def unsupported(hf: dict, path: str) -> list[str]:
                         "model family)")
         return problems
     family = model_family(kind)
-    if hf.get("attention_bias") and not family.qkv_bias:
+    if hf.get("attention_bias") and not family.has(QKV_BIAS):
         problems.append(f"{where} sets attention_bias=true; lctrain's {kind} has no attention "
                         "biases (the qwen2 family has Q/K/V biases)")
     if hf.get("mlp_bias"):
@@ -171,7 +172,7 @@ def unsupported(hf: dict, path: str) -> list[str]:
     if hf.get("use_bidirectional_attention"):
         problems.append(f"{where} sets use_bidirectional_attention=true; lctrain trains causal "
                         "language models")
-    if window(hf) is not None and not family.sliding_window:
+    if window(hf) is not None and not family.has(WINDOWS):
         problems.append(f"{where} sets sliding_window={hf['sliding_window']}; lctrain's {kind} "
                         "attends over the whole causal context")
     other_types = set(hf.get("layer_types") or ()) - {FULL, SLIDING}

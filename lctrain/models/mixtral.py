@@ -6,14 +6,12 @@ block_sparse_moe.experts.{e}.w1/w2/w3.
 
 from __future__ import annotations
 
-from lctrain.models.decoder import Attention
 from lctrain.models.families import FamilyCode
 from lctrain.models.qwen3_moe import moe_hf_config
 
-MIXTRAL = FamilyCode(
-    "mixtral", attention=Attention,
+FAMILY = FamilyCode(
+    hf_config=lambda cfg: {"sliding_window": cfg.sliding_window,
+                           **moe_hf_config(cfg, "num_local_experts")},
     hf_names={"feed_forward.router": "block_sparse_moe.gate"},
     hf_params={f"feed_forward.experts.{w}": f"block_sparse_moe.experts.{{e}}.{w}.weight"
-                for w in ("w1", "w2", "w3")},
-    hf_config=lambda cfg: {"sliding_window": cfg.sliding_window,
-                           **moe_hf_config(cfg, "num_local_experts")})
+               for w in ("w1", "w2", "w3")})

@@ -1,12 +1,11 @@
 """Qwen2 and Qwen2.5 (config.json model_type qwen2): Llama's decoder with biases on the Q, K
-and V projections (zeros at init; under TP each rank holds the biases of its columns). A
-sliding window is read only where config.json turns it on (use_sliding_window).
+and V projections (the `qkv_bias` part: zeros at init; under TP each rank holds the biases of
+its columns). A sliding window is read only where config.json turns it on (use_sliding_window).
 """
 
 from __future__ import annotations
 
 from lctrain.config import ModelConfig
-from lctrain.models.decoder import Attention
 from lctrain.models.families import FamilyCode
 
 
@@ -21,5 +20,4 @@ def windowed_hf_config(cfg: ModelConfig) -> dict:
             "layer_types": [cfg.layer_type(i) for i in range(cfg.n_layers)]}
 
 
-QWEN2 = FamilyCode("qwen2", attention=Attention,  # the biases: ModelFamily.qkv_bias
-                   hf_config=windowed_hf_config)
+FAMILY = FamilyCode(hf_config=windowed_hf_config)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from lctrain.config import ModelConfig
 from lctrain.models.families import FamilyCode
 from lctrain.models.qwen2 import windowed_hf_config
-from lctrain.models.qwen3 import QWEN3
 
 
 def moe_hf_config(cfg: ModelConfig, experts_key: str) -> dict:
@@ -29,10 +28,8 @@ def _hf_config(cfg: ModelConfig) -> dict:
             "mlp_only_layers": [i for i in range(cfg.n_layers) if i not in sparse]}
 
 
-QWEN3_MOE = FamilyCode(
-    "qwen3_moe", attention=QWEN3.attention,
-    hf_names={**QWEN3.hf_names, "feed_forward.router": "mlp.gate"},
+FAMILY = FamilyCode(
+    hf_config=_hf_config, hf_names={"feed_forward.router": "mlp.gate"},
     hf_params={"feed_forward.experts.w1": "mlp.experts.{e}.gate_proj.weight",
-                "feed_forward.experts.w3": "mlp.experts.{e}.up_proj.weight",
-                "feed_forward.experts.w2": "mlp.experts.{e}.down_proj.weight"},
-    tp_plan=QWEN3.tp_plan, hf_config=_hf_config)
+               "feed_forward.experts.w3": "mlp.experts.{e}.up_proj.weight",
+               "feed_forward.experts.w2": "mlp.experts.{e}.down_proj.weight"})

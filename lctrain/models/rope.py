@@ -1,4 +1,5 @@
-"""RoPE inverse frequencies for context extension, numerically as in Hugging Face transformers.
+"""RoPE: the rotary embedding's cos/sin tables and their application, and the inverse
+frequencies for context extension, numerically as in Hugging Face transformers.
 
 rope_type: default (theta only) | linear (positions / factor) | llama3 (Llama 3.1 wavelength-
 dependent scaling) | yarn (NTK-by-parts interpolation plus an attention temperature applied to
@@ -10,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor, nn
 
 from lctrain.config import ModelConfig
 
@@ -60,3 +62,34 @@ def _yarn(dim: int, cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate by `factor`
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv_freq, attention_factor
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for given positions, computed in float32 like HF, cast to the input dtype.
+
+    Frequencies come from `lctrain.models.rope` (theta and the optional context-extension
+    scaling).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        inv_freq, self.attention_scaling = rope_frequencies(cfg)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def reset_buffers(self) -> None:
+        """Compute the frequencies again (a model built on the meta device has none)."""
+        self.inv_freq = rope_frequencies(self.cfg)[0].to(self.inv_freq.device)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        # positions [B or 1, S] -> cos, sin [B or 1, S, 1, d]
+        freqs = positions.float()[..., None] * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        scale = self.attention_scaling
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -20,7 +20,8 @@ from lctrain.attention.kernels import KernelOptions, forward_ops
 from lctrain.comm import sum_passing_grad
 from lctrain.config import LctrainConfig
 from lctrain.config.derived import load_balance_of
-from lctrain.models.decoder import AttentionCore, Decoder, sdpa_attention
+from lctrain.models.blocks import AttentionCore, sdpa_attention
+from lctrain.models.decoder import Decoder
 from lctrain.models.hf import load_hf_weights
 from lctrain.models.init import init_weights
 from lctrain.models.registry import new_model

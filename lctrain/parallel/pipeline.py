@@ -39,7 +39,8 @@ from lctrain.config import LctrainConfig
 from lctrain.config.derived import dtype_bytes
 from lctrain.data.batch import MicroBatch
 from lctrain.layout.stages import rank_of, split_layers, stage_count, stages_of
-from lctrain.models.decoder import AttentionCore, Decoder
+from lctrain.models.blocks import AttentionCore
+from lctrain.models.decoder import Decoder
 from lctrain.models.registry import new_model
 from lctrain.parallel.data_parallel import unwrap
 from lctrain.parallel.runtime import Runtime

@@ -28,14 +28,14 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from lctrain.models.families import LLAMA, FamilyCode
+from lctrain.models.families import FamilyCode
 from lctrain.models.moe import MoE
 from lctrain.models.registry import family_code
 
 
-def tp_plan(sp: bool, family: FamilyCode = LLAMA) -> tuple[dict, dict]:
-    """(top-level plan, per-block plan): module name -> parallel style, with the family's own
-    entries (`FamilyCode.tp_plan`). The attention and feed-forward modules take the hidden
+def tp_plan(sp: bool, family: FamilyCode) -> tuple[dict, dict]:
+    """(top-level plan, per-block plan): module name -> parallel style, with the entries of the
+    family's parts (`FamilyCode.tp_plan`). The attention and feed-forward modules take the hidden
     state as their only positional input (RoPE tables and document ids are keywords, which the
     plan leaves alone). Biases shard with their columns (ColwiseParallel's Shard(0))."""
     seq = Shard(1) if sp else Replicate()  # layout of the hidden state between blocks

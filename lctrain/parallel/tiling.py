@@ -17,7 +17,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.checkpoint import checkpoint
 
-from lctrain.models.decoder import FeedForward, cross_entropy_sum
+from lctrain.models.blocks import FeedForward
+from lctrain.models.decoder import cross_entropy_sum
 from lctrain.models.moe import MoE, sorted_counts
 from lctrain.parallel.experts import ExpertParallel
 

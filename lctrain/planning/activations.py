@@ -14,6 +14,7 @@ from lctrain.config.cp_algorithms import LayerShape, MemoryTerms, cp_algorithm
 from lctrain.config.derived import dtype_bytes, load_balance_of
 from lctrain.config.load_balances import split_of
 from lctrain.config.model_families import NORM_TILE_ELEMENTS, model_family
+from lctrain.config.model_parts import EXPERT_BIAS, QK_NORM
 from lctrain.config.model_size import expert_params, layer_kinds, mlp_params
 from lctrain.planning.documents import travelling_share
 
@@ -49,7 +50,7 @@ def _norm_bytes(D: int, s: int, a: int, r: int) -> float:
     """Bytes per token one RMSNorm keeps: its input (the residual stream) and the float32
     rsqrt on the sequence shard, and its output in the compute dtype, gathered over the
     sequence under SP (the matmuls keep it). lctrain's norm recomputes the rest in its backward
-    (`models.llama.RMSNorm`)."""
+    (`models.norms.RMSNorm`)."""
     return (r * D + 4) / s + a * D
 
 
@@ -114,7 +115,7 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int,
     mlp_weights = (mlp_params(m, layer) - expert_params(m, layer) + expert_params(m, layer) // p.ep
                    if moe else 3 * D * F // t)
     per_token = 2 * _norm_bytes(D, s, a, r) + a * (2 * Dq + 2 * k * dkv) / t + 4 * H / t
-    if model_family(m.family).qk_norm:
+    if model_family(m.family).has(QK_NORM):
         per_token += _head_norm_bytes(m, a) / t
     if p.cp > 1:  # what the algorithm keeps besides (`MemoryTerms.kept_per_token`)
         per_token += cp_algorithm(p.attention).memory.kept_per_token(
@@ -146,7 +147,7 @@ def _moe_kept(cfg: LctrainConfig, n: int, a: int, mode: str) -> float:
     rows = n * k
     if mode == "selective":
         return rows * a * (2 * F + D) + n * a * E
-    biased = model_family(m.family).expert_bias
+    biased = model_family(m.family).has(EXPERT_BIAS)
     token = (a * (k * D * (2 if ep else 1) + k) + 4 * E + 24 * k
              + (4 * k + 4 if m.norm_topk_prob else 0))
     row = a * ((7 if biased else 4) * F + 2 * D) + (8 if biased else 0) + (8 if ep else 0)
