@@ -60,7 +60,7 @@ def _reference_predictions(cfg, examples):
         for ex in examples:
             tokens = torch.from_numpy(ex.window.read(0, cfg.train.seq_len + 1))[None]
             mb = micro_batch_from_tokens(tokens, cfg.train.seq_len)
-            logits = model(mb.inputs, mb.positions)[0, ex.targets[:, 0]]
+            logits = model(mb.inputs, positions=mb.positions)[0, ex.targets[:, 0]]
             top = logits.topk(2, dim=-1).values
             out.append((logits.argmax(-1).numpy(), logits.argmin(-1).numpy(),
                         (top[:, 0] - top[:, 1]).min().item()))

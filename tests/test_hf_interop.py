@@ -26,7 +26,7 @@ def _load_forward_export(cfg, tokens, out_dir, shard_bytes):
     cp_rank = rt.topology.axis_rank(rt.rank, "cp")
     positions = sequence.positions(tokens.shape[1], cp_rank, 2, "zigzag")[None]
     with torch.no_grad():
-        local = model(sequence.split(tokens, 1, cp_rank, 2, "zigzag"), positions)
+        local = model(sequence.split(tokens, 1, cp_rank, 2, "zigzag"), positions=positions)
     local = local.full_tensor() if hasattr(local, "full_tensor") else local
     parts = all_gather(local, rt.mesh.group("cp"), dim=0).chunk(2, dim=0)  # cp-rank order
     export_hf(full_parameters(model), cfg.model, out_dir, rt.rank, shard_bytes)

@@ -84,7 +84,7 @@ def test_explicit_positions_match_transformers():
     tokens = torch.randint(0, cfg.vocab_size, (1, 16))
     positions = torch.arange(100, 116)[None]  # e.g. a later shard of a long sequence
     with torch.no_grad():
-        torch.testing.assert_close(ours(tokens, positions),
+        torch.testing.assert_close(ours(tokens, positions=positions),
                                    hf(input_ids=tokens, position_ids=positions).logits,
                                    rtol=1e-5, atol=1e-5)
 

@@ -86,8 +86,8 @@ def test_the_toy_family_builds_counts_maps_and_computes_as_its_reference():
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 25))
     lengths = [np.array([7, 12, 6]), np.array([25])]  # packed documents of mixed lengths
     batch = micro_batch_from_tokens(tokens, 24, lengths=lengths, document_masking=True)
-    got = toy(batch.inputs, batch.positions, batch.doc_ids, batch.labels)
-    want = ref(batch.inputs, batch.positions, batch.doc_ids, batch.labels)
+    inputs = {"positions": batch.positions, "doc_ids": batch.doc_ids, "labels": batch.labels}
+    got, want = toy(batch.inputs, **inputs), ref(batch.inputs, **inputs)
     torch.testing.assert_close(got, want, rtol=1e-10, atol=0)
     got.backward()
     want.backward()

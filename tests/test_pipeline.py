@@ -108,7 +108,8 @@ def _reference_grads(cfg):
     tokens = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in mbs)
     model = reference_model(cfg)
     for mb in mbs:
-        (model(mb.inputs, mb.positions, mb.doc_ids, labels=mb.labels) / tokens).backward()
+        (model(mb.inputs, positions=mb.positions, doc_ids=mb.doc_ids, labels=mb.labels)
+         / tokens).backward()
     return {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -284,9 +285,9 @@ def _forward_and_export(cfg, out_dir):
                            generator=torch.Generator().manual_seed(3))
     mb = micro_batch_from_tokens(tokens, cfg.train.seq_len, rt.axis_rank("cp"),
                                  rt.topology.cp, load_balance_of(cfg))
-    logits = model(mb.inputs, mb.positions, mb.doc_ids)
+    logits = model(mb.inputs, positions=mb.positions, doc_ids=mb.doc_ids)
     with vocab_parallel(rt.topology.tp):
-        loss = model(mb.inputs, mb.positions, mb.doc_ids, labels=mb.labels)
+        loss = model(mb.inputs, positions=mb.positions, doc_ids=mb.doc_ids, labels=mb.labels)
     export_hf(model.full_parameters(), cfg.model, out_dir, rt.rank)
     if logits is None:
         return None

@@ -29,7 +29,7 @@ from lctrain.config.model_parts import EMBED_SCALE, NORM_OFFSET
 from lctrain.data.batch import IGNORE_INDEX
 from lctrain.models.blocks import Block, BlockParts
 from lctrain.models.init import init_weights
-from lctrain.models.moe import RouterLog, load_balancing_loss
+from lctrain.models.moe import RouterLog
 from lctrain.models.norms import RMSNorm
 from lctrain.models.rope import RotaryEmbedding
 
@@ -48,8 +48,9 @@ def full_logits_loss(output: nn.Module, h: Tensor, labels: Tensor) -> Tensor:
     return cross_entropy_sum(output(h), labels)
 
 
-def _same(x: Tensor) -> Tensor:
-    return x
+def without_routing(out: Tensor | tuple[Tensor, Tensor]) -> Tensor:
+    """A model's output without the routing table a model with experts returns beside it."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 class Decoder(nn.Module):
@@ -73,15 +74,8 @@ class Decoder(nn.Module):
         """The MoE layers' routing of the current forward (lctrain.models.moe)."""
         build = dataclasses.replace(build, router_log=self.router_log)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, build) for i in range(cfg.n_layers)})
-        self.reduce_router_stats: Callable[[Tensor], Tensor] = _same
-        """Sum over the ranks that hold parts of the micro-batch's tokens (context parallelism
-        sets it), with the gradient passed through unchanged: each of those ranks adds the same
-        load-balancing loss, and its own tokens' part of the gradient."""
-        self.aux_loss: Tensor | None = None
-        """The load-balancing loss of the last forward with labels (MoE models; §28)."""
-        self.expert_counts: Tensor | None = None
-        """Tokens this rank routed to each expert in the last forward with labels, [MoE layers,
-        E] (float, no gradient)."""
+        self.moe_layers = [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]
+        """The rows of the routing table a model with experts returns (`forward`)."""
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps, family.has(NORM_OFFSET))
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -90,16 +84,25 @@ class Decoder(nn.Module):
         """How the loss is computed from the final hidden state (the sequence-tiled head of
         lctrain.parallel.tiling plugs in here)."""
 
-    def forward(self, x: Tensor, positions: Tensor | None = None,
-                doc_ids: Tensor | None = None, labels: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, routing: Tensor | None = None, *,
+                positions: Tensor | None = None, doc_ids: Tensor | None = None,
+                labels: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """tokens [B, S] (or hidden [B, S, D] without an embedding) -> logits [B, S, V], or with
         `labels` [B, S] the sum of the token cross-entropies (IGNORE_INDEX targets left out),
         with `labels` [G, B, S] the G sums of G label sets over the one forward (the
-        validation loss by position band).
+        validation loss by position band); the hidden state without an output layer.
+
+        A model with experts returns (that output, its routing table): the forward's routing
+        (`lctrain.models.moe.RouterLog.table`) plus `routing`, the table of the pipeline stages
+        before it. The load-balancing loss is the caller's (`lctrain.models.moe.table_loss`,
+        once the tables of every rank holding the micro-batch's tokens are summed).
 
         positions: RoPE position ids [B or 1, S] (default 0..S-1); with context parallelism the
-        global positions of this rank's tokens. doc_ids: see the module docstring.
+        global positions of this rank's tokens. doc_ids: see `lctrain.models.blocks`.
         """
+        if routing is not None and not self.cfg.n_experts:
+            raise TypeError("a routing table for a model without experts (positions, doc_ids "
+                            "and labels are keyword arguments)")
         if positions is None:  # from the input: with sequence parallelism h holds S/tp tokens
             positions = torch.arange(x.shape[1], device=x.device)[None]
         h = x
@@ -117,8 +120,13 @@ class Decoder(nn.Module):
             h = layer(h, cos=c, sin=s, doc_ids=doc_ids)
         if self.norm is not None:
             h = self.norm(h)
-        if labels is not None and self.router_log.counts:
-            self._router_losses()
+        out = self._output(h, labels)
+        if not self.cfg.n_experts:
+            return out
+        table = self.router_log.table(self.moe_layers, self.cfg.n_experts, h.device)
+        return out, table if routing is None else routing + table
+
+    def _output(self, h: Tensor, labels: Tensor | None) -> Tensor:
         if self.output is None:
             return h
         if labels is None:
@@ -126,30 +134,6 @@ class Decoder(nn.Module):
         if labels.dim() == 3:  # several label sets over one forward: one loss sum each
             return torch.stack([self.loss_head(self.output, h, group) for group in labels])
         return self.loss_head(self.output, h, labels)
-
-    def _router_losses(self) -> None:
-        """`aux_loss` and `expert_counts` from the forward's routing (§28)."""
-        self.aux_loss = self.aux_from_totals(self.router_totals())
-
-    def router_totals(self) -> Tensor:
-        """The forward's routing summed over its MoE layers, [2 E + 1]: the tokens sent to each
-        expert and the routing probabilities of each (with their gradient), then the rows;
-        sets `expert_counts` and clears the log."""
-        log = self.router_log
-        self.expert_counts = torch.stack([log.counts[i] for i in sorted(log.counts)])
-        rows = torch.full((1,), float(log.tokens), device=self.expert_counts.device)
-        totals = torch.cat([self.expert_counts.sum(dim=0), torch.stack(log.prob_sums).sum(dim=0),
-                            rows])
-        log.clear()
-        return totals
-
-    def aux_from_totals(self, totals: Tensor) -> Tensor:
-        """The load-balancing loss of `router_totals` (summed over the layers of every pipeline
-        stage), once they are summed over the ranks that hold the micro-batch's tokens; the
-        gradient reaches the probabilities only."""
-        e = self.cfg.n_experts
-        totals = self.reduce_router_stats(totals)
-        return load_balancing_loss(totals[:e].detach(), totals[e:2 * e], totals[-1].detach(), e)
 
     def init_rules(self) -> dict[str, float | None]:
         rules = {}

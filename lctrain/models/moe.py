@@ -10,7 +10,9 @@ token's output is the sum of its experts' outputs weighted by those probabilitie
 
 The load-balancing loss couples every MoE layer of the model (transformers' definition: counts
 and probabilities summed over all layers before their product), so each layer records its
-statistics in the model's `RouterLog` and the model computes the loss after its last block.
+statistics in the model's `RouterLog`, and the model returns them beside its output as one
+routing table (`RouterLog.table`); whoever holds the micro-batch's tokens sums the tables
+(pipeline stages, context-parallel ranks) and computes the loss (`table_loss`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,38 @@ class RouterLog:
             self.counts[layer] = counts.float() if before is None else before + counts
             self.prob_sums.append(prob_sum)
             self.tokens += tokens
+
+    def table(self, moe_layers: list[int], n_experts: int, device: torch.device) -> Tensor:
+        """What was recorded as a routing table [M + 2, E] over the model's M MoE layers: row i
+        the tokens sent to each expert by MoE layer `moe_layers[i]` (zeros for a layer this
+        forward did not run: another pipeline stage's), row M the routing probabilities summed
+        over every layer's tokens (with their gradient), row M + 1 the (layer, token) rows in
+        its first column. Tables add up: stages' and ranks' sums are the model's. Clears the
+        log."""
+        table = torch.zeros(len(moe_layers) + 2, n_experts, device=device)
+        for i, layer in enumerate(moe_layers):
+            if layer in self.counts:
+                table[i] = self.counts[layer]
+        table[-1, 0] = float(self.tokens)
+        if self.prob_sums:
+            probs = torch.stack(self.prob_sums).sum(dim=0)
+            table = torch.cat([table[:-2], probs[None], table[-1:]])
+        else:  # a stage without MoE layers: its table still carries the gradient back
+            table.requires_grad_(True)
+        self.clear()
+        return table
+
+
+def table_counts(table: Tensor) -> Tensor:
+    """Tokens sent to each expert per MoE layer, [M, E] (no gradient), of a routing table."""
+    return table[:-2].detach()
+
+
+def table_loss(table: Tensor, n_experts: int) -> Tensor:
+    """The load-balancing loss of a routing table summed over the model's layers and the ranks
+    that hold the micro-batch's tokens; the gradient reaches the probabilities only."""
+    counts = table[:-2].detach().sum(dim=0)
+    return load_balancing_loss(counts, table[-2], table[-1, 0].detach(), n_experts)
 
 
 def load_balancing_loss(counts: Tensor, prob_sums: Tensor, rows: Tensor, n_experts: int

@@ -146,7 +146,7 @@ def micro_steps(engine: nn.Module, micro_batches: list[MicroBatch], loss_scale: 
     for mb in micro_batches:
         mb = mb.to(rt.device)
         with rt.autocast():
-            loss = engine(mb.inputs, mb.positions, mb.doc_ids, labels=mb.labels)
+            loss = engine(mb.inputs, positions=mb.positions, doc_ids=mb.doc_ids, labels=mb.labels)
         engine.backward(loss * loss_scale, scale_wrt_gas=False)
         engine.step()  # the optimizer steps at the accumulation boundary only
         loss_sum += loss.detach().float()

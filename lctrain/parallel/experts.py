@@ -26,12 +26,26 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lctrain import device
-from lctrain.comm import all_to_all_rows_autograd, traffic_tag
-from lctrain.models.moe import Experts
+from lctrain.comm import all_to_all_rows_autograd, sum_passing_grad, traffic_tag
+from lctrain.config import ModelConfig
+from lctrain.models.moe import Experts, table_loss
+from lctrain.parallel.runtime import Runtime
 from lctrain.parallel.tensor import shard_rows
 
 EP_TAG = "ep"
 """The traffic tag of the experts' all-to-all (metrics' traffic/ep)."""
+
+
+def routing_loss(table: Tensor, m: ModelConfig, rt: Runtime) -> Tensor:
+    """The load-balancing loss of a micro-batch (docs/parallelism.md §28) from this rank's
+    routing table (`lctrain.models.moe.RouterLog.table`), summed first over the ranks that hold
+    the micro-batch's other tokens: cp, and tp (under SP each TP rank routes its own sequence
+    shard). The sum passes the gradient through unchanged: each of those ranks adds the same
+    loss and back-propagates its own tokens' part."""
+    for axis in ("cp", "tp"):
+        if rt.topology.group_size(axis) > 1:
+            table = sum_passing_grad(table, rt.group(axis))
+    return table_loss(table, m.n_experts)
 
 
 class Dispatch(NamedTuple):

@@ -17,7 +17,6 @@ from torch import nn
 from lctrain import device
 from lctrain.attention import ContextParallelAttention
 from lctrain.attention.kernels import KernelOptions, forward_ops
-from lctrain.comm import sum_passing_grad
 from lctrain.config import LctrainConfig
 from lctrain.config.derived import load_balance_of
 from lctrain.models.blocks import AttentionCore, sdpa_attention
@@ -61,13 +60,9 @@ def parallelize_model(model: Decoder, cfg: LctrainConfig, rt: Runtime,
     over dp x cp (a rank's experts over the ranks holding the same ones); then,
     for a model built on the meta device, materialise this rank's shards on the device and
     `fill` them; then DDP (which needs real weights). Under context parallelism a mixture of
-    experts sums its routing statistics over cp (lctrain.models.moe)."""
+    experts' routing tables are summed over the ranks of a micro-batch by the step
+    (`lctrain.parallel.experts.routing_loss`)."""
     p, t = cfg.parallel, cfg.train
-    # a mixture of experts' routing statistics cover the micro-batch's tokens: over cp, and
-    # over tp under SP (each TP rank then routes its own sequence shard)
-    groups = [rt.group(axis) for axis, size in (("cp", p.cp), ("tp", p.tp)) if size > 1]
-    if groups:
-        model.reduce_router_stats = partial(_sum_over, groups=groups)
     if p.tp > 1:
         model = apply_tensor_parallel(model, rt.mesh["tp"], p.sp)
     if p.ep > 1 or (p.tp > 1 and cfg.model.n_experts):
@@ -84,12 +79,6 @@ def parallelize_model(model: Decoder, cfg: LctrainConfig, rt: Runtime,
     if fill is not None:
         _materialize(model, rt.device, fill)
     return apply_ddp(model, rt) if engine == "ddp" else model
-
-
-def _sum_over(x: torch.Tensor, groups: list) -> torch.Tensor:
-    for group in groups:
-        x = sum_passing_grad(x, group)
-    return x
 
 
 def apply_compile(model: Decoder, tp: int) -> Decoder:

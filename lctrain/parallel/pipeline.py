@@ -40,9 +40,11 @@ from lctrain.config.derived import dtype_bytes
 from lctrain.data.batch import MicroBatch
 from lctrain.layout.stages import rank_of, split_layers, stage_count, stages_of
 from lctrain.models.blocks import AttentionCore
-from lctrain.models.decoder import Decoder
+from lctrain.models.decoder import Decoder, without_routing
+from lctrain.models.moe import table_counts
 from lctrain.models.registry import new_model
 from lctrain.parallel.data_parallel import unwrap
+from lctrain.parallel.experts import routing_loss
 from lctrain.parallel.runtime import Runtime
 from lctrain.parallel.tensor import (
     laid_out_as,
@@ -65,7 +67,8 @@ def my_stages(cfg: LctrainConfig, rt: Runtime) -> list[int]:
 def stage_model(cfg: LctrainConfig, core: AttentionCore, stage: int) -> Decoder:
     """Stage `stage` of the model on the meta device: its layers under their global ids, the
     embedding if it is the first stage, the final norm and output layer if it is the last. A
-    mixture of experts' stage is a `RoutedStage`."""
+    stage of a mixture of experts takes the routing table of the stages before it beside the
+    hidden state and returns it with its own layers' added (`Decoder.forward`)."""
     layers = set(split_layers(cfg)[stage])
     with torch.device("meta"):
         model = new_model(cfg.model, core)
@@ -75,9 +78,6 @@ def stage_model(cfg: LctrainConfig, core: AttentionCore, stage: int) -> Decoder:
         model.tok_embeddings = None
     if stage < stage_count(cfg) - 1:
         model.norm = model.output = None
-    if cfg.model.n_experts:  # the class only: names and weights stay (as tiling does)
-        model.__class__ = RoutedStage
-        model.routing_counts = []
     return model
 
 
@@ -87,9 +87,9 @@ def stage_io(cfg: LctrainConfig, rt: Runtime, stage: int) -> dict:
     otherwise learns them from the neighbouring ranks by object collectives, which a trace's
     fake process group cannot carry. The hidden state [B, S/(cp*s), D] (s = tp with SP) in the
     residual dtype (bf16 when FSDP computes in bf16: the embedding's output), token ids into
-    the first stage, and beside the hidden state a mixture of experts' routing totals
-    [2 E + 1] (`RoutedStage`); the last stage returns the loss sum (and the load-balancing
-    loss)."""
+    the first stage, and beside the hidden state a mixture of experts' routing table
+    [M + 2, E] (`lctrain.models.moe.RouterLog.table`); the last stage returns the loss sum (and
+    the table)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     s = p.tp if (p.sp and p.tp > 1) else 1
     residual = dtype_bytes(cfg, rt.world_size)[1]
@@ -99,13 +99,13 @@ def stage_io(cfg: LctrainConfig, rt: Runtime, stage: int) -> dict:
     # of a given shape require one only if the example does
     hidden = torch.empty(rows, local // s, m.dim, device=meta, requires_grad=True,
                          dtype=torch.bfloat16 if residual == 2 else torch.float32)
-    totals = ((torch.empty(2 * m.n_experts + 1, device=meta, requires_grad=True),)
+    moe_layers = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    totals = ((torch.empty(moe_layers + 2, m.n_experts, device=meta, requires_grad=True),)
               if m.n_experts else ())
     inputs = ((torch.empty(rows, local, dtype=torch.long, device=meta),) if stage == 0
               else (hidden, *totals))
     last = stage == stage_count(cfg) - 1
-    outputs = ((torch.empty((), device=meta),) * (2 if m.n_experts else 1) if last
-               else (hidden, *totals))
+    outputs = ((torch.empty((), device=meta), *totals) if last else (hidden, *totals))
     return {"input_args": inputs, "output_args": outputs,  # and their gradients, alike
             "input_grads": (None,) if stage == 0 else inputs,
             "output_grads": None if last else outputs}
@@ -117,39 +117,6 @@ def _static_shapes(stages: list[PipelineStage], *_) -> None:
 
     for stage in stages:
         stage._inference_mode = InferenceMode.STATIC
-
-
-class RoutedStage(Decoder):
-    """A pipeline stage of a mixture-of-experts model. transformers' load-balancing loss pools
-    the routing of every MoE layer of the model (docs/parallelism.md §28), which the stages
-    hold apart: each stage adds its layers' routing totals ([2 E + 1]: tokens per expert,
-    probabilities with their gradient, rows) to those of the stages before it and passes them
-    on beside the hidden state; the last stage returns (loss sum, load-balancing loss), and the
-    probabilities' gradient goes back through the stages with the hidden state's."""
-
-    routing_counts: list[Tensor]
-    """Tokens sent to each expert of each of this stage's MoE layers, per forward of the step
-    (`PipelinedModel` empties it at each step's start)."""
-
-    def forward(self, x: Tensor, totals: Tensor | None = None, positions: Tensor | None = None,
-                doc_ids: Tensor | None = None, labels: Tensor | None = None
-                ) -> Tensor | tuple[Tensor, Tensor]:
-        out = super().forward(x, positions, doc_ids, labels)
-        if self.router_log.counts:
-            mine = self.router_totals()
-            self.routing_counts.append(self.expert_counts)
-        else:  # no MoE layer here (mlp_only_layers): the totals pass through
-            mine = torch.zeros(2 * self.cfg.n_experts + 1, device=out.device,
-                               requires_grad=True)
-        totals = mine if totals is None else totals + mine
-        if self.output is None:
-            return out, totals
-        if labels is None:
-            return out
-        return out, self.aux_from_totals(totals)
-
-    def _router_losses(self) -> None:
-        """Computed by `forward` over every stage's totals instead."""
 
 
 class PipelinedModel(nn.Module):
@@ -198,6 +165,7 @@ class PipelinedModel(nn.Module):
         self._loss_scale, self._aux_weight = 1.0, 0.0
         self._loss_sums: list[Tensor] = []
         self._aux_values: list[Tensor] = []
+        self._routing_counts: list[Tensor] = []
         # every load_state_dict (resume, checkpoint.load, load_model_only) ends by refreshing
         self.register_load_state_dict_post_hook(lambda module, _keys: module.refresh_copy())
         self.refresh_copy()  # initialised or loaded as the embedding's, its values from there
@@ -216,21 +184,24 @@ class PipelinedModel(nn.Module):
 
     def _scaled_loss(self, output: Tensor | tuple[Tensor, Tensor], _target: Tensor) -> Tensor:
         """The schedule's loss function: the last stage already returns the loss sum (with a
-        mixture of experts' load-balancing loss beside it, at its weight `aux_weight`)."""
-        loss_sum, aux = output if isinstance(output, tuple) else (output, None)
+        mixture of experts' routing table beside it, every stage's layers in it: its
+        load-balancing loss is added at its weight `aux_weight`)."""
+        loss_sum, table = output if isinstance(output, tuple) else (output, None)
         self._loss_sums.append(loss_value(loss_sum.detach()))
         scaled = loss_sum * self._loss_scale
-        if aux is None:
+        if table is None:
             return scaled
+        aux = routing_loss(table, self.cfg.model, self.rt)
         self._aux_values.append(aux.detach())
+        self._routing_counts.append(table_counts(table))
         return plus_aux(scaled, self._aux_weight * aux)
 
     def train_step(self, micro_batches: list[MicroBatch], loss_scale: Tensor | float,
                    aux_weight: float = 0.0) -> Tensor:
         """Forward and backward of the step's micro-batches through the pipeline schedule; the
         detached sum of token losses (on the last stage; 0 on the others). `aux_weight`: a
-        mixture of experts' load-balancing loss's weight (its values: `aux_values`, the
-        tokens per expert of the rank's layers: `routing_counts`)."""
+        mixture of experts' load-balancing loss's weight (its values and the tokens per expert of
+        every MoE layer, on the last stage's ranks: `routing`)."""
         rt = self.rt
         mbs = [mb.to(rt.device) for mb in micro_batches]
         inputs = torch.cat([mb.inputs for mb in mbs])
@@ -239,10 +210,7 @@ class PipelinedModel(nn.Module):
         if mbs[0].doc_ids is not None:
             kwargs["doc_ids"] = torch.cat([mb.doc_ids for mb in mbs])
         self._loss_scale, self._loss_sums = loss_scale, []
-        self._aux_weight, self._aux_values = aux_weight, []
-        for part in self.parts.values():
-            if isinstance(unwrap(part), RoutedStage):
-                unwrap(part).routing_counts = []
+        self._aux_weight, self._aux_values, self._routing_counts = aux_weight, [], []
         args = (inputs,) if 0 in self.parts else ()
         # the loss is computed inside the last stage: the schedule's target is a placeholder
         target = torch.zeros(len(mbs), device=rt.device)
@@ -270,21 +238,18 @@ class PipelinedModel(nn.Module):
 
     @torch.no_grad()
     def routing(self) -> tuple[list[Tensor], Tensor | None]:
-        """The last step's load-balancing losses (one per micro-batch, on the last stage's ranks)
-        and the tokens per expert of every MoE layer ([MoE layers, E], this rank's layers
-        filled, zeros elsewhere), or None for a dense model. (On its first step the schedule
-        also runs a forward on placeholder inputs to learn the shapes: the last forwards of
-        the step are its micro-batches'.)"""
+        """The last step's load-balancing losses (one per micro-batch) and the tokens this rank's
+        micro-batches sent to each expert of every MoE layer ([MoE layers, E]), on the last
+        stage's ranks (zeros elsewhere: a sum over the pipeline counts each once), or None for
+        a dense model. (On its first step the schedule also runs a forward on placeholder
+        inputs to learn the shapes: the last forwards of the step are its micro-batches'.)"""
         m, accum = self.cfg.model, self.rt.derived.grad_accum
         if not m.n_experts:
             return self._aux_values[-accum:], None
-        moe = [i for i in range(m.n_layers) if m.is_moe_layer(i)]
-        counts = torch.zeros(len(moe), m.n_experts, device=self.rt.device)
-        for stage, part in self.parts.items():
-            held = unwrap(part).routing_counts[-accum:]
-            if held:
-                mine = [moe.index(i) for i in split_layers(self.cfg)[stage] if i in moe]
-                counts[mine] += sum(held)
+        moe_layers = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+        counts = torch.zeros(moe_layers, m.n_experts, device=self.rt.device)
+        for held in self._routing_counts[-accum:]:
+            counts += held
         return self._aux_values[-accum:], counts
 
     def _add_copy_grad(self) -> None:
@@ -337,10 +302,8 @@ class PipelinedModel(nn.Module):
             if stage > 0 and stage - 1 not in self.parts:
                 h = self._recv(self._peer(stage - 1))
             last = stage == self.n_stages - 1
-            h = self.parts[stage](h, positions=positions, doc_ids=doc_ids,
-                                  labels=labels if last else None)
-            if isinstance(h, tuple):  # a mixture of experts' routing totals: not needed here
-                h = h[0]
+            h = without_routing(self.parts[stage](h, positions=positions, doc_ids=doc_ids,
+                                                  labels=labels if last else None))
             if not last and stage + 1 not in self.parts:
                 self._send(h, self._peer(stage + 1))
         return h if self.has_last_stage else None

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from lctrain.config import LctrainConfig
 from lctrain.config.derived import load_balance_of, ulysses_degree
 from lctrain.data.batch import micro_batch_from_tokens
+from lctrain.models.decoder import without_routing
 from lctrain.parallel.data_parallel import unwrap
 from lctrain.parallel.parallelize import build_model
 from lctrain.parallel.runtime import setup_distributed
@@ -204,7 +205,8 @@ def build_measured_model(cfg: LctrainConfig, batch: int, seed: int = 0):
 
     def run_forward():  # as training runs it: the loss, bf16 autocast, offload
         with vocab_parallel(rt.topology.tp), rt.autocast(), rt.saved_activations():
-            return model(mb.inputs, mb.positions, mb.doc_ids, labels=mb.labels)
+            return without_routing(model(mb.inputs, positions=mb.positions, doc_ids=mb.doc_ids,
+                                         labels=mb.labels))
 
     return model, run_forward
 

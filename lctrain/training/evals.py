@@ -28,6 +28,7 @@ from lctrain.config.eval_rules import has_validation
 from lctrain.data.batch import build_micro_batch
 from lctrain.data.needle import NeedleTask
 from lctrain.data.tasks import TASKS, EvalExample, eval_examples
+from lctrain.models.decoder import without_routing
 from lctrain.parallel.runtime import Runtime
 from lctrain.training.heldout import ValidationLoss
 
@@ -109,7 +110,8 @@ class Evaluator:
                                    self.cp_rank, rt.topology.cp, self.load_balance,
                                    cfg.data.document_masking, self.ulysses).to(rt.device)
             with rt.autocast():
-                logits = model(mb.inputs, mb.positions, mb.doc_ids)
+                logits = without_routing(model(mb.inputs, positions=mb.positions,
+                                                doc_ids=mb.doc_ids))
             if batch and logits is not None:  # None: not the last pipeline stage
                 misses += self._misses(logits, batch, mb.global_positions).to(rt.device)
         rt.sum_scores(misses)

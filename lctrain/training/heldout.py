@@ -18,6 +18,7 @@ from lctrain.config.eval_rules import position_bands
 from lctrain.data.batch import IGNORE_INDEX, MicroBatch
 from lctrain.data.loader import DataLoader
 from lctrain.data.sources import build_val_source
+from lctrain.models.decoder import without_routing
 from lctrain.parallel.runtime import Runtime
 from lctrain.parallel.tensor import loss_value, vocab_parallel
 
@@ -54,7 +55,8 @@ class ValidationLoss:
             mb = mb.to(rt.device)
             labels = self._band_labels(mb)
             with vocab_parallel(rt.topology.tp), rt.autocast():
-                loss = model(mb.inputs, mb.positions, mb.doc_ids, labels=labels)
+                loss = without_routing(model(mb.inputs, positions=mb.positions, doc_ids=mb.doc_ids,
+                                             labels=labels))
             if loss is not None:  # None: not the last pipeline stage
                 totals[0] += loss_value(loss).double()
                 totals[1] += (labels != IGNORE_INDEX).flatten(1).sum(1)

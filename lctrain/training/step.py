@@ -24,8 +24,10 @@ from torch import Tensor, nn
 from lctrain import device
 from lctrain.config import LctrainConfig, ModelConfig
 from lctrain.data.batch import MicroBatch
+from lctrain.models.moe import table_counts
 from lctrain.parallel import deepspeed_engine
 from lctrain.parallel.data_parallel import gradient_sync, reduce_expert_grads, unwrap
+from lctrain.parallel.experts import routing_loss
 from lctrain.parallel.pipeline import PipelinedModel
 from lctrain.parallel.runtime import Runtime
 from lctrain.parallel.tensor import loss_value, plus_aux, vocab_parallel
@@ -41,14 +43,15 @@ def forward_backward(model: nn.Module, mb: MicroBatch, loss_scale: Tensor | floa
     mb = mb.to(rt.device)
     with vocab_parallel(rt.topology.tp):
         with rt.autocast(), rt.saved_activations():
-            loss_sum = model(mb.inputs, mb.positions, mb.doc_ids, labels=mb.labels)
+            out = model(mb.inputs, positions=mb.positions, doc_ids=mb.doc_ids, labels=mb.labels)
+        loss_sum, table = out if isinstance(out, tuple) else (out, None)
         objective = loss_sum * loss_scale
-        core = unwrap(model)
-        aux = getattr(core, "aux_loss", None)
-        if aux is not None:
-            objective = plus_aux(objective, aux_weight(core.cfg, rt) * aux)
+        if table is not None:  # a mixture of experts: its routing table beside the loss
+            m = unwrap(model).cfg
+            aux = routing_loss(table, m, rt)
+            objective = plus_aux(objective, aux_weight(m, rt) * aux)
             if routing is not None:
-                routing.add(aux.detach(), core.expert_counts)
+                routing.add(aux.detach(), table_counts(table))
         objective.backward()
     return loss_value(loss_sum.detach())
 
