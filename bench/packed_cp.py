@@ -82,6 +82,7 @@ from lctrain.layout.packed import LENGTH_MIXES, pack_stream, sample_rows, split_
 from lctrain.layout.topology import Topology  # noqa: E402
 from lctrain.parallel.launch import run_ranks  # noqa: E402
 from lctrain.parallel.runtime import build_mesh, cp_groups  # noqa: E402
+from lctrain.planning.cp_costs import cp_costs  # noqa: E402
 from lctrain.planning.traffic import attention_traffic  # noqa: E402
 
 VARIANTS = (("zigzag", "all"), ("zigzag", "travelling"), ("documents", "travelling"))
@@ -182,7 +183,7 @@ class RowSplits:
                           ulysses_size=u, ulysses_rank=cp_rank % u)
         query, keys = CP_ATTENTION[name].blocks(self.positions(lb, u), groups)
         made = [self.block(p) for p in (query, *keys)]
-        if cp_algorithm(name).memory.sorts_positions:
+        if cp_costs(name).memory.sorts_positions:
             made = [b.ordered.block for b in made]
         return made[0], made[1:]
 

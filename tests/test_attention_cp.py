@@ -25,6 +25,7 @@ from lctrain.layout.halo import halo_tokens
 from lctrain.layout.topology import Topology
 from lctrain.parallel.runtime import build_mesh
 from lctrain.parallel.runtime import cp_groups as runtime_cp_groups
+from lctrain.planning.cp_costs import cp_costs
 from lctrain.planning.traffic import attention_traffic, layer_transfers
 from tests.helpers import on_ranks
 from tests.reference import reference_attention
@@ -128,7 +129,7 @@ def check_case(case: dict, cache: dict) -> None:
         share = travelling_tokens(docs, unit_pos, causal) / (S * u // g.cp_size)
     assert_traffic(algo, fwd, bwd, S, H * hd, Hkv * rep * hd, g.cp_size, uly, B, dtype, case,
                    share)
-    sends_kv = any(x.travelling for x in cp_algorithm(algo).transfers(S, 1, 1, g.cp_size, u))
+    sends_kv = any(x.travelling for x in cp_costs(algo).transfers(S, 1, 1, g.cp_size, u))
     if case.get("silent") and sends_kv:  # whole documents per rank: no K/V moves
         moved = {k: v for rec in (fwd, bwd) for k, v in rec.elements.items()
                  if k[1] != "all_to_all"}
@@ -172,8 +173,7 @@ def assert_halo(case: dict, g, u: int, docs, fwd, bwd) -> None:
     d_kv = case["Hkv"] * case.get("rep", 1) * case["hd"]
     assert_traffic(algo, fwd, bwd, S, case["H"] * case["hd"], d_kv, g.cp_size, u, B,
                    case["dtype"], case, halo=halo)
-    a = cp_algorithm(algo)
-    if not any(x.travelling for x in a.transfers(S, 1, 1, g.cp_size, u)):
+    if not any(x.travelling for x in cp_costs(algo).transfers(S, 1, 1, g.cp_size, u)):
         return  # it moves no key block (Ulysses; an algorithm that gathers them whole)
     # point to point only to the units within reach (their member with this rank's heads),
     # exactly their tokens (K and V, the heads this rank holds)

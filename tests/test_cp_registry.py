@@ -8,6 +8,7 @@ formula says, then leaves no trace once unregistered.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from pathlib import Path
@@ -17,12 +18,13 @@ import pytest
 from lctrain.attention import CP_ATTENTION, registered
 from lctrain.attention import kernels as kernels_module
 from lctrain.config import ParallelConfig, TrainConfig, choices_of, derive
-from lctrain.config.cp_algorithms import CP_ALGORITHMS, HEADS_OVER, LayerShape
+from lctrain.config.cp_algorithms import CP_ALGORITHMS, HEADS_OVER
 from lctrain.config.device_rules import kernel_device_problems
 from lctrain.config.kernel_backends import KERNEL_BACKENDS, backends_on
 from lctrain.config.keys import keys
 from lctrain.config.validation import validate
 from lctrain.layout.topology import GROUPS
+from lctrain.planning.cp_costs import CP_COSTS, LayerShape
 from lctrain.planning.estimate import build_plan
 from lctrain.planning.hardware import Hardware
 from lctrain.planning.search import attentions
@@ -65,7 +67,7 @@ SHAPE = LayerShape(batch=2, seq_len=64, cp=4, ulysses=2, tp=1, dim=64, heads=4, 
 
 def test_facts_implementations_and_schema_name_the_same_algorithms():
     names = tuple(CP_ALGORITHMS)
-    assert names == tuple(CP_ATTENTION) == choices_of(ParallelConfig, "attention")
+    assert names == tuple(CP_ATTENTION) == tuple(CP_COSTS) == choices_of(ParallelConfig, "attention")
     assert ParallelConfig().attention in names
     listed = _key_entries("parallel.attention")  # `lctrain keys` shows each with its summary
     assert tuple(listed) == names and all(listed.values())
@@ -73,7 +75,7 @@ def test_facts_implementations_and_schema_name_the_same_algorithms():
 
 @pytest.mark.parametrize("name", list(CP_ALGORITHMS))
 def test_every_algorithm_has_every_entry(name):
-    a, run = CP_ALGORITHMS[name], CP_ATTENTION[name]
+    a, run, costs = CP_ALGORITHMS[name], CP_ATTENTION[name], CP_COSTS[name]
     assert a.heads_over in HEADS_OVER and a.degree(1, 3) == 1
     assert a.degree_key is None or a.degree_key.removeprefix("parallel.") in {
         f.name for f in dataclasses.fields(ParallelConfig)}
@@ -82,19 +84,19 @@ def test_every_algorithm_has_every_entry(name):
         for setting in a.searched_degrees(cp):
             u = a.degree(cp, setting)
             assert cp % u == 0, (name, cp, u)
-            xs = a.transfers(1024, 64, 32, cp, u)
+            xs = costs.transfers(1024, 64, 32, cp, u)
             assert {x.direction for x in xs} == {"fwd", "bwd"}, (name, cp, u)
             for x in xs:
                 assert x.group in GROUPS and x.elements > 0 and x.calls > 0, x
             total = attention_traffic(name, 1024, 64, 32, cp, setting)
             assert total["forward"] > 0 and total["backward"] > 0
     # memory and timing terms answer for any layer
-    for term in (a.memory.kept_per_token, a.memory.buffers):
+    for term in (costs.memory.kept_per_token, costs.memory.buffers):
         assert term(SHAPE) >= 0
-    assert a.memory.block_tokens(128, 4) >= 128  # every token at least once
-    for feature, times in a.timing.fixed_costs(2, 2).items():
+    assert costs.memory.block_tokens(128, 4) >= 128  # every token at least once
+    for feature, times in costs.timing.fixed_costs(2, 2).items():
         assert feature in {c.name for c in CALIBRATED_LAYOUTS} and times >= 0, (name, feature)
-    if a.timing.calibrated:
+    if costs.timing.calibrated:
         assert calibrated_layout(name).parallel["attention"] == name
     # the implementation: one module, its own file, listed in docs/architecture.md
     module = run.attend.__module__
@@ -174,13 +176,21 @@ def test_a_registration_is_undone_and_a_name_registers_once():
             pass
     assert tuple(CP_ALGORITHMS) == tuple(CP_ATTENTION) == ("ulysses", "ring", "usp", "allgather")
     with pytest.raises(RuntimeError, match="inside"):
-        with registered(toy.FACTS, toy.ATTENTION):
+        with toy_registered():
             assert toy.NAME in CP_ALGORITHMS and toy.NAME in CP_ATTENTION
             raise RuntimeError("inside")
     assert toy.NAME not in CP_ALGORITHMS and toy.NAME not in CP_ATTENTION
 
 
 # ---- the toy algorithm, end to end ---------------------------------------------------------
+
+@contextlib.contextmanager
+def toy_registered():
+    """The toy's three entries: facts and code (`lctrain.attention.registered`), and costs (the
+    planner's, which the attention layer does not import)."""
+    with registered(toy.FACTS, toy.ATTENTION), CP_COSTS.registered(toy.COSTS):
+        yield
+
 
 def _train(cfg, run_dir):
     from lctrain.training.loop import train
@@ -199,7 +209,7 @@ def test_a_toy_algorithm_validates_plans_trains_and_meets_its_traffic_formula(tm
                       train={"steps": 3, "global_batch": 2, "micro_batch": 1})
     assert any(f"parallel.attention={toy.NAME!r} is not one of" in p for p in validate(cfg, 2))
     hw = Hardware(device_tflops=1e-3, intra_node_gbps=1.0, inter_node_gbps=0.1)
-    with registered(toy.FACTS, toy.ATTENTION):
+    with toy_registered():
         # validates; `lctrain keys` lists it; the plan, the step time and the search ask for it
         assert validate(cfg, 2) == []
         assert toy.NAME in next(k for k in keys("parallel") if k.name == "parallel.attention").allowed

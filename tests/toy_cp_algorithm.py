@@ -3,9 +3,9 @@ another name, written afresh from the communication primitives and the local ker
 
 This one module plays the part of `lctrain/attention/<name>.py` (the function and its
 `CPAttention` entry) and carries the facts entry that would go into
-`lctrain/config/cp_algorithms.py`. Nothing is registered on import: tests/test_cp_registry.py
-registers both entries for the length of a test (`lctrain.attention.registered`), so no other
-test sees the name.
+`lctrain/config/cp_algorithms.py` and the costs entry of `lctrain/planning/cp_costs.py`.
+Nothing is registered on import: tests/test_cp_registry.py registers the three entries for the
+length of a test (`toy_registered`), so no other test sees the name.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from lctrain.attention.calls import Block
 from lctrain.attention.kernels import DEFAULT_KERNEL, KernelOptions, acc_dtype
 from lctrain.attention.local import local_attention
 from lctrain.comm import all_gather, current_tag, reduce_scatter, traffic_tag
-from lctrain.config.cp_algorithms import (
-    CPAlgorithm,
+from lctrain.config.cp_algorithms import CPAlgorithm
+from lctrain.planning.cp_costs import (
+    CPCosts,
     MemoryTerms,
     TimingTerms,
     Transfer,
@@ -72,9 +73,12 @@ def transfers(L: float, d: float, d_kv: float, P: int, u: int) -> tuple[Transfer
 
 FACTS = CPAlgorithm(
     NAME, "docs/parallelism.md §8", "every rank all-gathers the whole K and V (a toy)",
-    heads_over="none", transfers=transfers,
-    memory=MemoryTerms(gathered_kv, gathered_kv_grads, block_tokens=own_and_gathered),
-    timing=TimingTerms(lambda R, u: {"allgather": 1.0}))  # all-gather's calibrated extra
+    heads_over="none")
 """The entry that would go into lctrain/config/cp_algorithms.py."""
+COSTS = CPCosts(
+    NAME, transfers,
+    MemoryTerms(gathered_kv, gathered_kv_grads, block_tokens=own_and_gathered),
+    TimingTerms(lambda R, u: {"allgather": 1.0}))  # all-gather's calibrated extra
+"""The entry that would go into lctrain/planning/cp_costs.py."""
 ATTENTION = CPAttention(NAME, attend, all_keys_blocks)
 """The entry that would be registered in lctrain/attention/__init__.py."""

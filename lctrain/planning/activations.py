@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 from lctrain.config import LctrainConfig, ModelConfig, derive
-from lctrain.config.cp_algorithms import LayerShape, MemoryTerms, cp_algorithm
 from lctrain.config.derived import dtype_bytes, load_balance_of
 from lctrain.config.load_balances import split_of
 from lctrain.config.model_families import NORM_TILE_ELEMENTS, model_family
 from lctrain.config.model_parts import EXPERT_BIAS, QK_NORM
 from lctrain.config.model_size import expert_params, layer_kinds, mlp_params
+from lctrain.planning.cp_costs import LayerShape, MemoryTerms, cp_costs
 from lctrain.planning.documents import travelling_share
 
 
@@ -32,7 +32,7 @@ def attention_buffer_bytes(cfg: LctrainConfig, world_size: int, batch: int) -> f
       - Ulysses' all-to-all buffers are not modelled (0; `MemoryTerms.unmodelled`)."""
     if cfg.parallel.cp == 1:
         return 0.0
-    return cp_algorithm(cfg.parallel.attention).memory.buffers(
+    return cp_costs(cfg.parallel.attention).memory.buffers(
         layer_shape(cfg, world_size, batch))
 
 
@@ -118,7 +118,7 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int,
     if model_family(m.family).has(QK_NORM):
         per_token += _head_norm_bytes(m, a) / t
     if p.cp > 1:  # what the algorithm keeps besides (`MemoryTerms.kept_per_token`)
-        per_token += cp_algorithm(p.attention).memory.kept_per_token(
+        per_token += cp_costs(p.attention).memory.kept_per_token(
             layer_shape(cfg, world_size, batch))
     # (the position-aware kernels' positions are the micro-batch's host block, made once: none
     # per layer)
@@ -193,7 +193,7 @@ def planning_bytes(cfg: LctrainConfig, batch: int) -> float:
     blocks travels (`MemoryTerms.travel_plans`, at the corpus's travelling share, §24; without
     documents all-gather KV's key block of every token)."""
     p, S = cfg.parallel, cfg.train.seq_len
-    terms = cp_algorithm(p.attention).memory if p.cp > 1 else MemoryTerms()
+    terms = cp_costs(p.attention).memory if p.cp > 1 else MemoryTerms()
     split = split_of(load_balance_of(cfg)) if p.cp > 1 else None
     sorts = terms.sorts_positions and split is not None and not split.group_in_order
     tokens = terms.block_tokens(batch * S, p.cp)

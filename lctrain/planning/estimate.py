@@ -17,7 +17,6 @@ byte for byte (docs/parallelism.md §16).
 from __future__ import annotations
 
 from lctrain.config import LctrainConfig, derive
-from lctrain.config.cp_algorithms import cp_algorithm
 from lctrain.config.derived import (
     load_balance_of,
     slurm_ranks_per_node,
@@ -29,6 +28,7 @@ from lctrain.layout.halo import unit_halo
 from lctrain.layout.stages import bubble_fraction, split_layers, stages_of
 from lctrain.layout.topology import AXES, GROUPS, Topology
 from lctrain.planning.activations import attention_buffer_bytes, working_bytes
+from lctrain.planning.cp_costs import cp_costs
 from lctrain.planning.documents import load_balance_table
 from lctrain.planning.schedule import (
     accumulating_share,
@@ -306,7 +306,7 @@ def memory_notes(cfg: LctrainConfig) -> list[str]:
              "workspaces); the verdict compares the total with plan.gpu_memory_gib",
              "logits and loss buffers: in activations_kept (the log-softmax) and "
              "backward_working_set (the larger of one block's backward and the loss head's)"]
-    unmodelled = cp_algorithm(cfg.parallel.attention).memory.unmodelled
+    unmodelled = cp_costs(cfg.parallel.attention).memory.unmodelled
     if cfg.parallel.cp > 1 and unmodelled:
         notes.append(f"not modelled: {unmodelled}")
     if cfg.parallel.dp_engine == "deepspeed":

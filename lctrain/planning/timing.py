@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lctrain.config import Derived, LctrainConfig, derive
-from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm
+from lctrain.config.cp_algorithms import CP_ALGORITHMS
 from lctrain.config.derived import data_parallel_engine_of
 from lctrain.config.model_size import (
     FLOPS_PER_WEIGHT,
@@ -28,6 +28,7 @@ from lctrain.config.model_size import (
 )
 from lctrain.layout.stages import bubble_fraction, split_layers, stages_of
 from lctrain.layout.topology import Topology
+from lctrain.planning.cp_costs import cp_costs
 from lctrain.planning.documents import packed_documents
 from lctrain.planning.flops import train_flops_per_step
 from lctrain.planning.hardware import Hardware
@@ -248,7 +249,7 @@ def _attention_feature(name: str) -> Callable[[StepShape], float]:
         p, d = step.cfg.parallel, step.derived
         if p.cp == 1:
             return 0.0
-        return cp_algorithm(p.attention).timing.fixed_costs(d.cp_ring, d.cp_ulysses).get(name, 0)
+        return cp_costs(p.attention).timing.fixed_costs(d.cp_ring, d.cp_ulysses).get(name, 0)
     return times
 
 
@@ -281,7 +282,7 @@ CALIBRATED_LAYOUTS: tuple[CalibratedLayout, ...] = (
                      times=lambda s: float(s.cfg.parallel.tp > 1)),
     *(CalibratedLayout(a.name, {"cp": 2, "attention": a.name, "dp": 1},
                        times=_attention_feature(a.name))
-      for a in CP_ALGORITHMS.entries() if a.timing.calibrated),
+      for a in CP_ALGORITHMS.entries() if cp_costs(a.name).timing.calibrated),
     CalibratedLayout("pp", {"pp": 2, "dp": 1}, times=lambda s: float(s.cfg.parallel.pp > 1)),
     CalibratedLayout("pp_stages", {"pp": 2, "dp": 1, "pp_schedule": "interleaved_1f1b",
                                    "pp_virtual_stages": 2}, reference="pp", depths=(4, 8),

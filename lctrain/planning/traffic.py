@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from lctrain.config import LctrainConfig, derive
-from lctrain.config.cp_algorithms import Transfer, cp_algorithm, halo_transfers
+from lctrain.config.cp_algorithms import cp_algorithm
 from lctrain.config.derived import (
     compute_bytes,
     data_parallel_engine_of,
@@ -28,6 +28,7 @@ from lctrain.config.derived import (
 from lctrain.config.model_size import expert_params
 from lctrain.layout.halo import unit_halo
 from lctrain.layout.stages import rank_of, split_layers, stage_count, stages_of
+from lctrain.planning.cp_costs import Transfer, cp_costs, halo_transfers
 from lctrain.planning.documents import travelling_share
 from lctrain.planning.schedule import pipeline_buffer_bytes, stage_activation_bytes
 from lctrain.planning.state import local_params
@@ -58,9 +59,8 @@ def layer_transfers(algorithm: str, seq_len: int, d: float, d_kv: float, cp: int
     """The algorithm's transfers in one layer, the travelling ones scaled by `share` (§24), or,
     in a window layer whose balance unit sends and receives `halo` tokens, the halo exchange
     (§25)."""
-    a = cp_algorithm(algorithm)
-    u = a.degree(cp, ulysses)
-    transfers = a.transfers(seq_len, d, d_kv, cp, u)
+    u = cp_algorithm(algorithm).degree(cp, ulysses)
+    transfers = cp_costs(algorithm).transfers(seq_len, d, d_kv, cp, u)
     if halo is not None:
         return halo_transfers(transfers, halo, d_kv, u)
     return tuple(dataclasses.replace(x, elements=x.elements * share)
