@@ -84,3 +84,33 @@ def _rows(pos: Tensor, doc: Tensor | None) -> tuple[Tensor, Tensor]:
     if doc is None:
         return pos.reshape(1, -1), torch.zeros(1, pos.shape[-1], dtype=torch.long)
     return pos.expand_as(doc), doc
+
+
+def gated_delta_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                          doc_ids: Tensor | None = None, initial_state: Tensor | None = None
+                          ) -> tuple[Tensor, Tensor]:
+    """The gated delta rule token by token, in the inputs' dtype: per value head the state
+    S [d_k, d_v] decays by exp(g_t), takes beta_t (v_t - S^T k_t) along k_t, and o_t = S^T q_t,
+    with q and k L2-normalised and q scaled by d_k^-1/2; a document's first token starts from
+    zero (the row's first token from `initial_state`). Shapes as
+    `lctrain.attention.delta_rule.chunk_gated_delta_rule`."""
+    b, s, h_k, d_k = k.shape
+    h = v.shape[2]
+    q, k = (x.repeat_interleave(h // h_k, dim=2) for x in (q, k))
+    q = q / (q.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt() * d_k ** -0.5
+    k = k / (k.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+    rows, states = [], []
+    for r in range(b):
+        state = (torch.zeros(h, d_k, v.shape[-1], dtype=v.dtype) if initial_state is None
+                 else initial_state[r])
+        out = []
+        for t in range(s):
+            if t > 0 and doc_ids is not None and doc_ids[r, t] != doc_ids[r, t - 1]:
+                state = torch.zeros_like(state)
+            state = state * g[r, t].exp()[:, None, None]
+            delta = (v[r, t] - torch.einsum("hkv,hk->hv", state, k[r, t])) * beta[r, t][:, None]
+            state = state + torch.einsum("hk,hv->hkv", k[r, t], delta)
+            out.append(torch.einsum("hkv,hk->hv", state, q[r, t]))
+        rows.append(torch.stack(out))
+        states.append(state)
+    return torch.stack(rows), torch.stack(states)

@@ -1,0 +1,89 @@
+"""The gated delta rule (Gated DeltaNet's token mixing, docs/parallelism.md §31) computed chunk
+by chunk in plain torch, with packed documents: every document starts from a zero state.
+
+Per value head a state S [d_k, d_v] is carried token by token:
+    S_t = exp(g_t) S_{t-1} + k_t (β_t (v_t - (exp(g_t) S_{t-1})ᵀ k_t))ᵀ,   o_t = S_tᵀ q_t,
+with q and k L2-normalised (q then scaled by d_k^-1/2), g_t <= 0 the log decay and β_t in (0, 1).
+Chunks of C tokens turn the recurrence into matmuls (the WY/UT form: a unit lower-triangular
+system per chunk), and a scan over chunks carries S. Documents enter as masks, never as a
+different decay: within a chunk a token sees only the tokens of its own document, reads the
+carried state only if it continues the document that state belongs to, and only the chunk's
+last document writes the state the next chunk reads (§31 derives each mask).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+CHUNK = 64
+"""Tokens per chunk of the scan: the triangular systems are C x C."""
+L2_EPS = 1e-6
+"""The L2 normalisation's epsilon, as flash-linear-attention's kernels (and transformers) use."""
+
+
+def l2norm(x: Tensor) -> Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
+
+
+def _chunked(x: Tensor, chunk: int) -> Tensor:
+    """[B, H, S, ...] (S a multiple of chunk) -> [B, H, S / chunk, chunk, ...]."""
+    return x.reshape(x.shape[0], x.shape[1], -1, chunk, *x.shape[3:])
+
+
+def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                           doc_ids: Tensor | None = None, initial_state: Tensor | None = None,
+                           chunk: int = CHUNK) -> tuple[Tensor, Tensor]:
+    """q, k [B, S, H_k, d_k], v [B, S, H, d_v] (each query/key head serves H / H_k consecutive
+    value heads), g and beta [B, S, H], doc_ids [B, S] (None: one document per row),
+    initial_state [B, H, d_k, d_v] continuing each row's first document (None: zeros) ->
+    (output [B, S, H, d_v] in v's dtype, final state [B, H, d_k, d_v] of each row's last
+    document). Computed in float32 (float64 inputs stay float64)."""
+    b, s, h_k, d_k = k.shape
+    h, out_dtype = v.shape[2], v.dtype
+    if h != h_k:
+        q, k = (x.repeat_interleave(h // h_k, dim=2) for x in (q, k))
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    q, k, v, g, beta = (x.transpose(1, 2).to(dtype) for x in (q, k, v, g, beta))
+    q, k = l2norm(q) * d_k ** -0.5, l2norm(k)
+    docs = (torch.zeros(b, s, dtype=torch.long, device=v.device) if doc_ids is None
+            else doc_ids.to(v.device))
+    pad = (chunk - s % chunk) % chunk
+    if pad:  # zero keys, values and log decays: the state passes the padding unchanged
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+        docs = torch.cat([docs, docs[:, -1:].expand(b, pad)], dim=1)
+    q, k, v = (_chunked(x, chunk) for x in (q, k, v))
+    g, beta = _chunked(g, chunk), _chunked(beta, chunk)
+    docs = docs.reshape(b, 1, -1, chunk)  # [B, 1, N, C]: the same for every head
+
+    cum = g.cumsum(dim=-1)  # log decay from the chunk's start to each token
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
+    visible = causal & (docs[..., :, None] == docs[..., None, :])  # i sees j: j <= i, same doc
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~visible, float("-inf")).exp()
+    # the carried state belongs to the document of the token before the chunk (the row's first
+    # document for the first chunk); a token reads it only if it continues that document
+    before = torch.cat([docs[..., :1, :1], docs[..., :-1, -1:]], dim=-2)
+    reads = (docs == before).to(dtype)  # [B, 1, N, C]
+    writes = (docs == docs[..., -1:]).to(dtype)  # the chunk's last document writes the state
+
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # unit lower triangular once solved so
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * (cum.exp() * reads)[..., None],
+                                      upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q_state = q * (cum.exp() * reads)[..., None]
+    k_state = k * ((cum[..., -1:] - cum).exp() * writes)[..., None]
+    carry = (cum[..., -1].exp() * reads[..., -1])[..., None, None]  # [B, H, N, 1, 1]
+
+    state = (torch.zeros(b, h, d_k, v.shape[-1], dtype=dtype, device=v.device)
+             if initial_state is None else initial_state.to(dtype))
+    out = []
+    for n in range(q.shape[2]):
+        v_new = u[:, :, n] - w[:, :, n] @ state
+        out.append(q_state[:, :, n] @ state + intra[:, :, n] @ v_new)
+        state = state * carry[:, :, n] + k_state[:, :, n].transpose(-1, -2) @ v_new
+    o = torch.stack(out, dim=2).reshape(b, h, -1, v.shape[-1])[:, :, :s]
+    return o.transpose(1, 2).to(out_dtype), state

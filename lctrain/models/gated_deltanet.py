@@ -1,0 +1,121 @@
+"""Gated DeltaNet, the linear-attention token mixer of hybrid models (Qwen3.5, Qwen3-Next: three
+of these layers before each full-attention one; docs/parallelism.md §31). Single-device code.
+
+x [B, S, D] -> Q, K, V (one projection), the output gate Z, β and the decay's input a (one each
+per value head); a causal depthwise convolution of kernel k over Q, K, V with SiLU; the gated
+delta rule (`lctrain.attention.delta_rule`) with β = sigmoid(b) and the log decay
+g = -exp(A_log) softplus(a + dt_bias); per value head an RMSNorm of the output gated by
+SiLU(Z); the output projection. Packed documents (doc_ids) restart both the convolution's
+window and the recurrent state at every document's first token. Parameter names are
+transformers' (`in_proj_qkv`, `conv1d`, `A_log`, ...), so Hugging Face weights map one to one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lctrain.attention.delta_rule import chunk_gated_delta_rule
+from lctrain.models.init import ZEROS
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """The sizes of a Gated DeltaNet layer (config.json's `linear_*` keys)."""
+
+    dim: int
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+    eps: float
+
+    @property
+    def conv_channels(self) -> int:
+        """Q, K and V's channels, which the convolution mixes one by one."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
+def causal_conv(x: Tensor, weight: Tensor, doc_ids: Tensor | None) -> Tensor:
+    """Depthwise causal convolution, x [B, S, C] with weight [C, 1, k] -> SiLU of [B, S, C]:
+    token t mixes tokens t - k + 1 .. t of its own document (torch's conv1d with k - 1 zeros of
+    left padding, restarted at each document)."""
+    k = weight.shape[-1]
+    out = x * weight[:, 0, k - 1]
+    for shift in range(1, k):
+        earlier = F.pad(x, (0, 0, shift, 0))[:, :x.shape[1]]  # token t - shift (zeros before)
+        if doc_ids is not None:
+            same = F.pad(doc_ids, (shift, 0), value=-1)[:, :x.shape[1]] == doc_ids
+            earlier = earlier * same[..., None].to(x.dtype)
+        out = out + earlier * weight[:, 0, k - 1 - shift]
+    return F.silu(out)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's output scaled by w, then times SiLU(z): transformers'
+    `Qwen3_5RMSNormGated` arithmetic (normalise in float32, scale in the input dtype, gate in
+    float32)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor, z: Tensor) -> Tensor:
+        wide = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(wide)
+        y = self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (y * F.silu(z.to(wide))).to(x.dtype)
+
+    def init_rules(self) -> dict[str, float | None]:
+        return {"weight": None}
+
+
+class GatedDeltaNet(nn.Module):
+    """The mixer: `forward(x, *, cos, sin, doc_ids)` as the attention's (RoPE unused)."""
+
+    def __init__(self, shape: LinearShape, init_std: float, out_std: float):
+        super().__init__()
+        self.shape = shape
+        s = shape
+        self.in_proj_qkv = nn.Linear(s.dim, s.conv_channels, bias=False)
+        self.in_proj_z = nn.Linear(s.dim, s.value_heads * s.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(s.dim, s.value_heads, bias=False)
+        self.in_proj_a = nn.Linear(s.dim, s.value_heads, bias=False)
+        self.conv1d = nn.Conv1d(s.conv_channels, s.conv_channels, s.conv_kernel,
+                                groups=s.conv_channels, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(s.value_heads))
+        self.A_log = nn.Parameter(torch.zeros(s.value_heads))
+        self.norm = GatedRMSNorm(s.value_dim, s.eps)
+        self.out_proj = nn.Linear(s.value_heads * s.value_dim, s.dim, bias=False)
+        self.std, self.out_std = init_std, out_std
+
+    def forward(self, x: Tensor, *, cos: Tensor | None = None, sin: Tensor | None = None,
+                doc_ids: Tensor | None = None) -> Tensor:
+        s = self.shape
+        b, n, _ = x.shape
+        qkv = causal_conv(self.in_proj_qkv(x), self.conv1d.weight, doc_ids)
+        keys = s.key_heads * s.key_dim
+        q, k, v = qkv.split([keys, keys, s.value_heads * s.value_dim], dim=-1)
+        q, k = (t.reshape(b, n, s.key_heads, s.key_dim) for t in (q, k))
+        v = v.reshape(b, n, s.value_heads, s.value_dim)
+        beta = torch.sigmoid(self.in_proj_b(x))
+        a = self.in_proj_a(x)
+        wide = torch.promote_types(a.dtype, torch.float32)  # A could overflow in half precision
+        g = -self.A_log.to(wide).exp() * F.softplus(a.to(wide) + self.dt_bias)
+        out, _ = chunk_gated_delta_rule(q, k, v, g, beta, doc_ids)
+        z = self.in_proj_z(x).reshape(b, n, s.value_heads, s.value_dim)
+        return self.out_proj(self.norm(out, z).reshape(b, n, -1))
+
+    def init_rules(self) -> dict[str, float | None]:
+        # the output projection feeds the residual stream: scaled down by depth; dt_bias ones
+        # and A_log zeros start every head at g = -softplus(a + 1)
+        return {"in_proj_qkv.weight": self.std, "in_proj_z.weight": self.std,
+                "in_proj_b.weight": self.std, "in_proj_a.weight": self.std,
+                "conv1d.weight": self.std / math.sqrt(self.shape.conv_kernel),
+                "dt_bias": None, "A_log": ZEROS, "out_proj.weight": self.out_std}

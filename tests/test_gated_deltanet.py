@@ -1,0 +1,111 @@
+"""Gated DeltaNet (the linear-attention mixer of hybrid models) against independent references:
+the chunked gated delta rule against the token-by-token recurrence in float64 (outputs, final
+states and gradients) with packed documents of every awkward kind, and against transformers'
+own torch functions; the whole mixer against transformers' `Qwen3_5GatedDeltaNet` with its
+weights, on rows and on packed documents (transformers run one document at a time)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen3_5
+
+from lctrain.attention.delta_rule import chunk_gated_delta_rule
+from lctrain.models.gated_deltanet import GatedDeltaNet, LinearShape
+from tests.reference import gated_delta_reference
+
+CHUNK = 8  # several chunks in short rows
+DOCS = {  # one row each: lengths of its documents (37 tokens, a prime)
+    "whole row": [37],
+    "one-token documents and prime lengths": [1, 5, 1, 13, 17],
+    "documents across chunk boundaries": [7, 9, 3, 18],
+    "only short documents": [2, 3, 1, 4, 2, 5, 3, 1, 6, 2, 3, 5],
+}
+
+
+def _doc_ids(lengths: list[int]) -> torch.Tensor:
+    return torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
+
+
+def _inputs(b: int, s: int, h_k: int, h: int, d_k: int, d_v: int, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=dtype)
+
+    q, k, v = rand(b, s, h_k, d_k), rand(b, s, h_k, d_k), rand(b, s, h, d_v)
+    g = -torch.rand(b, s, h, generator=gen, dtype=dtype)  # log decays <= 0
+    beta = torch.rand(b, s, h, generator=gen, dtype=dtype)
+    return [x.requires_grad_() for x in (q, k, v, g, beta)]
+
+
+def test_the_chunked_rule_is_the_recurrence_on_packed_documents():
+    rows = list(DOCS.values())
+    doc_ids = torch.stack([_doc_ids(r) for r in rows])
+    inputs = _inputs(len(rows), 37, 2, 4, 8, 6)  # 2 key heads for 4 value heads
+    start = torch.randn(len(rows), 4, 8, 6, dtype=torch.float64, requires_grad=True)
+    out, state = chunk_gated_delta_rule(*inputs, doc_ids=doc_ids, initial_state=start,
+                                        chunk=CHUNK)
+    want, want_state = gated_delta_reference(*inputs, doc_ids=doc_ids, initial_state=start)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(state, want_state, rtol=1e-10, atol=1e-12)
+    weights = torch.randn_like(out), torch.randn_like(state)
+    leaves = [*inputs, start]
+    got = torch.autograd.grad((out * weights[0]).sum() + (state * weights[1]).sum(), leaves)
+    ref = torch.autograd.grad((want * weights[0]).sum() + (want_state * weights[1]).sum(),
+                              leaves)
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "initial state"), got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=name)
+
+
+@pytest.mark.parametrize("chunk", [CHUNK, 64])
+def test_the_chunked_rule_is_transformers_rule(chunk):
+    """transformers' torch functions (which compute in float32) on one document per row."""
+    q, k, v, g, beta = (x.detach().float() for x in _inputs(2, 37, 2, 4, 8, 6))
+    out, state = chunk_gated_delta_rule(q, k, v, g, beta, chunk=chunk)
+    for rule in (hf_qwen3_5.torch_chunk_gated_delta_rule,
+                 hf_qwen3_5.torch_recurrent_gated_delta_rule):
+        want, want_state = rule(q, k, v, g=g, beta=beta, output_final_state=True,
+                                use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-5)
+
+
+def _pair(dtype=torch.float32):
+    """lctrain's mixer and transformers' with the same random weights."""
+    config = transformers.Qwen3_5TextConfig(
+        hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6, num_hidden_layers=1, layer_types=["linear_attention"])
+    torch.manual_seed(0)
+    theirs = hf_qwen3_5.Qwen3_5GatedDeltaNet(config, 0).to(dtype)
+    with torch.no_grad():  # away from their initial values
+        for p in theirs.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    shape = LinearShape(dim=32, key_heads=2, value_heads=4, key_dim=8, value_dim=6,
+                        conv_kernel=4, eps=1e-6)
+    ours = GatedDeltaNet(shape, 0.02, 0.01).to(dtype)
+    ours.load_state_dict(theirs.state_dict())
+    return ours, theirs
+
+
+def test_the_mixer_is_transformers_gated_deltanet_on_rows_and_documents():
+    ours, theirs = _pair()
+    lengths = DOCS["one-token documents and prime lengths"]
+    x = torch.randn(2, 37, 32, requires_grad=True)
+    doc_ids = torch.stack([_doc_ids(lengths), _doc_ids(DOCS["whole row"])])
+    got = ours(x, doc_ids=doc_ids)
+    # transformers has no packed documents: each document alone, from a zero state
+    bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    first = torch.cat([theirs(x[:1, a:b]) for a, b in zip(bounds, bounds[1:])], dim=1)
+    want = torch.cat([first, theirs(x[1:])])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    weight = torch.randn_like(got)
+    names = [n for n, _ in theirs.named_parameters()]
+    mine = dict(ours.named_parameters())
+    ref_grads = torch.autograd.grad((want * weight).sum(), [x, *theirs.parameters()])
+    got_grads = torch.autograd.grad((got * weight).sum(), [x, *(mine[n] for n in names)])
+    names = ["x", *names]
+    for name, a, b in zip(names, got_grads, ref_grads, strict=True):  # float32 sums of 37 rows
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()), msg=name)
