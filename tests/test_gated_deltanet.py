@@ -11,7 +11,7 @@ import torch
 import transformers
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen3_5
 
-from lctrain.attention.delta_rule import chunk_gated_delta_rule
+from lctrain.attention.delta_rule import chunk_gated_delta_rule, initial_states
 from lctrain.models.gated_deltanet import GatedDeltaNet, LinearShape
 from tests.reference import gated_delta_reference
 
@@ -56,6 +56,46 @@ def test_the_chunked_rule_is_the_recurrence_on_packed_documents():
     ref = torch.autograd.grad((want * weights[0]).sum() + (want_state * weights[1]).sum(),
                               leaves)
     for name, a, b in zip(("q", "k", "v", "g", "beta", "initial state"), got, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=name)
+
+
+@pytest.mark.parametrize("cuts", [
+    [12, 16, 22, 28],  # cuts inside documents, at a boundary, two inside one document
+    [3, 5, 6, 7, 19, 20, 30],  # 8 stretches (zigzag on cp 4 holds them 2 a rank), 1-token ones
+])
+def test_stretches_from_zero_states_combine_to_the_whole_rows(cuts):
+    """Context parallelism by state passing, without the ranks (§31): each stretch run from a
+    zero state gives its final state and transition; the exact initial state of each follows in
+    sequence order (`initial_states`), and a second pass from it gives the whole rows'
+    outputs, final states and gradients. A stretch holding a document boundary passes
+    nothing on (its transition is zero)."""
+    rows = [DOCS["documents across chunk boundaries"], DOCS["only short documents"]]
+    doc_ids = torch.stack([_doc_ids(r) for r in rows])
+    inputs = _inputs(2, 37, 2, 4, 8, 6)
+    bounds = [0, *cuts, 37]
+    spans = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+    def stretch(span, start=None, transition=False):
+        return chunk_gated_delta_rule(*(x[:, span] for x in inputs), doc_ids=doc_ids[:, span],
+                                      initial_state=start, chunk=CHUNK, transition=transition)
+
+    first = [stretch(span, transition=True) for span in spans]
+    continues = [torch.zeros(2, dtype=torch.bool)] + [
+        doc_ids[:, span.start] == doc_ids[:, span.start - 1] for span in spans[1:]]
+    starts = initial_states([f[1] for f in first], [f[2] for f in first], continues)
+    second = [stretch(span, start) for span, start in zip(spans, starts)]
+    out, state = torch.cat([o for o, _ in second], dim=1), second[-1][1]
+    want, want_state = chunk_gated_delta_rule(*inputs, doc_ids=doc_ids, chunk=CHUNK)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(state, want_state, rtol=1e-10, atol=1e-12)
+    for span, (_, _, moved) in zip(spans, first):
+        for row in range(2):
+            if len(doc_ids[row, span].unique()) > 1:
+                assert not moved[row].any(), (span, row)
+    weight = torch.randn_like(out)
+    got = torch.autograd.grad((out * weight).sum() + state.sum(), inputs)
+    ref = torch.autograd.grad((want * weight).sum() + want_state.sum(), inputs)
+    for name, a, b in zip(("q", "k", "v", "g", "beta"), got, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=name)
 
 

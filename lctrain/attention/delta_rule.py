@@ -34,12 +34,15 @@ def _chunked(x: Tensor, chunk: int) -> Tensor:
 
 def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                            doc_ids: Tensor | None = None, initial_state: Tensor | None = None,
-                           chunk: int = CHUNK) -> tuple[Tensor, Tensor]:
+                           chunk: int = CHUNK, transition: bool = False
+                           ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """q, k [B, S, H_k, d_k], v [B, S, H, d_v] (each query/key head serves H / H_k consecutive
     value heads), g and beta [B, S, H], doc_ids [B, S] (None: one document per row),
     initial_state [B, H, d_k, d_v] continuing each row's first document (None: zeros) ->
     (output [B, S, H, d_v] in v's dtype, final state [B, H, d_k, d_v] of each row's last
-    document). Computed in float32 (float64 inputs stay float64)."""
+    document), and with `transition` the matrix T [B, H, d_k, d_k] by which the final state
+    depends on the initial one: final(S0) = T S0 + final(0) (zero when the row holds a
+    document boundary; §31). Computed in float32 (float64 inputs stay float64)."""
     b, s, h_k, d_k = k.shape
     h, out_dtype = v.shape[2], v.dtype
     if h != h_k:
@@ -80,10 +83,33 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
 
     state = (torch.zeros(b, h, d_k, v.shape[-1], dtype=dtype, device=v.device)
              if initial_state is None else initial_state.to(dtype))
+    eye = torch.eye(d_k, dtype=dtype, device=v.device)
+    moved = eye.expand(b, h, d_k, d_k) if transition else None
     out = []
     for n in range(q.shape[2]):
         v_new = u[:, :, n] - w[:, :, n] @ state
         out.append(q_state[:, :, n] @ state + intra[:, :, n] @ v_new)
         state = state * carry[:, :, n] + k_state[:, :, n].transpose(-1, -2) @ v_new
+        if transition:  # the chunk maps S to (carry I - k_stateᵀ w) S + k_stateᵀ u
+            moved = (eye * carry[:, :, n] - k_state[:, :, n].transpose(-1, -2) @ w[:, :, n]
+                     ) @ moved
     o = torch.stack(out, dim=2).reshape(b, h, -1, v.shape[-1])[:, :, :s]
-    return o.transpose(1, 2).to(out_dtype), state
+    o = o.transpose(1, 2).to(out_dtype)
+    return (o, state, moved) if transition else (o, state)
+
+
+def initial_states(ends: list[Tensor], transitions: list[Tensor], continues: list[Tensor],
+                   first: Tensor | None = None) -> list[Tensor]:
+    """The exact initial state of each stretch of a sequence, in sequence order (§31): each
+    stretch computed from a zero state gave its final state `ends[j]` [B, H, d_k, d_v] and its
+    `transitions[j]` [B, H, d_k, d_k]; `continues[j]` [B] says whether stretch j's first token
+    continues the document of the token before it (for the first stretch: whether `first`,
+    the state before the sequence, applies). Stretch j + 1 starts from
+    T_j S_j + E_j where it continues a document, from zero where it starts one."""
+    state = torch.zeros_like(ends[0]) if first is None else first
+    out = []
+    for end, moved, cont in zip(ends, transitions, continues, strict=True):
+        state = state * cont.to(state.dtype)[:, None, None, None]
+        out.append(state)
+        state = moved @ state + end
+    return out

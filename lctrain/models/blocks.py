@@ -26,7 +26,7 @@ from lctrain.attention.calls import effective_window, local_block
 from lctrain.attention.local import local_attention
 from lctrain.config import ModelConfig
 from lctrain.config.model_families import model_family
-from lctrain.config.model_parts import NORM_OFFSET, OUT_BIAS, QKV_BIAS, ROUTER_BIAS
+from lctrain.config.model_parts import GELU_TANH, NORM_OFFSET, OUT_BIAS, QKV_BIAS, ROUTER_BIAS
 from lctrain.config.registry import Registry
 from lctrain.models.init import ZEROS
 from lctrain.models.moe import Experts, MoE, RouterLog
@@ -70,9 +70,9 @@ class BlockParts:
 
 class Attention(nn.Module):
     """Llama's attention: Q, K, V projections (with biases in a `qkv_bias` family), the parts'
-    seam on the heads (`Part.qkv`), RoPE, the core, the output projection (with a bias in an `out_bias`
-    family). `window`: the sliding window of a window layer (model.layer_types), and `sinks`:
-    a sink logit per query head where a part adds them; both are passed to the core."""
+    seam on the heads (`Part.qkv`), RoPE, the core, the output projection (with a bias in an
+    `out_bias` family). `window`: the sliding window of a window layer (model.layer_types),
+    and `sinks`: a sink logit per query head where a part adds them; both go to the core."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0, build: BlockParts = BlockParts()):
         super().__init__()
@@ -130,8 +130,8 @@ def _gelu_tanh(x: Tensor) -> Tensor:
 
 
 def mlp_activation(cfg: ModelConfig) -> Callable[[Tensor], Tensor]:
-    """The gated MLPs' activation of the family (`ModelFamily.mlp_activation`)."""
-    return _gelu_tanh if model_family(cfg.family).mlp_activation == "gelu_tanh" else F.silu
+    """The gated MLPs' activation of the family: SiLU, or tanh GELU with the `gelu_tanh` part."""
+    return _gelu_tanh if model_family(cfg.family).has(GELU_TANH) else F.silu
 
 
 class FeedForward(nn.Module):
