@@ -149,3 +149,59 @@ def test_the_mixer_is_transformers_gated_deltanet_on_rows_and_documents():
     names = ["x", *names]
     for name, a, b in zip(names, got_grads, ref_grads, strict=True):  # float32 sums of 37 rows
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()), msg=name)
+
+
+def _stretches(local: int, balance: str) -> list[slice]:
+    """A rank's stretches: the sequence split's chunks it holds (each a run of consecutive
+    positions; zigzag's two may be adjacent, and stay two: every rank sends as many)."""
+    from lctrain.config.load_balances import split_of
+
+    n = split_of(balance).chunks_per_rank
+    return [slice(i * local // n, (i + 1) * local // n) for i in range(n)]
+
+
+def _state_passing_rank(inputs, doc_ids, weight, balance):
+    """This rank's output and input gradients of `state_passing_delta_rule` on its share."""
+    import torch.distributed as dist
+
+    from lctrain.attention.delta_cp import state_passing_delta_rule
+    from lctrain.layout import sequence
+
+    p, me = dist.get_world_size(), dist.get_rank()
+    s = doc_ids.shape[1]
+    plans = [_stretches(s // p, balance) for _ in range(p)]
+    starts = sorted((int(sequence.positions(s, r, p, balance)[span.start]), r, i)
+                    for r in range(p) for i, span in enumerate(plans[r]))
+    order = [(r, i) for _, r, i in starts]
+    continues = torch.stack([torch.zeros(doc_ids.shape[0], dtype=torch.bool) if at == 0
+                             else doc_ids[:, at] == doc_ids[:, at - 1] for at, _, _ in starts])
+    local = [sequence.split(x.detach(), 1, me, p, balance).requires_grad_() for x in inputs]
+    out = state_passing_delta_rule(*local, sequence.split(doc_ids, 1, me, p, balance),
+                                   plans[me], order, continues, dist.group.WORLD, chunk=CHUNK)
+    (out * sequence.split(weight, 1, me, p, balance)).sum().backward()
+    return out.detach(), [x.grad for x in local]
+
+
+@pytest.mark.parametrize("world,balance", [(2, "zigzag"), (4, "zigzag"), (4, "none")])
+def test_context_parallel_state_passing_is_the_whole_sequence(world, balance):
+    """Each rank runs its stretches from zero, the (final state, transition) pairs are
+    all-gathered and combined in sequence order, the stretches run again from their exact
+    states: every rank's outputs and input gradients are the whole rows' (float64)."""
+    from lctrain.layout import sequence
+    from tests.helpers import on_ranks
+
+    rows = [DOCS["documents across chunk boundaries"] + [3], DOCS["only short documents"] + [3]]
+    doc_ids = torch.stack([_doc_ids(r) for r in rows])  # 40 tokens: 8 stretches of 5 at cp 4
+    inputs = _inputs(2, 40, 2, 4, 8, 6)
+    weight = torch.randn(2, 40, 4, 6, dtype=torch.float64)
+    # the ranks fork before this process runs any backward (autograd's threads)
+    got = on_ranks(_state_passing_rank, world, [x.detach() for x in inputs], doc_ids, weight,
+                   balance)
+    want, _ = gated_delta_reference(*inputs, doc_ids=doc_ids)
+    grads = torch.autograd.grad((want * weight).sum(), inputs)
+    for rank, (out, local_grads) in enumerate(got):
+        torch.testing.assert_close(out, sequence.split(want, 1, rank, world, balance),
+                                   rtol=1e-10, atol=1e-12)
+        for name, a, b in zip(("q", "k", "v", "g", "beta"), local_grads, grads, strict=True):
+            torch.testing.assert_close(a, sequence.split(b, 1, rank, world, balance),
+                                       rtol=1e-9, atol=1e-11, msg=(rank, name))
