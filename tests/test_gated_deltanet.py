@@ -165,6 +165,7 @@ def _state_passing_rank(inputs, doc_ids, weight, balance):
     import torch.distributed as dist
 
     from lctrain.attention.delta_cp import state_passing_delta_rule
+    from lctrain.comm import record_traffic
     from lctrain.layout import sequence
 
     p, me = dist.get_world_size(), dist.get_rank()
@@ -176,17 +177,20 @@ def _state_passing_rank(inputs, doc_ids, weight, balance):
     continues = torch.stack([torch.zeros(doc_ids.shape[0], dtype=torch.bool) if at == 0
                              else doc_ids[:, at] == doc_ids[:, at - 1] for at, _, _ in starts])
     local = [sequence.split(x.detach(), 1, me, p, balance).requires_grad_() for x in inputs]
-    out = state_passing_delta_rule(*local, sequence.split(doc_ids, 1, me, p, balance),
-                                   plans[me], order, continues, dist.group.WORLD, chunk=CHUNK)
-    (out * sequence.split(weight, 1, me, p, balance)).sum().backward()
-    return out.detach(), [x.grad for x in local]
+    with record_traffic() as sent:
+        out = state_passing_delta_rule(*local, sequence.split(doc_ids, 1, me, p, balance),
+                                       plans[me], order, continues, dist.group.WORLD,
+                                       chunk=CHUNK)
+        (out * sequence.split(weight, 1, me, p, balance)).sum().backward()
+    return out.detach(), [x.grad for x in local], dict(sent.elements)
 
 
 @pytest.mark.parametrize("world,balance", [(2, "zigzag"), (4, "zigzag"), (4, "none")])
 def test_context_parallel_state_passing_is_the_whole_sequence(world, balance):
     """Each rank runs its stretches from zero, the (final state, transition) pairs are
     all-gathered and combined in sequence order, the stretches run again from their exact
-    states: every rank's outputs and input gradients are the whole rows' (float64)."""
+    states: every rank's outputs and input gradients are the whole rows' (float64), and each
+    rank sends its (final state, transition) pairs, forward and backward, nothing else."""
     from lctrain.layout import sequence
     from tests.helpers import on_ranks
 
@@ -199,9 +203,27 @@ def test_context_parallel_state_passing_is_the_whole_sequence(world, balance):
                    balance)
     want, _ = gated_delta_reference(*inputs, doc_ids=doc_ids)
     grads = torch.autograd.grad((want * weight).sum(), inputs)
-    for rank, (out, local_grads) in enumerate(got):
+    n = 2 if balance == "zigzag" else 1  # stretches a rank holds
+    per_pass = n * 2 * 4 * 8 * (8 + 6) * (world - 1)  # its (E, T) pairs: B H d_k (d_k + d_v)
+    for rank, (out, local_grads, sent) in enumerate(got):
+        assert sent == {("other", "all_gather"): per_pass,
+                        ("other", "reduce_scatter"): per_pass}, sent
         torch.testing.assert_close(out, sequence.split(want, 1, rank, world, balance),
                                    rtol=1e-10, atol=1e-12)
         for name, a, b in zip(("q", "k", "v", "g", "beta"), local_grads, grads, strict=True):
             torch.testing.assert_close(a, sequence.split(b, 1, rank, world, balance),
                                        rtol=1e-9, atol=1e-11, msg=(rank, name))
+
+
+def test_the_state_exchange_sends_the_same_at_four_times_the_sequence():
+    from tests.helpers import on_ranks
+
+    sent = []
+    for repeat in (1, 4):
+        doc_ids = _doc_ids(DOCS["documents across chunk boundaries"] * repeat + [3] * repeat)
+        s = doc_ids.shape[0]
+        inputs = [x.detach() for x in _inputs(1, s, 2, 4, 8, 6)]
+        weight = torch.randn(1, s, 4, 6, dtype=torch.float64)
+        got = on_ranks(_state_passing_rank, 4, inputs, doc_ids[None], weight, "zigzag")
+        sent.append([rank[2] for rank in got])
+    assert sent[0] == sent[1], sent
