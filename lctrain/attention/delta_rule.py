@@ -32,6 +32,35 @@ def _chunked(x: Tensor, chunk: int) -> Tensor:
     return x.reshape(x.shape[0], x.shape[1], -1, chunk, *x.shape[3:])
 
 
+def _chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, docs: Tensor
+                 ) -> tuple[Tensor, ...]:
+    """What each chunk contributes apart from the carried state (§31), for chunked
+    q, k [B, H, N, C, d_k], v [B, H, N, C, d_v], g, beta [B, H, N, C] and docs [B, 1, N, C]:
+    (U_v, W, the masked intra-chunk scores, the queries and keys that read and write the
+    state, the state's carry factor [B, H, N, 1, 1])."""
+    chunk, dtype = q.shape[-2], v.dtype
+    cum = g.cumsum(dim=-1)  # log decay from the chunk's start to each token
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
+    visible = causal & (docs[..., :, None] == docs[..., None, :])  # i sees j: j <= i, same doc
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~visible, float("-inf")).exp()
+    # the carried state belongs to the document of the token before the chunk (the row's first
+    # document for the first chunk); a token reads it only if it continues that document
+    before = torch.cat([docs[..., :1, :1], docs[..., :-1, -1:]], dim=-2)
+    reads = (docs == before).to(dtype)  # [B, 1, N, C]
+    writes = (docs == docs[..., -1:]).to(dtype)  # the chunk's last document writes the state
+
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # unit lower triangular once solved so
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * (cum.exp() * reads)[..., None],
+                                      upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q_state = q * (cum.exp() * reads)[..., None]
+    k_state = k * ((cum[..., -1:] - cum).exp() * writes)[..., None]
+    carry = (cum[..., -1].exp() * reads[..., -1])[..., None, None]  # [B, H, N, 1, 1]
+    return u, w, intra, q_state, k_state, carry
+
+
 def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                            doc_ids: Tensor | None = None, initial_state: Tensor | None = None,
                            chunk: int = CHUNK, transition: bool = False
@@ -57,36 +86,16 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
         docs = torch.cat([docs, docs[:, -1:].expand(b, pad)], dim=1)
-    q, k, v = (_chunked(x, chunk) for x in (q, k, v))
-    g, beta = _chunked(g, chunk), _chunked(beta, chunk)
-    docs = docs.reshape(b, 1, -1, chunk)  # [B, 1, N, C]: the same for every head
-
-    cum = g.cumsum(dim=-1)  # log decay from the chunk's start to each token
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=v.device).tril()
-    visible = causal & (docs[..., :, None] == docs[..., None, :])  # i sees j: j <= i, same doc
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~visible, float("-inf")).exp()
-    # the carried state belongs to the document of the token before the chunk (the row's first
-    # document for the first chunk); a token reads it only if it continues that document
-    before = torch.cat([docs[..., :1, :1], docs[..., :-1, -1:]], dim=-2)
-    reads = (docs == before).to(dtype)  # [B, 1, N, C]
-    writes = (docs == docs[..., -1:]).to(dtype)  # the chunk's last document writes the state
-
-    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    system = (k_beta @ k.transpose(-1, -2)) * decay  # unit lower triangular once solved so
-    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * (cum.exp() * reads)[..., None],
-                                      upper=False, unitriangular=True)
-    intra = (q @ k.transpose(-1, -2)) * decay
-    q_state = q * (cum.exp() * reads)[..., None]
-    k_state = k * ((cum[..., -1:] - cum).exp() * writes)[..., None]
-    carry = (cum[..., -1].exp() * reads[..., -1])[..., None, None]  # [B, H, N, 1, 1]
+    terms = _chunk_terms(*(_chunked(x, chunk) for x in (q, k, v, g, beta)),
+                         docs.reshape(b, 1, -1, chunk))
+    u, w, intra, q_state, k_state, carry = terms
 
     state = (torch.zeros(b, h, d_k, v.shape[-1], dtype=dtype, device=v.device)
              if initial_state is None else initial_state.to(dtype))
     eye = torch.eye(d_k, dtype=dtype, device=v.device)
     moved = eye.expand(b, h, d_k, d_k) if transition else None
     out = []
-    for n in range(q.shape[2]):
+    for n in range(u.shape[2]):  # the chunks, in order
         v_new = u[:, :, n] - w[:, :, n] @ state
         out.append(q_state[:, :, n] @ state + intra[:, :, n] @ v_new)
         state = state * carry[:, :, n] + k_state[:, :, n].transpose(-1, -2) @ v_new
