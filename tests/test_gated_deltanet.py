@@ -151,41 +151,33 @@ def test_the_mixer_is_transformers_gated_deltanet_on_rows_and_documents():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()), msg=name)
 
 
-def _stretches(local: int, balance: str) -> list[slice]:
-    """A rank's stretches: the sequence split's chunks it holds (each a run of consecutive
-    positions; zigzag's two may be adjacent, and stay two: every rank sends as many)."""
-    from lctrain.config.load_balances import split_of
-
-    n = split_of(balance).chunks_per_rank
-    return [slice(i * local // n, (i + 1) * local // n) for i in range(n)]
-
-
 def _state_passing_rank(inputs, doc_ids, weight, balance):
-    """This rank's output and input gradients of `state_passing_delta_rule` on its share."""
+    """This rank's output, input gradients and elements sent by `state_passing_delta_rule` on
+    its share of the rows (split as the data path splits them)."""
     import torch.distributed as dist
 
-    from lctrain.attention.delta_cp import state_passing_delta_rule
+    from lctrain.attention.delta_cp import state_passing_delta_rule, stretch_plan
     from lctrain.comm import record_traffic
     from lctrain.layout import sequence
 
     p, me = dist.get_world_size(), dist.get_rank()
     s = doc_ids.shape[1]
-    plans = [_stretches(s // p, balance) for _ in range(p)]
-    starts = sorted((int(sequence.positions(s, r, p, balance)[span.start]), r, i)
-                    for r in range(p) for i, span in enumerate(plans[r]))
-    order = [(r, i) for _, r, i in starts]
-    continues = torch.stack([torch.zeros(doc_ids.shape[0], dtype=torch.bool) if at == 0
-                             else doc_ids[:, at] == doc_ids[:, at - 1] for at, _, _ in starts])
-    local = [sequence.split(x.detach(), 1, me, p, balance).requires_grad_() for x in inputs]
+    plan = stretch_plan([sequence.positions(s, r, p, balance, doc_ids=doc_ids) for r in range(p)],
+                        doc_ids, me)
+
+    def mine(x):
+        return sequence.split(x, 1, me, p, balance, doc_ids=doc_ids)
+
+    local = [mine(x.detach()).requires_grad_() for x in inputs]
     with record_traffic() as sent:
-        out = state_passing_delta_rule(*local, sequence.split(doc_ids, 1, me, p, balance),
-                                       plans[me], order, continues, dist.group.WORLD,
+        out = state_passing_delta_rule(*local, mine(doc_ids), plan, dist.group.WORLD,
                                        chunk=CHUNK)
-        (out * sequence.split(weight, 1, me, p, balance)).sum().backward()
-    return out.detach(), [x.grad for x in local], dict(sent.elements)
+        (out * mine(weight)).sum().backward()
+    return out.detach(), [x.grad for x in local], dict(sent.elements), plan.slots
 
 
-@pytest.mark.parametrize("world,balance", [(2, "zigzag"), (4, "zigzag"), (4, "none")])
+@pytest.mark.parametrize("world,balance", [(2, "zigzag"), (4, "zigzag"), (4, "none"),
+                                           (4, "documents")])
 def test_context_parallel_state_passing_is_the_whole_sequence(world, balance):
     """Each rank runs its stretches from zero, the (final state, transition) pairs are
     all-gathered and combined in sequence order, the stretches run again from their exact
@@ -203,16 +195,18 @@ def test_context_parallel_state_passing_is_the_whole_sequence(world, balance):
                    balance)
     want, _ = gated_delta_reference(*inputs, doc_ids=doc_ids)
     grads = torch.autograd.grad((want * weight).sum(), inputs)
-    n = 2 if balance == "zigzag" else 1  # stretches a rank holds
-    per_pass = n * 2 * 4 * 8 * (8 + 6) * (world - 1)  # its (E, T) pairs: B H d_k (d_k + d_v)
-    for rank, (out, local_grads, sent) in enumerate(got):
+    for rank, (out, local_grads, sent, slots) in enumerate(got):
+        # each rank sends its slots of (E, T) pairs, B H d_k (d_k + d_v) each, to the others
+        per_pass = slots * 2 * 4 * 8 * (8 + 6) * (world - 1)
         assert sent == {("other", "all_gather"): per_pass,
                         ("other", "reduce_scatter"): per_pass}, sent
-        torch.testing.assert_close(out, sequence.split(want, 1, rank, world, balance),
-                                   rtol=1e-10, atol=1e-12)
+
+        def mine(x):
+            return sequence.split(x, 1, rank, world, balance, doc_ids=doc_ids)  # noqa: B023
+
+        torch.testing.assert_close(out, mine(want), rtol=1e-10, atol=1e-12)
         for name, a, b in zip(("q", "k", "v", "g", "beta"), local_grads, grads, strict=True):
-            torch.testing.assert_close(a, sequence.split(b, 1, rank, world, balance),
-                                       rtol=1e-9, atol=1e-11, msg=(rank, name))
+            torch.testing.assert_close(a, mine(b), rtol=1e-9, atol=1e-11, msg=(rank, name))
 
 
 def test_the_state_exchange_sends_the_same_at_four_times_the_sequence():
