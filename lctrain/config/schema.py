@@ -148,6 +148,11 @@ class ModelConfig:
             return False
         return self.moe_layers is None or layer in self.moe_layers
 
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        """The blocks whose MLP is a mixture of experts, in order."""
+        return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
+
     def layer_type(self, layer: int) -> str:
         """full_attention | sliding_attention of block `layer` (see layer_types)."""
         if self.layer_types is not None:

@@ -74,8 +74,6 @@ class Decoder(nn.Module):
         """The MoE layers' routing of the current forward (lctrain.models.moe)."""
         build = dataclasses.replace(build, router_log=self.router_log)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, build) for i in range(cfg.n_layers)})
-        self.moe_layers = [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]
-        """The rows of the routing table a model with experts returns (`forward`)."""
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps, family.has(NORM_OFFSET))
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -123,7 +121,7 @@ class Decoder(nn.Module):
         out = self._output(h, labels)
         if not self.cfg.n_experts:
             return out
-        table = self.router_log.table(self.moe_layers, self.cfg.n_experts, h.device)
+        table = self.router_log.table(self.cfg.moe_layer_ids, self.cfg.n_experts, h.device)
         return out, table if routing is None else routing + table
 
     def _output(self, h: Tensor, labels: Tensor | None) -> Tensor:

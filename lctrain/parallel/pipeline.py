@@ -99,8 +99,7 @@ def stage_io(cfg: LctrainConfig, rt: Runtime, stage: int) -> dict:
     # of a given shape require one only if the example does
     hidden = torch.empty(rows, local // s, m.dim, device=meta, requires_grad=True,
                          dtype=torch.bfloat16 if residual == 2 else torch.float32)
-    moe_layers = sum(m.is_moe_layer(i) for i in range(m.n_layers))
-    totals = ((torch.empty(moe_layers + 2, m.n_experts, device=meta, requires_grad=True),)
+    totals = ((torch.empty(len(m.moe_layer_ids) + 2, m.n_experts, device=meta, requires_grad=True),)
               if m.n_experts else ())
     inputs = ((torch.empty(rows, local, dtype=torch.long, device=meta),) if stage == 0
               else (hidden, *totals))
@@ -246,8 +245,7 @@ class PipelinedModel(nn.Module):
         m, accum = self.cfg.model, self.rt.derived.grad_accum
         if not m.n_experts:
             return self._aux_values[-accum:], None
-        moe_layers = sum(m.is_moe_layer(i) for i in range(m.n_layers))
-        counts = torch.zeros(moe_layers, m.n_experts, device=self.rt.device)
+        counts = torch.zeros(len(m.moe_layer_ids), m.n_experts, device=self.rt.device)
         for held in self._routing_counts[-accum:]:
             counts += held
         return self._aux_values[-accum:], counts

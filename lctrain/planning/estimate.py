@@ -268,7 +268,7 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
             "layers_by_window": {("full" if w is None else f"window {w}"): n for w, n in
                                  layer_windows(cfg, range(m.n_layers)).items()},
             **({"experts [MoE layers, experts per rank of E, token rows per rank]":
-                [sum(m.is_moe_layer(i) for i in range(m.n_layers)), m.n_experts // p.ep,
+                [len(m.moe_layer_ids), m.n_experts // p.ep,
                  t.micro_batch * t.seq_len // (p.cp * seq_div) * m.experts_per_token]}
                if m.n_experts else {}),
         },

@@ -210,7 +210,7 @@ def collective_calls(step: StepShape) -> dict[str, float]:
                                   + times * x.calls * count / cfg.model.n_layers)
     out = {g: n * step.blocks * step.micro_batches for g, n in per_block.items()}
     if p.ep > 1:  # per MoE layer: the row counts, dispatch and combine, forward and backward
-        moe = sum(cfg.model.is_moe_layer(i) for i in range(cfg.model.n_layers))
+        moe = len(cfg.model.moe_layer_ids)
         out["ep"] = moe * step.micro_batches * (3 * (2 if again else 1) + 2)
     if p.pp > 1:
         out["pp"] = PP_CALLS_PER_STAGE * len(stages_of(cfg, 0)) * step.micro_batches

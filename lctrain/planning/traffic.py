@@ -212,7 +212,7 @@ def ep_step_bytes(cfg: LctrainConfig, world_size: int) -> float:
     # each rank routes its tokens: S/cp, and its sequence shard S/(cp tp) under TP (with SP)
     rows = t.micro_batch * t.seq_len // (p.cp * p.tp) * m.experts_per_token * (p.ep - 1) / p.ep
     forwards = 2 if t.activation_checkpointing == "full" else 1
-    layers = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    layers = len(m.moe_layer_ids)
     per_layer = expert_all_to_all_elements(rows, rows, m.dim, forwards)
     return d.grad_accum * layers * per_layer * dtype_bytes(cfg, world_size)[0]
 
