@@ -22,6 +22,7 @@ from lctrain.parallel.launch import RankFailure, run_ranks
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.planning.estimate import rank_memory
 from lctrain.tracing import patches, trace
+from lctrain.tracing.live import LiveBytes
 from lctrain.training import loop
 from tests.helpers import HEADS_8, on_ranks, run_cli, tiny_config
 
@@ -298,3 +299,46 @@ def test_every_torch_patch_of_the_trace_still_applies_and_is_undone():
     with patches.patched({patches.TENSOR_CPU: lambda original: lambda t: "patched"}):
         assert torch.zeros(1).cpu() == "patched"
     assert torch.zeros(1).cpu().shape == (1,) and ("cpu" not in torch.Tensor.__dict__) == inherited
+
+
+def test_live_bytes_follows_storages_views_resizes_and_collectives():
+    """LiveBytes, the one tracker (lctrain/tracing/live.py), against bytes counted by hand: a
+    new storage from its op until its last reference goes (a view keeps it), at its size after a
+    resize; a storage made before only with `views`, and only while a view made inside lives;
+    excluded storages never; the peak; and on a gloo group, a collective's buffers released
+    before `settle` returns."""
+    before, param = torch.ones(64), torch.ones(32)  # 256 and 128 bytes, made before
+    tracker = LiveBytes(exclude={id(param.untyped_storage())}, views=True)
+    with tracker:
+        a = torch.zeros(100)  # 400 bytes
+        view = a[:10]
+        del a
+        assert tracker.alive_by_where() == {"other": 400}  # the view holds the storage
+        tracker.where = "labels"
+        seen = before.view(8, 8)  # made before: counted while this view lives
+        _ = param.view(4, 8)  # excluded
+        assert tracker.alive_by_where() == {"other": 400, "labels": 256}
+        del seen
+        assert tracker.alive_by_where() == {"other": 400}
+        view.untyped_storage().resize_(1000)  # 1000 bytes now
+        b = torch.ones(10)  # 40 bytes
+        assert sum(tracker.by_phase.values()) == 1040
+        del view, b
+    assert tracker.alive() == [] and tracker.peak == 1040  # the storage resized, then b
+
+
+def _collective_released() -> list[int]:
+    tracker = LiveBytes()
+    with tracker:
+        x = torch.full((1000,), float(dist.get_rank()))
+        dist.all_reduce(x * 2)  # a temporary only the Work holds once this returns
+        tracker.settle()
+        left = sum(tracker.by_phase.values())
+        del x
+    return [left, sum(tracker.by_phase.values())]
+
+
+def test_live_bytes_settles_a_gloo_collective():
+    """A gloo Work drops the tensors it was given some time after wait() returned; `settle`
+    waits for that, so only the program's own tensors are alive after it."""
+    assert on_ranks(_collective_released, 2) == [[4000, 0]] * 2

@@ -8,10 +8,10 @@ checkpointing, tiling, TP, CP, FSDP or DDP, expert parallelism) and runs one who
 `lctrain.device.Traced` in place of the accelerator, so the CUDA code path runs (flash-attention
 ops and grouped matmuls on their meta kernels) and nothing is computed or allocated.
 
-`StepMemory` counts the bytes of every storage alive during the step (each op's outputs, until
-the last reference goes, at their size after FSDP resizes them) on top of the state that exists
-before it: the parameters and, as from the second step on, AdamW's moments (made by a warm-up
-step before the trace). Its peak and the parts at that moment are the trace's answer; the same
+`StepMemory` (the one tracker of live bytes, `lctrain.tracing.live`) counts the bytes of every
+storage alive during the step (each op's outputs, until the last reference goes, at their size
+after FSDP resizes them) on top of the state that exists before it: the parameters and, as from
+the second step on, AdamW's moments (made by a warm-up step before the trace). Its peak and the parts at that moment are the trace's answer; the same
 tracker around a real CPU step measures the same numbers (tests/test_trace.py). What it cannot
 see: the caching allocator's rounding and fragmentation, NCCL's buffers, the CUDA context and the
 kernels' workspaces (the plan's allocator allowance stands for them).
@@ -24,14 +24,11 @@ import dataclasses
 import gc
 import os
 import time
-import weakref
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from lctrain import device
 from lctrain.attention.varlen_reference import FLASH_OPS, check_flash_call
@@ -42,11 +39,8 @@ from lctrain.parallel.launch import run_ranks
 from lctrain.parallel.runtime import setup_distributed
 from lctrain.tracing import patches
 from lctrain.tracing.host_syncs import HostSyncs, sync_name
-from lctrain.tracing.measure import (
-    holding_tensor,
-    host_state_tensors,
-    optimizer_state_tensors,
-)
+from lctrain.tracing.live import LiveBytes, holding_tensor, storage_of
+from lctrain.tracing.measure import host_state_tensors, optimizer_state_tensors
 from lctrain.tracing.patches import patched
 from lctrain.training import loop
 from lctrain.training.step import train_step
@@ -59,57 +53,20 @@ and at a peak inside a forward its working tensors), and the rest (what backward
 optimizer made: gathered weights, working tensors, communication buffers)."""
 
 
-def _storage(t: Tensor):
-    return holding_tensor(t).untyped_storage()
-
-
-class StepMemory(TorchDispatchMode):
-    """Bytes alive in the storages ops create during a step, by the phase that made them
-    (forward, or backward: inside autograd's engine), on top of `state` (bytes that exist before
-    it); the peak, where it happened, and the bytes by phase then. Storages are followed by
-    weak reference, an op's new storages only (not its inputs': views, in-place results), and
-    their resizes (FSDP frees and refills gathered weights that way) by a patch of
-    `UntypedStorage.resize_` while the tracker is active. `host`: ids of storages in host
-    memory (offloaded state), not counted. `gradients`: storages marked as gradients
-    (`mark_gradients`), with the op indices at which they were made and freed."""
+class StepMemory(LiveBytes):
+    """The live bytes of a training step (`LiveBytes`) on top of `state` (bytes that exist
+    before it), with the flash kernels' contract checked and the host syncs noted (`syncs`) on
+    the way. `gradients`: storages marked as gradients (`mark_gradients`), with the op indices
+    at which they were made and freed."""
 
     def __init__(self, state: int, host: set[int] | None = None,
                  syncs: HostSyncs | None = None):
-        super().__init__()
-        self.state, self.host = state, host or set()
+        super().__init__(state, host=host)
         self.syncs = syncs
-        self.live: dict[int, list] = {}  # id(storage) -> [bytes, phase, op index made, op]
-        self.peak_live: dict[int, list] = {}
-        self.by_phase = {"forward": 0, "backward": 0, "optimizer": 0}
-        self.in_optimizer = False
-        self.ops, self.micro_step = 0, 0
-        self.peak, self.peak_op, self.at_peak = state, -1, dict(self.by_phase)
-        self.peak_where = ("before the step", 0, "")
         self.gradients: dict[int, list] = {}  # id(storage) -> [bytes, made, freed or None]
         self.standing: dict[int, int] = {}  # gradient storages older than the step
-        self._patches = contextlib.ExitStack()
 
-    def __enter__(self):
-        tracker = self
-
-        def resizing(original):
-            def resize_(storage, size):
-                out = original(storage, size)
-                tracker._resized(storage)
-                return out
-            return resize_
-
-        self._patches.enter_context(patched({
-            patches.STORAGE_RESIZE: resizing,
-            patches.PROFILER_ENTER: lambda original: lambda self: self,
-            patches.PROFILER_EXIT: lambda original: lambda self, *exc: None}))
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        self._patches.close()
-        return super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def run(self, func, args, kwargs):
         if func in FLASH_OPS:  # the CUDA kernel's rules, which its meta kernel does not check
             check_flash_call(func, args)
         sync = None if self.syncs is None else sync_name(func, args, kwargs)
@@ -117,73 +74,17 @@ class StepMemory(TorchDispatchMode):
             self.syncs.note(sync, self.in_optimizer)
             if func is torch.ops.aten._local_scalar_dense.default:  # a placeholder: the trace goes on
                 return True if args[0].dtype == torch.bool else 1
-        out = func(*args, **(kwargs or {}))
-        self.ops += 1
-        # an op's new storages: not its inputs' (views, in-place results), told apart by the
-        # C++ storage, which several Python wrappers of one view may share
-        inputs = {_storage(t)._cdata for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, Tensor)}
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, Tensor) and _storage(t)._cdata not in inputs:
-                self._track(_storage(t), func)
-        self._update_peak(func)
-        return out
+        return func(*args, **kwargs)
 
-    def _phase(self) -> str:
-        if self.in_optimizer:
-            return "optimizer"
-        return "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-
-    def _track(self, storage, func) -> None:
-        key = id(storage)
-        if key in self.live or key in self.host:
-            return
-        phase = self._phase()
-        self.live[key] = [storage.nbytes(), phase, self.ops, func]
-        self.by_phase[phase] += storage.nbytes()
-        weakref.finalize(storage, self._freed, key)
-
-    def _freed(self, key: int) -> None:
-        entry = self.live.pop(key, None)
-        if entry is None:  # a host storage
-            self.host.discard(key)
-            return
-        nbytes, phase = entry[:2]
-        self.by_phase[phase] -= nbytes
+    def freed(self, key: int) -> None:
         if key in self.gradients:
             self.gradients[key][2] = self.ops
-
-    def _resized(self, storage) -> None:
-        entry = self.live.get(id(storage))
-        if entry is not None:
-            self.by_phase[entry[1]] += storage.nbytes() - entry[0]
-            entry[0] = storage.nbytes()
-            self._update_peak("a storage resized")
-
-    def _update_peak(self, func) -> None:
-        total = self.state + sum(self.by_phase.values())
-        if total > self.peak:
-            self.peak, self.peak_op, self.at_peak = total, self.ops, dict(self.by_phase)
-            self.peak_where = (self._phase(), self.micro_step, func)
-            self.peak_live = {k: v[:] for k, v in self.live.items()}
-
-    def largest_at_peak(self, n: int = 8) -> list[dict]:
-        """The `n` largest storages the step had made and still held at its peak."""
-        rows = sorted(self.peak_live.values(), key=lambda e: -e[0])[:n]
-        return [{"bytes": b, "phase": phase, "op": str(func)} for b, phase, _, func in rows]
-
-    def on_host(self, storage) -> None:
-        """`storage` (made during the step) lives in host memory: no longer counted."""
-        entry = self.live.pop(id(storage), None)
-        if entry is not None:
-            self.by_phase[entry[1]] -= entry[0]
-        self.host.add(id(storage))
 
     def mark_gradients(self, tensors) -> None:
         """Record these (alive) tensors' storages as gradients: made by the step, or standing
         (made before it and alive throughout, as DDP's buckets, whose views the gradients are)."""
         for t in tensors:
-            storage = _storage(t)
+            storage = storage_of(t)
             key = id(storage)
             entry = self.live.get(key)
             if entry is not None and key not in self.gradients:
@@ -232,17 +133,17 @@ class HostMoves:
         return method
 
     def _cross(self, t: Tensor) -> Tensor:
-        to_host = id(_storage(t)) not in self.tracker.host
+        to_host = id(storage_of(t)) not in self.tracker.host
         out = torch.empty_like(t)
         out.copy_(t)
         if to_host:
-            self.tracker.on_host(_storage(out))
+            self.tracker.on_host(storage_of(out))
         return out
 
 
 def _storages(tensors) -> dict[int, int]:
     """Distinct storages of `tensors` (local shards): {id: bytes}."""
-    return {id(_storage(t)): _storage(t).nbytes() for t in tensors if isinstance(t, Tensor)}
+    return {id(storage_of(t)): storage_of(t).nbytes() for t in tensors if isinstance(t, Tensor)}
 
 
 def _device_bytes(tensors, host: set[int]) -> int:
