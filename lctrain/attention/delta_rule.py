@@ -17,8 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-CHUNK = 64
-"""Tokens per chunk of the scan: the triangular systems are C x C."""
+from lctrain.config.model_size import DELTA_CHUNK
+
+CHUNK = DELTA_CHUNK
+"""Tokens per chunk of the scan: the triangular systems are C x C (the planner counts the
+FLOPs of chunks of this size)."""
 L2_EPS = 1e-6
 """The L2 normalisation's epsilon, as flash-linear-attention's kernels (and transformers) use."""
 

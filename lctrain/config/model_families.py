@@ -20,8 +20,10 @@ from lctrain.config.model_parts import (
     EXPERT_BIAS,
     EXPERTS,
     GELU_TANH,
+    LINEAR_ATTENTION,
     NORM_OFFSET,
     OUT_BIAS,
+    OUTPUT_GATE,
     QK_NORM,
     QKV_BIAS,
     ROUTER_BIAS,
@@ -73,14 +75,16 @@ class ModelFamily:
         if not self.module:
             object.__setattr__(self, "module", f"lctrain.models.{self.name}")
 
-    def block_extra_params(self, dim: int, head_dim: int, n_heads: int,
-                           n_kv_heads: int) -> tuple[int, int]:
+    def block_extra_params(self, dim: int, head_dim: int, n_heads: int, n_kv_heads: int,
+                           attention: bool = True) -> tuple[int, int]:
         """(parameters TP shards, parameters TP replicates) one block holds beyond a Llama
         block's: each part's (`ModelPart.sharded`, `replicated`; the MLP's extras:
-        `lctrain.config.model_size.mlp_params`)."""
+        `lctrain.config.model_size.mlp_params`); with `attention` False, of a linear-attention
+        block (the attention's parts left out)."""
         shape = BlockShape(dim, head_dim, n_heads, n_kv_heads)
-        return (sum(part.sharded(shape) for part in self.parts),
-                sum(part.replicated(shape) for part in self.parts))
+        parts = [part for part in self.parts if attention or not part.in_attention]
+        return (sum(part.sharded(shape) for part in parts),
+                sum(part.replicated(shape) for part in parts))
 
 
 MODEL_FAMILIES: Registry[ModelFamily] = Registry("model family")
@@ -95,6 +99,9 @@ for _family in (
     ModelFamily("mixtral", "MixtralForCausalLM", parts=(WINDOWS, EXPERTS)),
     ModelFamily("gpt_oss", "GptOssForCausalLM", parts=(QKV_BIAS, WINDOWS, EXPERTS, OUT_BIAS,
                                                        SINKS, ROUTER_BIAS, EXPERT_BIAS)),
+    ModelFamily("qwen3_5_text", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig",
+                module="lctrain.models.qwen3_5",
+                parts=(QK_NORM, NORM_OFFSET, OUTPUT_GATE, LINEAR_ATTENTION)),
 ):
     MODEL_FAMILIES.add(_family)
 

@@ -42,15 +42,18 @@ class ModelPart:
     """Parameters per block that tensor parallelism shards (with the heads or columns)."""
     replicated: Callable[[BlockShape], int] = _none
     """Parameters per block that tensor parallelism replicates."""
+    in_attention: bool = False
+    """Its parameters are the attention's: a linear-attention layer has none of them."""
 
 
 MODEL_PARTS: Registry[ModelPart] = Registry("model part")
 
 QKV_BIAS = MODEL_PARTS.add(ModelPart(
-    "qkv_bias", "Q/K/V biases",
+    "qkv_bias", "Q/K/V biases", in_attention=True,
     sharded=lambda s: s.head_dim * (s.n_heads + 2 * s.n_kv_heads)))  # one per output column
 QK_NORM = MODEL_PARTS.add(ModelPart(
-    "qk_norm", "Q and K head norms", replicated=lambda s: 2 * s.head_dim))  # one RMSNorm each
+    "qk_norm", "Q and K head norms", in_attention=True,
+    replicated=lambda s: 2 * s.head_dim))  # one RMSNorm each
 WINDOWS = MODEL_PARTS.add(ModelPart(
     "windows", "window layers"))  # config.json may set model.sliding_window and layer_types
 SANDWICH_NORMS = MODEL_PARTS.add(ModelPart(
@@ -65,10 +68,16 @@ EMBED_SCALE = MODEL_PARTS.add(ModelPart(
 EXPERTS = MODEL_PARTS.add(ModelPart(
     "experts", "mixtures of experts"))  # counted in config/model_size.mlp_params
 OUT_BIAS = MODEL_PARTS.add(ModelPart(
-    "out_bias", "output projection bias", replicated=lambda s: s.dim))
+    "out_bias", "output projection bias", replicated=lambda s: s.dim, in_attention=True))
 SINKS = MODEL_PARTS.add(ModelPart(
-    "sinks", "attention sinks", sharded=lambda s: s.n_heads))  # a logit per query head
+    "sinks", "attention sinks", sharded=lambda s: s.n_heads,  # a logit per query head
+    in_attention=True))
 ROUTER_BIAS = MODEL_PARTS.add(ModelPart(
     "router_bias", "router bias"))  # counted in config/model_size.mlp_params
 EXPERT_BIAS = MODEL_PARTS.add(ModelPart(
     "expert_bias", "expert biases"))  # 2 F_e + D per expert: config/model_size.expert_params
+OUTPUT_GATE = MODEL_PARTS.add(ModelPart(
+    "output_gate", "attention output gated by sigmoid", in_attention=True,
+    sharded=lambda s: s.dim * s.n_heads * s.head_dim))  # a gate per query dimension
+LINEAR_ATTENTION = MODEL_PARTS.add(ModelPart(
+    "linear_attention", "Gated DeltaNet layers"))  # counted in config/model_size.mixer_params

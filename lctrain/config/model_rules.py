@@ -1,5 +1,5 @@
 """The rules of the model's own fields: where attention windows may be and which layers use them,
-and the mixture-of-experts fields with the layouts their experts run in (expert parallelism's
+the linear-attention layers, and the mixture-of-experts fields with the layouts their experts run in (expert parallelism's
 sizes; no TP without SP, no DeepSpeed engine). Part of `lctrain.config.validation`'s `validate`.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 
 from lctrain.config.model_families import model_family
-from lctrain.config.model_parts import EXPERTS, WINDOWS
-from lctrain.config.schema import FULL, SLIDING, LctrainConfig
+from lctrain.config.model_parts import EXPERTS, LINEAR_ATTENTION, WINDOWS
+from lctrain.config.schema import FULL, LINEAR, SLIDING, LctrainConfig
 
 
 def window_problems(cfg: LctrainConfig) -> list[str]:
@@ -25,12 +25,35 @@ def window_problems(cfg: LctrainConfig) -> list[str]:
     if len(m.layer_types) != m.n_layers:
         problems.append(f"model.layer_types has {len(m.layer_types)} entries for "
                         f"model.n_layers={m.n_layers}; give one per layer (or null)")
-    unknown = sorted(set(m.layer_types) - {SLIDING, FULL})
+    linear = model_family(m.family).has(LINEAR_ATTENTION)
+    kinds = [FULL, SLIDING, *([LINEAR] if linear else [])]
+    unknown = sorted(set(m.layer_types) - set(kinds))
     if unknown:
-        problems.append(f"model.layer_types has {unknown}; each layer is {FULL} or {SLIDING}")
+        problems.append(f"model.layer_types has {unknown}; each layer of model.family="
+                        f"{m.family} is {' or '.join(kinds)}")
     if SLIDING in m.layer_types and m.sliding_window is None:
         problems.append(f"model.layer_types has {SLIDING} layers but model.sliding_window is "
                         "null; set the window (e.g. model.sliding_window=4096)")
+    return problems
+
+
+def linear_problems(cfg: LctrainConfig) -> list[str]:
+    """Gated DeltaNet layers: their heads, and the layouts they do not run in yet (they run on
+    one rank per model replica: data parallelism, any DP engine)."""
+    m, p = cfg.model, cfg.parallel
+    if LINEAR not in (m.layer_types or ()):
+        return []
+    problems = []
+    if m.linear_value_heads % m.linear_key_heads:
+        problems.append(f"model.linear_value_heads={m.linear_value_heads} is not a multiple of "
+                        f"model.linear_key_heads={m.linear_key_heads}: each key head serves "
+                        "whole value heads")
+    split = {"parallel.tp": p.tp, "parallel.cp": p.cp, "parallel.pp": p.pp}
+    for key, size in split.items():
+        if size > 1:
+            problems.append(f"{key}={size} with linear_attention layers (model.layer_types): "
+                            "lctrain does not split Gated DeltaNet layers yet; set "
+                            f"{key}=1 (data parallelism runs them)")
     return problems
 
 

@@ -38,29 +38,44 @@ def mlp_params(m: ModelConfig, layer: int, active: bool = False) -> int:
     return router + expert_params(m, layer, m.experts_per_token if active else None)
 
 
+def linear_mixer_params(m: ModelConfig) -> tuple[int, int]:
+    """(parameters TP shards, parameters TP replicates) of a Gated DeltaNet layer's mixer: the
+    projections to Q, K, V (2 H_k d_k + H_v d_v channels), to the gate Z (H_v d_v), to beta and
+    the decay's input (H_v each) and back (H_v d_v x D); the convolution's kernel per channel;
+    dt_bias and A_log per value head; the gated norm's d_v weights (replicated)."""
+    channels = 2 * m.linear_key_heads * m.linear_key_dim + m.linear_value_heads * m.linear_value_dim
+    values = m.linear_value_heads * m.linear_value_dim
+    sharded = (m.dim * (channels + 2 * values + 2 * m.linear_value_heads)
+               + channels * m.linear_conv_kernel + 2 * m.linear_value_heads)
+    return sharded, m.linear_value_dim
+
+
 def block_split(m: ModelConfig, layer: int = 0) -> tuple[int, int]:
     """(parameters TP shards, parameters TP replicates) of transformer block `layer`: Q, K, V, O
-    and the MLP's matrices (`mlp_params`), plus the family's biases
-    (`ModelFamily.block_extra_params`, its parts'); the two norms, plus its parts' replicated ones."""
+    (or a linear-attention layer's mixer, `linear_mixer_params`) and the MLP's matrices
+    (`mlp_params`), plus the family's biases (`ModelFamily.block_extra_params`, its parts'); the
+    two norms, plus its parts' replicated ones."""
+    linear = linear_mixer_params(m) if m.is_linear_layer(layer) else None
     return _block_split(m.family, m.dim, m.d_head, m.n_heads, m.n_kv_heads,
-                        mlp_params(m, layer))
+                        mlp_params(m, layer), linear)
 
 
 @cache  # pure in its arguments; a layout search asks for the same ones many times
 def _block_split(family: str, dim: int, d_head: int, heads: int, kv_heads: int,
-                 mlp: int) -> tuple[int, int]:
-    attention = dim * (2 * heads * d_head + 2 * kv_heads * d_head)
-    sharded, replicated = model_family(family).block_extra_params(dim, d_head, heads, kv_heads)
-    return attention + mlp + sharded, 2 * dim + replicated
+                 mlp: int, linear: tuple[int, int] | None) -> tuple[int, int]:
+    mixer = (dim * (2 * heads * d_head + 2 * kv_heads * d_head), 0) if linear is None else linear
+    sharded, replicated = model_family(family).block_extra_params(
+        dim, d_head, heads, kv_heads, attention=linear is None)
+    return mixer[0] + mlp + sharded, 2 * dim + mixer[1] + replicated
 
 
 def layer_kinds(m: ModelConfig, layers) -> list[tuple[int, int]]:
     """(a layer, how many) for each kind among `layers`: the layers whose blocks hold, compute
-    and keep alike (dense or a mixture of experts, and the same attention window), so that a
+    and keep alike (dense or a mixture of experts, attention or linear, the same window), so that a
     formula is evaluated once per kind (a layout search evaluates many)."""
-    kinds: dict[tuple[bool, int | None], tuple[int, int]] = {}
+    kinds: dict[tuple[bool, bool, int | None], tuple[int, int]] = {}
     for i in layers:
-        key = (m.is_moe_layer(i), m.layer_window(i))
+        key = (m.is_moe_layer(i), m.is_linear_layer(i), m.layer_window(i))
         first, count = kinds.get(key, (i, 0))
         kinds[key] = (first, count + 1)
     return list(kinds.values())
@@ -81,8 +96,35 @@ def layer_costs(m: ModelConfig, seq_len: int) -> tuple[float, list[float], float
     output layer 2 D V plus the softmax (~5 V)."""
     embedding, _, output = unit_costs(m, seq_len)
     return embedding, [TRAIN_OVER_FORWARD * FLOPS_PER_WEIGHT * block_params(m, i, active=True)
-                       + attention_flops(m, seq_len, m.layer_window(i))
-                       for i in range(m.n_layers)], output
+                       + mixer_flops(m, seq_len, i) for i in range(m.n_layers)], output
+
+
+def mixer_flops(m: ModelConfig, seq_len: int, layer: int) -> float:
+    """Training FLOPs per token of block `layer`'s token mixer beyond its weights: causal
+    attention (`attention_flops`) or the gated delta rule (`linear_mixer_flops`)."""
+    if m.is_linear_layer(layer):
+        return linear_mixer_flops(m)
+    return attention_flops(m, seq_len, m.layer_window(layer))
+
+
+DELTA_CHUNK = 64
+"""Tokens per chunk of the chunked gated delta rule (lctrain.attention.delta_rule)."""
+
+
+def linear_mixer_flops(m: ModelConfig) -> float:
+    """Training FLOPs per token of a Gated DeltaNet layer's recurrence (docs/parallelism.md
+    §31), the same at every sequence length. Per value head and token, over chunks of C
+    tokens: the chunk's K K^T and Q K^T (C d_k multiply-adds each), the WY factors A K and A V
+    (C d_k and C d_v), the output's intra-chunk term (C d_v); the state's Q S, W S and its
+    update K^T U (d_k d_v each); the causal convolution's k per channel. Forward x 2 FLOPs
+    per multiply-add, x 3 for training; the triangular solve per chunk (C/3 per token) is
+    left out."""
+    c, dk, dv = DELTA_CHUNK, m.linear_key_dim, m.linear_value_dim
+    per_head = c * (3 * dk + 2 * dv) + 3 * dk * dv
+    channels = 2 * m.linear_key_heads * dk + m.linear_value_heads * dv
+    forward = FLOPS_PER_WEIGHT * (m.linear_value_heads * per_head
+                                  + m.linear_conv_kernel * channels)
+    return TRAIN_OVER_FORWARD * forward
 
 
 TRAIN_OVER_FORWARD = 3

@@ -22,8 +22,9 @@ from lctrain.config.model_families import MODEL_FAMILIES
 from lctrain.config.schema_data import DataConfig, EvalConfig, PreprocessConfig
 from lctrain.config.schema_launch import LaunchConfig, PlanConfig, SlurmConfig
 
-SLIDING, FULL = "sliding_attention", "full_attention"
-"""The layer types (model.layer_types), transformers' names."""
+SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
+"""The layer types (model.layer_types), transformers' names: attention over a window, over the
+whole causal context, and a linear-attention (Gated DeltaNet) layer."""
 
 
 @dataclass
@@ -81,9 +82,27 @@ class ModelConfig:
     use_sliding_window, gemma3); null: no window. A window at least train.seq_len long is the
     whole causal context."""
     layer_types: list[str] | None = None
-    """Attention of each layer, full_attention | sliding_attention (config.json's layer_types,
-    or from its sliding_window_pattern or max_window_layers); null: every layer sliding when
-    model.sliding_window is set, else every layer full."""
+    """Token mixer of each layer, full_attention | sliding_attention | linear_attention
+    (config.json's layer_types, or from its sliding_window_pattern, max_window_layers or
+    full_attention_interval); null: every layer sliding when model.sliding_window is set, else
+    every layer full. linear_attention layers (Gated DeltaNet) are in the families that have
+    them (qwen3_5_text)."""
+    rotary_fraction: float = 1.0
+    """Share of each head's dimensions RoPE rotates, the first ones (config.json's
+    partial_rotary_factor: Qwen3.5 0.25); the others carry no position."""
+    linear_key_heads: int = at_least(1, 16)
+    """Gated DeltaNet layers: key (and query) heads (linear_num_key_heads)."""
+    linear_value_heads: int = at_least(1, 32)
+    """Gated DeltaNet layers: value heads (linear_num_value_heads), a multiple of the key
+    heads; each has its own state, decay and gate."""
+    linear_key_dim: int = at_least(1, 128)
+    """Gated DeltaNet layers: dims per key head d_k (linear_key_head_dim)."""
+    linear_value_dim: int = at_least(1, 128)
+    """Gated DeltaNet layers: dims per value head d_v (linear_value_head_dim); the state of a
+    head is d_k x d_v."""
+    linear_conv_kernel: int = at_least(1, 4)
+    """Gated DeltaNet layers: width of the causal convolution over Q, K, V
+    (linear_conv_kernel_dim)."""
     rope_local_theta: float | None = None
     """RoPE base of the sliding layers, without scaling (Gemma 3: 10000, its full layers 1M);
     null: the full layers' RoPE."""
@@ -153,8 +172,18 @@ class ModelConfig:
         """The blocks whose MLP is a mixture of experts, in order."""
         return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
 
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head RoPE rotates (rotary_fraction of d, even)."""
+        return int(self.d_head * self.rotary_fraction) // 2 * 2
+
+    def is_linear_layer(self, layer: int) -> bool:
+        """Whether block `layer` is a linear-attention layer."""
+        return self.layer_type(layer) == LINEAR
+
     def layer_type(self, layer: int) -> str:
-        """full_attention | sliding_attention of block `layer` (see layer_types)."""
+        """full_attention | sliding_attention | linear_attention of block `layer` (see
+        layer_types)."""
         if self.layer_types is not None:
             return self.layer_types[layer]
         return SLIDING if self.sliding_window is not None else FULL

@@ -23,7 +23,7 @@ from lctrain.config.derived import context_stages, load_balance_of, stage_proble
 from lctrain.config.device_rules import cuda_problems, kernel_device_problems
 from lctrain.config.eval_rules import eval_problems, has_validation
 from lctrain.config.load_balances import auto_load_balance, split_of
-from lctrain.config.model_rules import expert_problems, window_problems
+from lctrain.config.model_rules import expert_problems, linear_problems, window_problems
 from lctrain.config.schema import LctrainConfig, ModelConfig, ParallelConfig
 from lctrain.config.suggest import divisors, nearest_multiple
 
@@ -426,7 +426,8 @@ def layout_problems(cfg: LctrainConfig, world_size: int, later: list[str] | None
     if later is None:
         later = _scalars(cfg) + _logging(cfg) + _length_mix(cfg)
     world = _world(cfg, world_size)
-    problems = (world + _heads(cfg) + window_problems(cfg) + expert_problems(cfg, world_size)
+    problems = (world + _heads(cfg) + window_problems(cfg) + linear_problems(cfg)
+                + expert_problems(cfg, world_size)
                 + _context(cfg) + _pipeline(cfg) + later
                 + eval_problems(cfg) + offload_problems(cfg))
     if cfg.train.device == "cuda":  # train.device=auto is resolved where the run starts

@@ -1,6 +1,6 @@
 """A decoder block, composed: norm, a token mixer, residual add; norm, a feed-forward, residual
 add. Each layer's token mixer comes from `TOKEN_MIXERS` by the layer's type
-(`model.layer_types`: full or sliding attention) and its feed-forward from `FEED_FORWARDS`
+(`model.layer_types`: full or sliding attention, or a Gated DeltaNet) and its feed-forward from `FEED_FORWARDS`
 (`model.moe_layers`: a gated MLP or a mixture of experts); the family's parts
 (`lctrain.models.parts`) add their modules to the block and its attention and act at their
 seams. Plain single-device code: parallelism is applied from `lctrain.parallel`.
@@ -18,6 +18,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
@@ -28,6 +29,8 @@ from lctrain.config import ModelConfig
 from lctrain.config.model_families import model_family
 from lctrain.config.model_parts import GELU_TANH, NORM_OFFSET, OUT_BIAS, QKV_BIAS, ROUTER_BIAS
 from lctrain.config.registry import Registry
+from lctrain.config.schema import FULL, LINEAR, SLIDING
+from lctrain.models.gated_deltanet import GatedDeltaNet, LinearShape
 from lctrain.models.init import ZEROS
 from lctrain.models.moe import Experts, MoE, RouterLog
 from lctrain.models.norms import RMSNorm
@@ -70,8 +73,8 @@ class BlockParts:
 
 class Attention(nn.Module):
     """Llama's attention: Q, K, V projections (with biases in a `qkv_bias` family), the parts'
-    seam on the heads (`Part.qkv`), RoPE, the core, the output projection (with a bias in an
-    `out_bias` family). `window`: the sliding window of a window layer (model.layer_types),
+    seams on the heads (`Part.query`, `Part.qkv`), RoPE, the core, a gate on its output where a
+    part makes one, the output projection (with a bias in an `out_bias` family). `window`: the sliding window of a window layer (model.layer_types),
     and `sinks`: a sink logit per query head where a part adds them; both go to the core."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0, build: BlockParts = BlockParts()):
@@ -99,9 +102,12 @@ class Attention(nn.Module):
                 doc_ids: Tensor | None = None) -> Tensor:
         b, s, _ = x.shape
         # Head counts come from the weights so that TP-sharded projections work unchanged.
-        q = self.wq(x).view(b, s, -1, self.head_dim)
+        q, gate = self.wq(x).view(b, s, -1, self.head_dim), None
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
+        for part in self.parts:  # every part's queries (and gate) before any part's heads
+            q, made = part.query(self, q)
+            gate = made if made is not None else gate
         for part in self.parts:
             q, k, v = part.qkv(self, q, k, v)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -110,6 +116,8 @@ class Attention(nn.Module):
         sinks = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
         sink = {} if sinks is None else {"sink": sinks}  # this rank's heads' under TP
         out = self.core(q, k, v, doc_ids, window=self.window, **sink)  # [B, S, H, d]
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         return self.wo(out.reshape(b, s, -1))
 
     def init_rules(self) -> dict[str, float | None]:
@@ -179,9 +187,18 @@ class FeedForwardKind:
     """(config, layer, block parts) -> the module: `forward(x)`."""
 
 
+def gated_deltanet(cfg: ModelConfig, layer: int = 0,
+                   build: BlockParts = BlockParts()) -> GatedDeltaNet:
+    """A linear-attention layer's mixer (`lctrain.models.gated_deltanet`) of the model's sizes."""
+    shape = LinearShape(cfg.dim, cfg.linear_key_heads, cfg.linear_value_heads,
+                        cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_conv_kernel,
+                        cfg.norm_eps)
+    return GatedDeltaNet(shape, cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers))
+
+
 TOKEN_MIXERS: Registry[TokenMixer] = Registry("token mixer")
-TOKEN_MIXERS.add(TokenMixer("attention", ("full_attention", "sliding_attention"), "attention",
-                            Attention))
+TOKEN_MIXERS.add(TokenMixer("attention", (FULL, SLIDING), "attention", Attention))
+TOKEN_MIXERS.add(TokenMixer("gated_deltanet", (LINEAR,), "linear_attention", gated_deltanet))
 FEED_FORWARDS: Registry[FeedForwardKind] = Registry("feed-forward")
 FEED_FORWARDS.add(FeedForwardKind("dense", FeedForward))
 FEED_FORWARDS.add(FeedForwardKind("experts", mixture_of_experts))

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from lctrain.config import ModelConfig
 from lctrain.config.model_families import MODEL_FAMILIES, model_family
+from lctrain.models.hf_config import LINEAR_FIELDS
 from lctrain.models.hf_params import rope_parameters
 from lctrain.models.init import local_slices
 from lctrain.models.registry import family_code
@@ -108,7 +109,8 @@ def hf_config(cfg: ModelConfig):
 _HF_SHAPE = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
              "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
              "intermediate_size": "ffn_dim", "tie_word_embeddings": "tie_embeddings",
-             "head_dim": "head_dim", "num_experts": "n_experts", "num_local_experts": "n_experts"}
+             "head_dim": "head_dim", "num_experts": "n_experts", "num_local_experts": "n_experts",
+             **LINEAR_FIELDS}
 
 
 def check_hf_dir(path: str, cfg: ModelConfig) -> list[str]:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from lctrain.config import ModelConfig, choices_of
 from lctrain.config.model_families import MODEL_FAMILIES, model_family
-from lctrain.config.model_parts import EXPERTS, QKV_BIAS, WINDOWS
-from lctrain.config.schema import FULL, SLIDING
+from lctrain.config.model_parts import EXPERTS, LINEAR_ATTENTION, QKV_BIAS, WINDOWS
+from lctrain.config.schema import FULL, LINEAR, SLIDING
 
 # config.json key -> ModelConfig field (plain copies)
 _FIELDS = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
@@ -27,10 +27,19 @@ _ROPE = {"rope_theta": "rope_theta", "rope_type": "rope_type", "factor": "rope_f
          "original_max_position_embeddings": "rope_original_max_position",
          "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow",
          "truncate": "rope_truncate"}
+LINEAR_FIELDS = {"linear_num_key_heads": "linear_key_heads",
+           "linear_num_value_heads": "linear_value_heads",
+           "linear_key_head_dim": "linear_key_dim", "linear_value_head_dim": "linear_value_dim",
+           "linear_conv_kernel_dim": "linear_conv_kernel"}
+"""config.json key -> ModelConfig field of a family with Gated DeltaNet layers."""
+_TEXT_ONLY_ROPE = ("mrope_section", "mrope_interleaved")
+"""Multimodal RoPE's sections (Qwen3.5): a text token has the same position on every section,
+so on text they rotate as plain RoPE does."""
 _ACTIVATIONS = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}
 """`ModelFamily.mlp_activation` -> config.json's names for it."""
 SHAPE_FIELDS = ("family", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                "ffn_dim", "tie_embeddings", "n_experts", "expert_ffn_dim", "moe_layers")
+                "ffn_dim", "tie_embeddings", "n_experts", "expert_ffn_dim", "moe_layers",
+                *LINEAR_FIELDS.values())
 """Fields the weights fix: model.hf_overrides cannot change them."""
 
 
@@ -77,13 +86,17 @@ def _local_theta(hf: dict) -> float | None:
 
 
 def layer_types(hf: dict) -> list[str] | None:
-    """Each layer's attention (model.layer_types): config.json's layer_types, or from Gemma's
-    sliding_window_pattern (every pattern-th layer full) or Qwen's max_window_layers (layers
-    from it on sliding), as transformers derives them; None when every layer is the default
+    """Each layer's mixer (model.layer_types): config.json's layer_types, or from Gemma's
+    sliding_window_pattern (every pattern-th layer full), Qwen's max_window_layers (layers
+    from it on sliding) or Qwen3.5's full_attention_interval (every interval-th layer full, the
+    others linear), as transformers derives them; None when every layer is the default
     (sliding with a window, else full)."""
     n, w = hf.get("num_hidden_layers", 0), window(hf)
     if hf.get("layer_types"):
         types = list(hf["layer_types"])
+    elif _has_linear(hf):
+        every = hf.get("full_attention_interval", 4)
+        types = [LINEAR if (i + 1) % every else FULL for i in range(n)]
     elif w is not None and "sliding_window_pattern" in hf:
         types = [SLIDING if (i + 1) % hf["sliding_window_pattern"] else FULL for i in range(n)]
     elif w is not None and "max_window_layers" in hf:
@@ -92,6 +105,11 @@ def layer_types(hf: dict) -> list[str] | None:
         return None
     default = SLIDING if w is not None else FULL
     return None if all(t == default for t in types) else types
+
+
+def _has_linear(hf: dict) -> bool:
+    kind = hf.get("model_type")
+    return kind in MODEL_FAMILIES and model_family(kind).has(LINEAR_ATTENTION)
 
 
 def model_fields(hf: dict) -> dict:
@@ -111,7 +129,12 @@ def model_fields(hf: dict) -> dict:
     if hf.get("query_pre_attn_scalar") is not None:
         out["query_pre_attn_scalar"] = int(hf["query_pre_attn_scalar"])
     out.update(_experts(hf))
+    if _has_linear(hf):
+        out.update({ours: hf[key] for key, ours in LINEAR_FIELDS.items() if key in hf})
     rope = _rope(hf)
+    fraction = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if fraction is not None:
+        out["rotary_fraction"] = float(fraction)
     out.update({ours: rope[key] for key, ours in _ROPE.items() if key in rope})
     for name in ("rope_theta", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                  "rope_beta_fast", "rope_beta_slow", "norm_eps"):
@@ -175,10 +198,11 @@ def unsupported(hf: dict, path: str) -> list[str]:
     if window(hf) is not None and not family.has(WINDOWS):
         problems.append(f"{where} sets sliding_window={hf['sliding_window']}; lctrain's {kind} "
                         "attends over the whole causal context")
-    other_types = set(hf.get("layer_types") or ()) - {FULL, SLIDING}
+    computed = {FULL, SLIDING} | ({LINEAR} if family.has(LINEAR_ATTENTION) else set())
+    other_types = set(hf.get("layer_types") or ()) - computed
     if other_types:
-        problems.append(f"{where} has layer_types {sorted(other_types)}; lctrain computes "
-                        f"{FULL} and {SLIDING} layers only")
+        problems.append(f"{where} has layer_types {sorted(other_types)}; lctrain's {kind} "
+                        f"computes {', '.join(sorted(computed))} layers only")
     if hf.get("quantization_config"):
         method = hf["quantization_config"].get("quant_method", "?")
         problems.append(f"{where} has quantization_config (quant_method {method}); lctrain "
@@ -191,7 +215,7 @@ def unsupported(hf: dict, path: str) -> list[str]:
     if rope["rope_type"] not in choices_of(ModelConfig, "rope_type"):
         problems.append(f"{where} uses rope_type={rope['rope_type']!r}; lctrain implements "
                         f"{', '.join(choices_of(ModelConfig, 'rope_type'))}")
-    extra = set(rope) - set(_ROPE) - {"type"}
+    extra = set(rope) - set(_ROPE) - {"type", "partial_rotary_factor", *_TEXT_ONLY_ROPE}
     if extra:
         problems.append(f"{where} sets RoPE parameters lctrain does not implement: "
                         f"{', '.join(sorted(extra))}")

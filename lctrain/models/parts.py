@@ -20,7 +20,14 @@ from torch.distributed.tensor.parallel import SequenceParallel
 
 from lctrain.config import ModelConfig
 from lctrain.config.model_families import ModelFamily, model_family
-from lctrain.config.model_parts import MODEL_PARTS, NORM_OFFSET, QK_NORM, SANDWICH_NORMS, SINKS
+from lctrain.config.model_parts import (
+    MODEL_PARTS,
+    NORM_OFFSET,
+    OUTPUT_GATE,
+    QK_NORM,
+    SANDWICH_NORMS,
+    SINKS,
+)
 from lctrain.config.registry import Registry
 from lctrain.models.norms import RMSNorm
 
@@ -54,6 +61,11 @@ class Part:
 
     def build_block(self, block: nn.Module, cfg: ModelConfig) -> None:
         """Add its modules to a block."""
+
+    def query(self, attention: nn.Module, q: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The query projection's output as heads [B, S, H', d] -> (queries [B, S, H, d], a
+        gate [B, S, H, d] on the attention's output, or None)."""
+        return q, None
 
     def qkv(self, attention: nn.Module, q: Tensor, k: Tensor, v: Tensor
             ) -> tuple[Tensor, Tensor, Tensor]:
@@ -127,7 +139,23 @@ class Sinks(Part):
         attention.sinks = nn.Parameter(torch.empty(cfg.n_heads))
 
 
-_CODE = {QK_NORM.name: HeadNorms, SANDWICH_NORMS.name: SandwichNorms, SINKS.name: Sinks}
+class OutputGate(Part):
+    """The attention's output times sigmoid of a gate per query dimension (Qwen3.5, Qwen3-Next),
+    before the output projection. The query projection makes both, each head's d queries then
+    its d gates (Hugging Face's `q_proj` of 2 H d rows), so TP's column split keeps a head's
+    pairs together."""
+
+    def build_attention(self, attention: nn.Module, cfg: ModelConfig) -> None:
+        attention.wq = nn.Linear(cfg.dim, 2 * cfg.q_dim, bias=attention.wq.bias is not None)
+
+    def query(self, attention: nn.Module, q: Tensor) -> tuple[Tensor, Tensor | None]:
+        b, s, pairs, d = q.shape
+        q, gate = q.view(b, s, pairs // 2, 2, d).unbind(dim=3)
+        return q, gate
+
+
+_CODE = {QK_NORM.name: HeadNorms, SANDWICH_NORMS.name: SandwichNorms, SINKS.name: Sinks,
+         OUTPUT_GATE.name: OutputGate}
 PARTS: Registry[Part] = Registry("model part's code")
 for _name in MODEL_PARTS:  # `Part`: a part that configures a module every family has
     PARTS.add(_CODE.get(_name, Part)(_name))

@@ -17,7 +17,7 @@ from lctrain.config import ModelConfig
 
 
 def rope_frequencies(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    dim = cfg.d_head
+    dim = cfg.rotary_dim  # the head's dims RoPE rotates (all but under partial rotary)
     base, factor = cfg.rope_theta, cfg.rope_factor
     exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     inv_freq = 1.0 / (base ** exponents)
@@ -90,6 +90,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x rotated by the tables, in its first cos.shape[-1] dims (model.rotary_fraction < 1:
+    the others pass unchanged)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :r], cos, sin), x[..., r:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

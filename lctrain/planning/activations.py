@@ -178,7 +178,7 @@ def rope_table_bytes(cfg: LctrainConfig, world_size: int, batch: int) -> float:
     per sequence under document masking): part of `head_activation_formula`; under pipelining
     every stage computes and keeps its own."""
     rows = (batch if cfg.data.document_masking else 1) * cfg.train.seq_len // cfg.parallel.cp
-    return 2 * rows * cfg.model.d_head * dtype_bytes(cfg, world_size)[0]
+    return 2 * rows * cfg.model.rotary_dim * dtype_bytes(cfg, world_size)[0]
 
 
 def planning_bytes(cfg: LctrainConfig, batch: int) -> float:

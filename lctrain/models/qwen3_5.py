@@ -1,0 +1,33 @@
+"""Qwen3.5 dense models (config.json model_type qwen3_5_text; the language model of the released
+qwen3_5 checkpoints): a hybrid of Gated DeltaNet layers (`lctrain.models.gated_deltanet`, the
+`linear_attention` part: model.layer_types names them, three before each full-attention layer
+in the releases) and full attention with Qwen3's head norms, a sigmoid gate on the attention's
+output (`output_gate`), RoPE over the first quarter of each head (model.rotary_fraction) and
+every RMSNorm but the mixer's gated one scaling by 1 + w (`norm_offset`).
+"""
+
+from __future__ import annotations
+
+from lctrain.config import ModelConfig
+from lctrain.models.families import FamilyCode
+from lctrain.models.hf_params import rope_parameters
+
+_LINEAR = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
+
+
+def _hf_config(cfg: ModelConfig) -> dict:
+    return {"layer_types": [cfg.layer_type(i) for i in range(cfg.n_layers)],
+            "rope_parameters": {**rope_parameters(cfg),
+                                "partial_rotary_factor": cfg.rotary_fraction},
+            "linear_num_key_heads": cfg.linear_key_heads,
+            "linear_num_value_heads": cfg.linear_value_heads,
+            "linear_key_head_dim": cfg.linear_key_dim,
+            "linear_value_head_dim": cfg.linear_value_dim,
+            "linear_conv_kernel_dim": cfg.linear_conv_kernel, "attention_bias": False}
+
+
+FAMILY = FamilyCode(
+    hf_config=_hf_config,
+    hf_names={f"linear_attention.{name}": f"linear_attn.{name}" for name in _LINEAR},
+    hf_params={"linear_attention.A_log": "linear_attn.A_log",
+               "linear_attention.dt_bias": "linear_attn.dt_bias"})
