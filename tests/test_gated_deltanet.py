@@ -221,3 +221,48 @@ def test_the_state_exchange_sends_the_same_at_four_times_the_sequence():
         got = on_ranks(_state_passing_rank, 4, inputs, doc_ids[None], weight, "zigzag")
         sent.append([rank[2] for rank in got])
     assert sent[0] == sent[1], sent
+
+
+def _halo_conv_rank(x, weight, doc_ids, balance, world):
+    import torch.distributed as dist
+
+    from lctrain.attention.delta_cp import StatePassing
+    from lctrain.layout import sequence
+
+    rank = dist.get_rank()
+    core = StatePassing(dist.group.WORLD, rank, world, x.shape[1], balance)
+    local = sequence.split(x, 1, rank, world, balance, doc_ids=doc_ids).clone().requires_grad_()
+    out = core.conv(local, weight, doc_ids)
+    (out * sequence.split(_ramp(x), 1, rank, world, balance, doc_ids=doc_ids)).sum().backward()
+    return out.detach(), local.grad
+
+
+def _ramp(x):
+    """Weights of the outputs in the loss: each position its own."""
+    return torch.arange(x.shape[1], dtype=x.dtype).view(1, -1, 1).expand(x.shape[0], -1, 1)
+
+
+@pytest.mark.parametrize("world,balance", [(2, "zigzag"), (4, "zigzag"), (3, "none"),
+                                           (2, "documents")])
+def test_the_convolution_takes_its_halo_from_the_ranks_before(world, balance):
+    """Under context parallelism each stretch's convolution reads the k - 1 inputs before it
+    from the rank holding them (a document of one token, documents crossing ranks): every
+    rank's outputs and input gradients are the whole rows' (float64)."""
+    from lctrain.attention.delta_rule import causal_conv
+    from lctrain.layout import sequence
+    from tests.helpers import on_ranks
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 24, 5, dtype=torch.float64)
+    weight = torch.randn(5, 1, 4, dtype=torch.float64)
+    doc_ids = torch.tensor([[0] * 5 + [1] * 2 + [2] * 11 + [3] * 6, [0] + [1] * 20 + [2] * 3])
+    got = on_ranks(_halo_conv_rank, world, x, weight, doc_ids, balance, world)
+    whole = x.clone().requires_grad_()
+    want = causal_conv(whole, weight, doc_ids)
+    (want * _ramp(x)).sum().backward()
+    for rank, (out, grad) in enumerate(got):
+        def mine(t):
+            return sequence.split(t, 1, rank, world, balance, doc_ids=doc_ids)  # noqa: B023
+
+        torch.testing.assert_close(out, mine(want.detach()), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grad, mine(whole.grad), rtol=1e-12, atol=1e-12)

@@ -111,8 +111,9 @@ FAMILIES = {  # model_type -> transformers config of a random model with the fam
                          "partial_rotary_factor": 0.5}),
 }
 MOE = ("qwen3_moe", "mixtral", "gpt_oss")
-ONE_RANK = {"qwen3_5_text": "lctrain does not split its Gated DeltaNet layers over ranks yet"}
-"""Families that train on data parallelism only for now, and why."""
+NOT_SPLIT_BY_HEADS_OR_STAGES = ("qwen3_5_text",)
+"""Families whose linear-attention layers lctrain does not split over TP or PP ranks yet: they
+train on the layouts without either."""
 LAYOUTS_OF_ALL = ("usp2x2_documents",)
 """The layouts every family runs (an MoE family runs the rest of LAYOUTS as MOE_LAYOUTS)."""
 FUSED_IN_MEMORY = ("qwen3_moe", "mixtral")
@@ -159,13 +160,16 @@ MOE_LAYOUTS = {"ep2_cp2_ring_docs": ["parallel.cp=2", "parallel.dp=2", "parallel
 tp2+sp x cp2 ring, ep2 x pp2, DDP with Ulysses, ep2 x cp2 all-gather KV with DDP (the experts
 reduced apart), and ep4, DDP and ep4 tiled and fully recomputed. The fast tier checks them at one rank (logits), and tests/test_moe.py and
 tests/test_activation_memory.py train ep2."""
-EXPORTED_BY = {"cp2_tp2_sp_ulysses": [f for f in FAMILIES if f not in MOE],
+EXPORTED_BY = {"cp2_tp2_sp_ulysses": [f for f in FAMILIES if f not in MOE
+                                      and f not in NOT_SPLIT_BY_HEADS_OR_STAGES],
+               "cp2_ring_zigzag_docs": list(NOT_SPLIT_BY_HEADS_OR_STAGES),
                "moe_cp2_ring_zigzag_docs": list(MOE)}
 """The layout whose run exports each family (the MoE families' in the full suite)."""
 USP_LAYOUT = {"usp2x2_documents": ["parallel.cp=4", "parallel.dp=1", "parallel.attention=usp",
                                    "parallel.ulysses_degree=2", "data.document_masking=true"]}
 """USP 2x2 with the per-row documents split: the window layers' halo inside ring groups after
 the all-to-all (in the full suite: 5 more 4-rank runs)."""
+ALL_LAYOUTS = {**LAYOUTS, **MOE_LAYOUTS, **USP_LAYOUT}
 
 
 def save_family(path, family: str) -> transformers.PreTrainedModel:
@@ -227,9 +231,7 @@ def test_config_json_decides_the_family_and_one_rank_gives_transformers_logits(h
             "qwen2": [None, WINDOW], "mistral": [WINDOW, WINDOW],
             "gemma3_text": [WINDOW, None], "gpt_oss": [WINDOW, None]}.get(family, [None, None]), \
             family
-        refused = [p for p in preflight(composed.cfg, 4) if family not in ONE_RANK
-                   or not p.startswith("parallel.cp=2 with linear_attention layers")]
-        assert refused == [], family  # (a ONE_RANK family only the recipe's cp2)
+        assert preflight(composed.cfg, 4) == []
         model = new_model(m)
         load_hf_weights(model, str(path))
         with torch.no_grad():
@@ -347,7 +349,8 @@ def _one_step(cfgs: dict, out_dir: str) -> dict:
 def _trains_on(family: str, layout: str) -> bool:
     """Every family trains on LAYOUTS_OF_ALL; the dense ones on the rest of LAYOUTS, the MoE
     ones on MOE_LAYOUTS."""
-    if family in ONE_RANK:
+    if family in NOT_SPLIT_BY_HEADS_OR_STAGES and any(
+            key.startswith(("parallel.tp=2", "parallel.pp=2")) for key in ALL_LAYOUTS[layout]):
         return False
     return layout in LAYOUTS_OF_ALL or (layout in MOE_LAYOUTS) == (family in MOE)
 
@@ -568,8 +571,6 @@ def test_each_family_continues_pretraining_as_the_readme_says(tmp_path, capsys):
                                     f"preprocess.output={tmp_path / 'shards'}"], capsys)
             assert code == 0, err[-2000:]
         experts = ["parallel.ep=2"] if family in MOE else []  # the issue's command
-        if family in ONE_RANK:  # the README's layout with its ranks on data parallelism
-            experts = ["parallel.cp=1", "parallel.dp=4"]
         code, _, err = run_cli(["train", "+recipe=tiny", f"model.init_from={model_dir}",
                                 "data.source=tokens", f"data.path={tmp_path / 'shards'}",
                                 "data.val_fraction=0.05", "eval.tasks=[]", "eval.every=2",

@@ -15,8 +15,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lctrain.attention.delta_rule import CHUNK, chunk_gated_delta_rule, initial_states
+from lctrain import device
+from lctrain.attention.calls import PlanCache
+from lctrain.attention.delta_rule import (
+    CHUNK,
+    causal_conv,
+    chunk_gated_delta_rule,
+    initial_states,
+)
 from lctrain.comm import all_gather, reduce_scatter
+from lctrain.layout import sequence
 
 
 class _GatherStates(torch.autograd.Function):
@@ -61,6 +69,8 @@ class StretchPlan:
     order: list[list[tuple[int, int]]]
     continues: list[list[Tensor]]
     slots: int
+    bounds: list[list[tuple[int, int]]]
+    """Per row, the global positions [start, end) of each stretch of `order`."""
 
 
 def _runs(pos: Tensor) -> list[slice]:
@@ -75,16 +85,18 @@ def stretch_plan(positions: list[Tensor], doc_ids: Tensor, me: int) -> StretchPl
     rows = doc_ids.shape[0]
     per_rank = [[_runs(pos if pos.dim() == 1 else pos[b]) for b in range(rows)]
                 for pos in positions]
-    order, continues = [], []
+    order, continues, bounds = [], [], []
     for b in range(rows):
-        starts = sorted((int((pos if pos.dim() == 1 else pos[b])[span.start]), rank, slot)
+        starts = sorted((int((pos if pos.dim() == 1 else pos[b])[span.start]),
+                         span.stop - span.start, rank, slot)
                         for rank, pos in enumerate(positions)
                         for slot, span in enumerate(per_rank[rank][b]))
-        order.append([(rank, slot) for _, rank, slot in starts])
+        order.append([(rank, slot) for _, _, rank, slot in starts])
+        bounds.append([(at, at + n) for at, n, _, _ in starts])
         continues.append([doc_ids[b, at] == doc_ids[b, at - 1] if at else
-                          torch.tensor(False) for at, _, _ in starts])
+                          torch.tensor(False) for at, _, _, _ in starts])
     slots = max(len(runs) for rank in per_rank for runs in rank)
-    return StretchPlan([per_rank[me][b] for b in range(rows)], order, continues, slots)
+    return StretchPlan([per_rank[me][b] for b in range(rows)], order, continues, slots, bounds)
 
 
 def state_passing_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -124,3 +136,95 @@ def state_passing_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
         out.append(torch.cat([run(b, span, start_of[slot])[0]
                               for slot, span in enumerate(plan.mine[b])], dim=1))
     return _Through.apply(torch.cat(out), everyone)
+
+
+def halo_conv(x: Tensor, weight: Tensor, doc_ids: Tensor, plan: StretchPlan, me: int,
+              group: dist.ProcessGroup) -> Tensor:
+    """`causal_conv` of this rank's tokens x [B, S_local, C] as over the whole rows: each stretch
+    takes the k - 1 inputs before its start from the ranks that hold them. Every rank
+    all-gathers the last k - 1 inputs of each of its stretches (P slots B (k - 1) C numbers,
+    whatever the sequence length; the backward reduce-scatters their gradients); a stretch then
+    runs with the ones of the k - 1 positions before it prepended, their document ids beside
+    (the convolution restarts at documents as on one rank). doc_ids: the global [B, S]."""
+    width = weight.shape[-1] - 1
+    rows, c = x.shape[0], x.shape[-1]
+    tails = x.new_zeros(plan.slots, rows, width, c)
+    for b in range(rows):
+        for slot, span in enumerate(plan.mine[b]):
+            tail = x[b, span][-width:]
+            tails[slot, b, width - tail.shape[0]:] = tail
+    everyone = _GatherStates.apply(tails, group)  # [P slots, B, k - 1, C]
+    out = []
+    for b in range(rows):
+        where = {order: at for at, order in enumerate(plan.order[b])}
+        pieces = []
+        for slot, span in enumerate(plan.mine[b]):
+            start = plan.bounds[b][where[me, slot]][0]
+            halo, halo_docs = _halo(everyone, doc_ids, plan, b, start, width, where)
+            docs = torch.cat([halo_docs, _docs_of(doc_ids, b, start, span)])
+            pieces.append(causal_conv(torch.cat([halo, x[b, span]])[None], weight,
+                                      docs[None].to(x.device))[0, width:])
+        out.append(torch.cat(pieces))
+    return _Through.apply(torch.stack(out), everyone)
+
+
+def _docs_of(doc_ids: Tensor, b: int, start: int, span: slice) -> Tensor:
+    return doc_ids[b, start:start + span.stop - span.start]
+
+
+def _halo(everyone: Tensor, doc_ids: Tensor, plan: StretchPlan, b: int, start: int,
+          width: int, where: dict) -> tuple[Tensor, Tensor]:
+    """The inputs at global positions start - width .. start - 1 of row b (zeros, and a document
+    id no token has, before the row's start) from the gathered tails, and their doc ids."""
+    picks, docs = [], []
+    for p in range(start - width, start):
+        if p < 0:
+            picks.append(everyone.new_zeros(everyone.shape[-1]))
+            docs.append(-1)
+            continue
+        at = next(i for i, (a, e) in enumerate(plan.bounds[b]) if a <= p < e)
+        rank, slot = plan.order[b][at]
+        end = plan.bounds[b][at][1]
+        picks.append(everyone[rank * plan.slots + slot, b, width - (end - p)])
+        docs.append(int(doc_ids[b, p]))
+    return torch.stack(picks), torch.tensor(docs, dtype=doc_ids.dtype)
+
+
+class StatePassing:
+    """The linear-attention layers' core (`lctrain.models.gated_deltanet.LinearCore`) of a cp
+    layout: the convolution by `halo_conv`, the recurrence by `state_passing_delta_rule`, over
+    the tokens `lctrain.layout.sequence` gives each cp rank (any split; the stretch plan made
+    on the host once per micro-batch's document ids)."""
+
+    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, seq_len: int,
+                 load_balance: str, ulysses: int = 1):
+        if dist.get_rank(group) != cp_rank:
+            raise ValueError(f"cp rank {cp_rank} is rank {dist.get_rank(group)} of its cp group: "
+                             "state passing orders the stretches by cp rank")
+        self.group, self.me, self.cp, self.seq_len = group, cp_rank, cp, seq_len
+        self.load_balance, self.ulysses = load_balance, ulysses
+        self._plans = PlanCache(self._plan)
+
+    @device.on_host
+    def _plan(self, doc_ids: Tensor) -> tuple[StretchPlan, Tensor]:
+        """(the stretch plan, this rank's tokens' document ids [B, S_local])."""
+        positions = sequence.every_rank_positions(self.seq_len, self.cp, self.load_balance,
+                                                  doc_ids, self.ulysses)
+        return (stretch_plan(positions, doc_ids, self.me),
+                sequence.take(doc_ids, positions[self.me], 1))
+
+    def _documents(self, doc_ids: Tensor | None, rows: int) -> Tensor:
+        """The global document ids, one document per row when none are packed."""
+        if doc_ids is None:
+            return torch.zeros(rows, self.seq_len, dtype=torch.int64)
+        return doc_ids.cpu()
+
+    def conv(self, x: Tensor, weight: Tensor, doc_ids: Tensor | None) -> Tensor:
+        docs = self._documents(doc_ids, x.shape[0])
+        plan, _ = self._plans(docs)
+        return halo_conv(x, weight, docs, plan, self.me, self.group)
+
+    def rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+             doc_ids: Tensor | None) -> Tensor:
+        plan, local = self._plans(self._documents(doc_ids, q.shape[0]))
+        return state_passing_delta_rule(q, k, v, g, beta, local.to(q.device), plan, self.group)

@@ -9,6 +9,8 @@ system per chunk), and a scan over chunks carries S. Documents enter as masks, n
 different decay: within a chunk a token sees only the tokens of its own document, reads the
 carried state only if it continues the document that state belongs to, and only the chunk's
 last document writes the state the next chunk reads (§31 derives each mask).
+
+Also the layer's causal depthwise convolution (`causal_conv`), which restarts at documents too.
 """
 
 from __future__ import annotations
@@ -125,3 +127,18 @@ def initial_states(ends: list[Tensor], transitions: list[Tensor], continues: lis
         out.append(state)
         state = moved @ state + end
     return out
+
+
+def causal_conv(x: Tensor, weight: Tensor, doc_ids: Tensor | None) -> Tensor:
+    """Depthwise causal convolution, x [B, S, C] with weight [C, 1, k] -> SiLU of [B, S, C]:
+    token t mixes tokens t - k + 1 .. t of its own document (torch's conv1d with k - 1 zeros of
+    left padding, restarted at each document)."""
+    k = weight.shape[-1]
+    out = x * weight[:, 0, k - 1]
+    for shift in range(1, k):
+        earlier = F.pad(x, (0, 0, shift, 0))[:, :x.shape[1]]  # token t - shift (zeros before)
+        if doc_ids is not None:
+            same = F.pad(doc_ids, (shift, 0), value=-1)[:, :x.shape[1]] == doc_ids
+            earlier = earlier * same[..., None].to(x.dtype)
+        out = out + earlier * weight[:, 0, k - 1 - shift]
+    return F.silu(out)

@@ -38,8 +38,8 @@ def window_problems(cfg: LctrainConfig) -> list[str]:
 
 
 def linear_problems(cfg: LctrainConfig) -> list[str]:
-    """Gated DeltaNet layers: their heads, and the layouts they do not run in yet (they run on
-    one rank per model replica: data parallelism, any DP engine)."""
+    """Gated DeltaNet layers: their heads, and the layouts they do not run in yet (they run
+    under data and context parallelism: state passing, any split)."""
     m, p = cfg.model, cfg.parallel
     if LINEAR not in (m.layer_types or ()):
         return []
@@ -48,12 +48,12 @@ def linear_problems(cfg: LctrainConfig) -> list[str]:
         problems.append(f"model.linear_value_heads={m.linear_value_heads} is not a multiple of "
                         f"model.linear_key_heads={m.linear_key_heads}: each key head serves "
                         "whole value heads")
-    split = {"parallel.tp": p.tp, "parallel.cp": p.cp, "parallel.pp": p.pp}
+    split = {"parallel.tp": p.tp, "parallel.pp": p.pp}
     for key, size in split.items():
         if size > 1:
             problems.append(f"{key}={size} with linear_attention layers (model.layer_types): "
-                            "lctrain does not split Gated DeltaNet layers yet; set "
-                            f"{key}=1 (data parallelism runs them)")
+                            "lctrain does not split Gated DeltaNet layers by heads or stages "
+                            f"yet; set {key}=1 (data and context parallelism run them)")
     return problems
 
 

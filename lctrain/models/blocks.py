@@ -30,7 +30,12 @@ from lctrain.config.model_families import model_family
 from lctrain.config.model_parts import GELU_TANH, NORM_OFFSET, OUT_BIAS, QKV_BIAS, ROUTER_BIAS
 from lctrain.config.registry import Registry
 from lctrain.config.schema import FULL, LINEAR, SLIDING
-from lctrain.models.gated_deltanet import GatedDeltaNet, LinearShape
+from lctrain.models.gated_deltanet import (
+    LOCAL_LINEAR,
+    GatedDeltaNet,
+    LinearCore,
+    LinearShape,
+)
 from lctrain.models.init import ZEROS
 from lctrain.models.moe import Experts, MoE, RouterLog
 from lctrain.models.norms import RMSNorm
@@ -63,12 +68,13 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = Non
 @dataclass(frozen=True)
 class BlockParts:
     """What a block is built from besides the config: the attention core, the family's parts'
-    code, its experts' class, the model's router log."""
+    code, its experts' class, the model's router log, the linear-attention layers' core."""
 
     core: AttentionCore = sdpa_attention
     parts: tuple[Part, ...] = ()
     experts: Callable[..., Experts] = Experts
     router_log: RouterLog | None = None
+    linear: LinearCore = LOCAL_LINEAR
 
 
 class Attention(nn.Module):
@@ -193,7 +199,8 @@ def gated_deltanet(cfg: ModelConfig, layer: int = 0,
     shape = LinearShape(cfg.dim, cfg.linear_key_heads, cfg.linear_value_heads,
                         cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_conv_kernel,
                         cfg.norm_eps)
-    return GatedDeltaNet(shape, cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers))
+    return GatedDeltaNet(shape, cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers),
+                         build.linear)
 
 
 TOKEN_MIXERS: Registry[TokenMixer] = Registry("token mixer")

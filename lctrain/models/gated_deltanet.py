@@ -8,18 +8,24 @@ g = -exp(A_log) softplus(a + dt_bias); per value head an RMSNorm of the output g
 SiLU(Z); the output projection. Packed documents (doc_ids) restart both the convolution's
 window and the recurrent state at every document's first token. Parameter names are
 transformers' (`in_proj_qkv`, `conv1d`, `A_log`, ...), so Hugging Face weights map one to one.
+
+The convolution and the recurrence run through the mixer's core (`LinearCore`), as attention
+runs through the attention core: `LOCAL_LINEAR` on one device, and under context parallelism
+`lctrain.attention.delta_cp.StatePassing` (the convolution's halo and the states come from
+the ranks before). doc_ids are then the global [B, S] ids, as the attention core gets them.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lctrain.attention.delta_rule import chunk_gated_delta_rule
+from lctrain.attention.delta_rule import causal_conv, chunk_gated_delta_rule
 from lctrain.models.init import ZEROS
 
 
@@ -41,19 +47,31 @@ class LinearShape:
         return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
 
 
-def causal_conv(x: Tensor, weight: Tensor, doc_ids: Tensor | None) -> Tensor:
-    """Depthwise causal convolution, x [B, S, C] with weight [C, 1, k] -> SiLU of [B, S, C]:
-    token t mixes tokens t - k + 1 .. t of its own document (torch's conv1d with k - 1 zeros of
-    left padding, restarted at each document)."""
-    k = weight.shape[-1]
-    out = x * weight[:, 0, k - 1]
-    for shift in range(1, k):
-        earlier = F.pad(x, (0, 0, shift, 0))[:, :x.shape[1]]  # token t - shift (zeros before)
-        if doc_ids is not None:
-            same = F.pad(doc_ids, (shift, 0), value=-1)[:, :x.shape[1]] == doc_ids
-            earlier = earlier * same[..., None].to(x.dtype)
-        out = out + earlier * weight[:, 0, k - 1 - shift]
-    return F.silu(out)
+class LinearCore(Protocol):
+    """How a Gated DeltaNet layer runs over the sequence: its tokens, [B, S_local, ...], and the
+    global document ids [B, S] (or None: one document per row)."""
+
+    def conv(self, x: Tensor, weight: Tensor, doc_ids: Tensor | None) -> Tensor:
+        """`causal_conv` of x [B, S_local, C] as over the whole rows."""
+
+    def rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+             doc_ids: Tensor | None) -> Tensor:
+        """The gated delta rule's output [B, S_local, H, d_v] as over the whole rows."""
+
+
+class LocalLinear:
+    """One device holds the whole rows."""
+
+    def conv(self, x: Tensor, weight: Tensor, doc_ids: Tensor | None) -> Tensor:
+        return causal_conv(x, weight, None if doc_ids is None else doc_ids.to(x.device))
+
+    def rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+             doc_ids: Tensor | None) -> Tensor:
+        docs = None if doc_ids is None else doc_ids.to(q.device)
+        return chunk_gated_delta_rule(q, k, v, g, beta, docs)[0]
+
+
+LOCAL_LINEAR = LocalLinear()
 
 
 class GatedRMSNorm(nn.Module):
@@ -79,9 +97,10 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """The mixer: `forward(x, *, cos, sin, doc_ids)` as the attention's (RoPE unused)."""
 
-    def __init__(self, shape: LinearShape, init_std: float, out_std: float):
+    def __init__(self, shape: LinearShape, init_std: float, out_std: float,
+                 core: LinearCore = LOCAL_LINEAR):
         super().__init__()
-        self.shape = shape
+        self.shape, self.core = shape, core
         s = shape
         self.in_proj_qkv = nn.Linear(s.dim, s.conv_channels, bias=False)
         self.in_proj_z = nn.Linear(s.dim, s.value_heads * s.value_dim, bias=False)
@@ -99,7 +118,7 @@ class GatedDeltaNet(nn.Module):
                 doc_ids: Tensor | None = None) -> Tensor:
         s = self.shape
         b, n, _ = x.shape
-        qkv = causal_conv(self.in_proj_qkv(x), self.conv1d.weight, doc_ids)
+        qkv = self.core.conv(self.in_proj_qkv(x), self.conv1d.weight, doc_ids)
         keys = s.key_heads * s.key_dim
         q, k, v = qkv.split([keys, keys, s.value_heads * s.value_dim], dim=-1)
         q, k = (t.reshape(b, n, s.key_heads, s.key_dim) for t in (q, k))
@@ -108,7 +127,7 @@ class GatedDeltaNet(nn.Module):
         a = self.in_proj_a(x)
         wide = torch.promote_types(a.dtype, torch.float32)  # A could overflow in half precision
         g = -self.A_log.to(wide).exp() * F.softplus(a.to(wide) + self.dt_bias)
-        out, _ = chunk_gated_delta_rule(q, k, v, g, beta, doc_ids)
+        out = self.core.rule(q, k, v, g, beta, doc_ids)
         z = self.in_proj_z(x).reshape(b, n, s.value_heads, s.value_dim)
         return self.out_proj(self.norm(out, z).reshape(b, n, -1))
 

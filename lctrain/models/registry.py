@@ -14,6 +14,7 @@ from lctrain.config.model_families import ModelFamily, model_family
 from lctrain.models.blocks import AttentionCore, BlockParts, sdpa_attention
 from lctrain.models.decoder import Decoder
 from lctrain.models.families import FamilyCode
+from lctrain.models.gated_deltanet import LOCAL_LINEAR, LinearCore
 from lctrain.models.parts import parts_of
 
 
@@ -28,8 +29,10 @@ def family_code(family: ModelConfig | str) -> FamilyCode:
     return _code(model_family(family if isinstance(family, str) else family.family))
 
 
-def new_model(cfg: ModelConfig, core: AttentionCore = sdpa_attention) -> Decoder:
+def new_model(cfg: ModelConfig, core: AttentionCore = sdpa_attention,
+              linear: LinearCore = LOCAL_LINEAR) -> Decoder:
     """The single-device model of `cfg` (on the current default device): the decoder whose
-    blocks have the family's parts and call `core`."""
+    blocks have the family's parts and call `core` (attention) and `linear` (linear-attention
+    layers)."""
     code = family_code(cfg)
-    return Decoder(cfg, BlockParts(core, code.parts, code.experts))
+    return Decoder(cfg, BlockParts(core, code.parts, code.experts, linear=linear))

@@ -16,11 +16,13 @@ from torch import nn
 
 from lctrain import device
 from lctrain.attention import ContextParallelAttention
+from lctrain.attention.delta_cp import StatePassing
 from lctrain.attention.kernels import KernelOptions, forward_ops
 from lctrain.config import LctrainConfig
 from lctrain.config.derived import load_balance_of
 from lctrain.models.blocks import AttentionCore, sdpa_attention
 from lctrain.models.decoder import Decoder
+from lctrain.models.gated_deltanet import LOCAL_LINEAR, LinearCore
 from lctrain.models.hf import load_hf_weights
 from lctrain.models.init import init_weights
 from lctrain.models.registry import new_model
@@ -52,6 +54,17 @@ def build_attention_core(cfg: LctrainConfig, rt: Runtime) -> AttentionCore:
                                     load_balance_of(cfg),
                                     kv_replication=rt.derived.kv_replication,
                                     options=attention_options(cfg))
+
+
+def build_linear_core(cfg: LctrainConfig, rt: Runtime) -> LinearCore:
+    """The linear-attention layers' core: the whole rows on one rank, or under context
+    parallelism state passing over the cp group (the tokens each rank holds laid out as the
+    attention's)."""
+    if cfg.parallel.cp == 1:
+        return LOCAL_LINEAR
+    g = rt.cp_groups
+    return StatePassing(g.cp, g.cp_rank, g.cp_size, cfg.train.seq_len, load_balance_of(cfg),
+                        g.ulysses_size)
 
 
 def parallelize_model(model: Decoder, cfg: LctrainConfig, rt: Runtime,
@@ -112,13 +125,15 @@ def build_model(cfg: LctrainConfig, rt: Runtime) -> nn.Module:
     weights for every layout, lctrain.models.init). With pipeline parallelism the model is cut
     into stages first and each of this rank's stages is laid out like a whole model."""
     core = build_attention_core(cfg, rt)  # host tensors: outside the meta device
+    linear = build_linear_core(cfg, rt)
     fill = partial(_fill, cfg)
     if rt.topology.pp > 1:
-        parts = {stage: parallelize_model(stage_model(cfg, core, stage), cfg, rt, fill=fill)
+        parts = {stage: parallelize_model(stage_model(cfg, core, stage, linear), cfg, rt,
+                                          fill=fill)
                  for stage in my_stages(cfg, rt)}
         return PipelinedModel(parts, cfg, rt)
     with torch.device("meta"):
-        model = new_model(cfg.model, core)
+        model = new_model(cfg.model, core, linear)
     return parallelize_model(model, cfg, rt, fill=fill)
 
 

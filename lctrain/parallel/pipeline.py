@@ -41,6 +41,7 @@ from lctrain.data.batch import MicroBatch
 from lctrain.layout.stages import rank_of, split_layers, stage_count, stages_of
 from lctrain.models.blocks import AttentionCore
 from lctrain.models.decoder import Decoder, without_routing
+from lctrain.models.gated_deltanet import LOCAL_LINEAR, LinearCore
 from lctrain.models.moe import table_counts
 from lctrain.models.registry import new_model
 from lctrain.parallel.data_parallel import unwrap
@@ -64,14 +65,15 @@ def my_stages(cfg: LctrainConfig, rt: Runtime) -> list[int]:
     return stages_of(cfg, rt.axis_rank("pp"))
 
 
-def stage_model(cfg: LctrainConfig, core: AttentionCore, stage: int) -> Decoder:
+def stage_model(cfg: LctrainConfig, core: AttentionCore, stage: int,
+                linear: LinearCore = LOCAL_LINEAR) -> Decoder:
     """Stage `stage` of the model on the meta device: its layers under their global ids, the
     embedding if it is the first stage, the final norm and output layer if it is the last. A
     stage of a mixture of experts takes the routing table of the stages before it beside the
     hidden state and returns it with its own layers' added (`Decoder.forward`)."""
     layers = set(split_layers(cfg)[stage])
     with torch.device("meta"):
-        model = new_model(cfg.model, core)
+        model = new_model(cfg.model, core, linear)
     for key in [k for k in model.layers if int(k) not in layers]:
         del model.layers[key]
     if stage > 0:
