@@ -230,7 +230,7 @@ def _halo_conv_rank(x, weight, doc_ids, balance, world):
     from lctrain.layout import sequence
 
     rank = dist.get_rank()
-    core = StatePassing(dist.group.WORLD, rank, world, x.shape[1], balance)
+    core = StatePassing(dist.group.WORLD, rank, world, x.shape[1], balance, weight.shape[-1])
     local = sequence.split(x, 1, rank, world, balance, doc_ids=doc_ids).clone().requires_grad_()
     out = core.conv(local, weight, doc_ids)
     (out * sequence.split(_ramp(x), 1, rank, world, balance, doc_ids=doc_ids)).sum().backward()

@@ -138,14 +138,54 @@ def state_passing_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
     return _Through.apply(torch.cat(out), everyone)
 
 
-def halo_conv(x: Tensor, weight: Tensor, doc_ids: Tensor, plan: StretchPlan, me: int,
+@dataclass(frozen=True)
+class HaloPlan:
+    """Where each of this rank's stretches finds the k - 1 inputs before it, made on the host:
+    per row and stretch, indices into the gathered tails flattened to [P slots B (k - 1) + 1,
+    C] (the last row zeros: positions before the row's start), and the document ids of the
+    halo and the stretch together."""
+
+    index: list[list[Tensor]]
+    docs: list[list[Tensor]]
+
+
+def halo_plan(plan: StretchPlan, doc_ids: Tensor, me: int, width: int) -> HaloPlan:
+    """The halo of width `width` of each stretch of rank `me` (doc_ids: the global [B, S])."""
+    rows = doc_ids.shape[0]
+    index, docs = [], []
+    for b in range(rows):
+        at_of = {order: at for at, order in enumerate(plan.order[b])}
+        ends = [end for _, end in plan.bounds[b]]
+        row_index, row_docs = [], []
+        for slot in range(len(plan.mine[b])):
+            start, end = plan.bounds[b][at_of[me, slot]]
+            picks, halo_docs = [], []
+            for p in range(start - width, start):
+                if p < 0:
+                    picks.append(-1)
+                    halo_docs.append(-1)  # no token's document: the convolution sees zeros
+                    continue
+                at = next(i for i, (a, e) in enumerate(plan.bounds[b]) if a <= p < e)
+                rank, its_slot = plan.order[b][at]
+                tail_row = (rank * plan.slots + its_slot) * rows + b
+                picks.append(tail_row * width + width - (ends[at] - p))
+                halo_docs.append(int(doc_ids[b, p]))
+            row_index.append(torch.tensor(picks, dtype=torch.int64))
+            row_docs.append(torch.cat([torch.tensor(halo_docs, dtype=doc_ids.dtype),
+                                       doc_ids[b, start:end]]))
+        index.append(row_index)
+        docs.append(row_docs)
+    return HaloPlan(index, docs)
+
+
+def halo_conv(x: Tensor, weight: Tensor, plan: StretchPlan, halo: HaloPlan,
               group: dist.ProcessGroup) -> Tensor:
     """`causal_conv` of this rank's tokens x [B, S_local, C] as over the whole rows: each stretch
     takes the k - 1 inputs before its start from the ranks that hold them. Every rank
     all-gathers the last k - 1 inputs of each of its stretches (P slots B (k - 1) C numbers,
     whatever the sequence length; the backward reduce-scatters their gradients); a stretch then
-    runs with the ones of the k - 1 positions before it prepended, their document ids beside
-    (the convolution restarts at documents as on one rank). doc_ids: the global [B, S]."""
+    runs with the ones of the k - 1 positions before it prepended (`halo_plan`), their
+    document ids beside: the convolution restarts at documents as on one rank."""
     width = weight.shape[-1] - 1
     rows, c = x.shape[0], x.shape[-1]
     tails = x.new_zeros(plan.slots, rows, width, c)
@@ -154,40 +194,17 @@ def halo_conv(x: Tensor, weight: Tensor, doc_ids: Tensor, plan: StretchPlan, me:
             tail = x[b, span][-width:]
             tails[slot, b, width - tail.shape[0]:] = tail
     everyone = _GatherStates.apply(tails, group)  # [P slots, B, k - 1, C]
+    flat = torch.cat([everyone.reshape(-1, c), everyone.new_zeros(1, c)])  # index -1: zeros
     out = []
     for b in range(rows):
-        where = {order: at for at, order in enumerate(plan.order[b])}
         pieces = []
         for slot, span in enumerate(plan.mine[b]):
-            start = plan.bounds[b][where[me, slot]][0]
-            halo, halo_docs = _halo(everyone, doc_ids, plan, b, start, width, where)
-            docs = torch.cat([halo_docs, _docs_of(doc_ids, b, start, span)])
-            pieces.append(causal_conv(torch.cat([halo, x[b, span]])[None], weight,
-                                      docs[None].to(x.device))[0, width:])
+            before = flat[halo.index[b][slot].to(x.device)]
+            docs = halo.docs[b][slot][None].to(x.device)
+            pieces.append(causal_conv(torch.cat([before, x[b, span]])[None], weight,
+                                      docs)[0, width:])
         out.append(torch.cat(pieces))
     return _Through.apply(torch.stack(out), everyone)
-
-
-def _docs_of(doc_ids: Tensor, b: int, start: int, span: slice) -> Tensor:
-    return doc_ids[b, start:start + span.stop - span.start]
-
-
-def _halo(everyone: Tensor, doc_ids: Tensor, plan: StretchPlan, b: int, start: int,
-          width: int, where: dict) -> tuple[Tensor, Tensor]:
-    """The inputs at global positions start - width .. start - 1 of row b (zeros, and a document
-    id no token has, before the row's start) from the gathered tails, and their doc ids."""
-    picks, docs = [], []
-    for p in range(start - width, start):
-        if p < 0:
-            picks.append(everyone.new_zeros(everyone.shape[-1]))
-            docs.append(-1)
-            continue
-        at = next(i for i, (a, e) in enumerate(plan.bounds[b]) if a <= p < e)
-        rank, slot = plan.order[b][at]
-        end = plan.bounds[b][at][1]
-        picks.append(everyone[rank * plan.slots + slot, b, width - (end - p)])
-        docs.append(int(doc_ids[b, p]))
-    return torch.stack(picks), torch.tensor(docs, dtype=doc_ids.dtype)
 
 
 class StatePassing:
@@ -197,20 +214,22 @@ class StatePassing:
     on the host once per micro-batch's document ids)."""
 
     def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, seq_len: int,
-                 load_balance: str, ulysses: int = 1):
+                 load_balance: str, conv_kernel: int, ulysses: int = 1):
         if dist.get_rank(group) != cp_rank:
             raise ValueError(f"cp rank {cp_rank} is rank {dist.get_rank(group)} of its cp group: "
                              "state passing orders the stretches by cp rank")
         self.group, self.me, self.cp, self.seq_len = group, cp_rank, cp, seq_len
-        self.load_balance, self.ulysses = load_balance, ulysses
+        self.load_balance, self.ulysses, self.width = load_balance, ulysses, conv_kernel - 1
         self._plans = PlanCache(self._plan)
 
     @device.on_host
-    def _plan(self, doc_ids: Tensor) -> tuple[StretchPlan, Tensor]:
-        """(the stretch plan, this rank's tokens' document ids [B, S_local])."""
+    def _plan(self, doc_ids: Tensor) -> tuple[StretchPlan, HaloPlan, Tensor]:
+        """(the stretch plan, the convolution's halo, this rank's tokens' document ids
+        [B, S_local])."""
         positions = sequence.every_rank_positions(self.seq_len, self.cp, self.load_balance,
                                                   doc_ids, self.ulysses)
-        return (stretch_plan(positions, doc_ids, self.me),
+        plan = stretch_plan(positions, doc_ids, self.me)
+        return (plan, halo_plan(plan, doc_ids, self.me, self.width),
                 sequence.take(doc_ids, positions[self.me], 1))
 
     def _documents(self, doc_ids: Tensor | None, rows: int) -> Tensor:
@@ -220,11 +239,10 @@ class StatePassing:
         return doc_ids.cpu()
 
     def conv(self, x: Tensor, weight: Tensor, doc_ids: Tensor | None) -> Tensor:
-        docs = self._documents(doc_ids, x.shape[0])
-        plan, _ = self._plans(docs)
-        return halo_conv(x, weight, docs, plan, self.me, self.group)
+        plan, halo, _ = self._plans(self._documents(doc_ids, x.shape[0]))
+        return halo_conv(x, weight, plan, halo, self.group)
 
     def rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
              doc_ids: Tensor | None) -> Tensor:
-        plan, local = self._plans(self._documents(doc_ids, q.shape[0]))
+        plan, _, local = self._plans(self._documents(doc_ids, q.shape[0]))
         return state_passing_delta_rule(q, k, v, g, beta, local.to(q.device), plan, self.group)

@@ -64,7 +64,7 @@ def build_linear_core(cfg: LctrainConfig, rt: Runtime) -> LinearCore:
         return LOCAL_LINEAR
     g = rt.cp_groups
     return StatePassing(g.cp, g.cp_rank, g.cp_size, cfg.train.seq_len, load_balance_of(cfg),
-                        g.ulysses_size)
+                        cfg.model.linear_conv_kernel, g.ulysses_size)
 
 
 def parallelize_model(model: Decoder, cfg: LctrainConfig, rt: Runtime,
