@@ -13,8 +13,8 @@ from lctrain.config import LctrainConfig, ModelConfig, derive
 from lctrain.config.derived import dtype_bytes, load_balance_of
 from lctrain.config.load_balances import split_of
 from lctrain.config.model_families import NORM_TILE_ELEMENTS, model_family
-from lctrain.config.model_parts import EXPERT_BIAS, QK_NORM
-from lctrain.config.model_size import expert_params, layer_kinds, mlp_params
+from lctrain.config.model_parts import EXPERT_BIAS, OUTPUT_GATE, QK_NORM
+from lctrain.config.model_size import DELTA_CHUNK, expert_params, layer_kinds, mlp_params
 from lctrain.planning.cp_costs import LayerShape, MemoryTerms, cp_costs
 from lctrain.planning.documents import travelling_share
 
@@ -77,7 +77,9 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int,
       none:      2 N + a (2 D_q + 2 k D_kv + 4 F)/t + 4 H/t  [+ a D_q/t Ulysses/USP]
                  the two norms, then q, k, v, the attention output, its fp32 lse and the four
                  SwiGLU tensors on the TP shard; a qk_norm family's head norms
-                 (a (D_q + D_kv) + 4 (H + H_kv))/t (`_head_norm_bytes`); at cp > 1 what
+                 (a (D_q + D_kv) + 4 (H + H_kv))/t (`_head_norm_bytes`); an output_gate
+                 family's gate 3 a D_q/t (the gate's half of the query projection, its
+                 sigmoid, the gated output); at cp > 1 what
                  the algorithm keeps besides
                  (its registry entry's `kept_per_token`): Ulysses' and USP's output copy a D_q/t,
                  all-gather KV's gathered K/V a 2 D_kv (cp - 1)/t. With casts, per block (not per token), a bf16 copy of
@@ -88,7 +90,8 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int,
       selective: a ((D_q + 2 D_kv + 2 F)/t + 2 D) + r D/s  (matmul outputs, before any KV
                  replication; the two row-parallel partial sums at full width; the block input),
                  plus (a D_q + 4 H)/t for the attention output and lse when cp = 1 (context-parallel
-                 attention is recomputed instead).
+                 attention is recomputed instead; with an output gate the gate's sigmoid too,
+                 a D_q/t).
       full:      r D/s (the block input only).
     A mixture-of-experts layer (`layer`) keeps its own MLP part instead (`_moe_kept`); tiled,
     the same as a tiled dense MLP. At cp = 1 without documents, a layer whose attention runs
@@ -107,16 +110,21 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int,
     moe = m.is_moe_layer(layer)
     if mode == "full":
         return n * r * D / s
+    if m.is_linear_layer(layer):
+        return _linear_block_kept(cfg, n, a, r, s, layer)
+    gate = model_family(m.family).has(OUTPUT_GATE)
     if mode == "selective":  # local attention: its output and lse are kept too
-        attention = n * (a * Dq + 4 * H) / t if p.cp == 1 else 0.0
+        attention = n * (a * Dq * (2 if gate else 1) + 4 * H) / t if p.cp == 1 else 0.0
         mlp = _moe_kept(cfg, n, a, mode) if moe else n * a * (2 * F / t + D)
         return n * (a * ((Dq + 2 * dkv) / t + D) + r * D / s) + attention + mlp
-    attention_weights = D * hd * (2 * H + 2 * m.n_kv_heads) // t
+    attention_weights = D * hd * (2 * H + 2 * m.n_kv_heads + (H if gate else 0)) // t
     mlp_weights = (mlp_params(m, layer) - expert_params(m, layer) + expert_params(m, layer) // p.ep
                    if moe else 3 * D * F // t)
     per_token = 2 * _norm_bytes(D, s, a, r) + a * (2 * Dq + 2 * k * dkv) / t + 4 * H / t
     if model_family(m.family).has(QK_NORM):
         per_token += _head_norm_bytes(m, a) / t
+    if gate:  # the gate's half of the query projection, its sigmoid and the gated output
+        per_token += 3 * a * Dq / t
     if p.cp > 1:  # what the algorithm keeps besides (`MemoryTerms.kept_per_token`)
         per_token += cp_costs(p.attention).memory.kept_per_token(
             layer_shape(cfg, world_size, batch))
@@ -128,6 +136,43 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int,
     per_block = a * (attention_weights + mlp_weights) if casts else 0
     mlp = _moe_kept(cfg, n, a, mode) if moe else n * a * 4 * F / t
     return n * per_token + mlp + per_block
+
+
+def _linear_block_kept(cfg: LctrainConfig, n: int, a: int, r: int, s: int,
+                       layer: int) -> float:
+    """Bytes a linear-attention block keeps for the backward over n tokens: its two norms, its
+    MLP (as an attention block's; selective checkpointing keeps what `none` keeps) and the
+    mixer's (`linear_mixer_kept`). An estimate within a few percent of the torch path's
+    measurement (tests/test_gated_deltanet.py), not exact as the attention blocks' are."""
+    m, p = cfg.model, cfg.parallel
+    mlp = _moe_kept(cfg, n, a, "none") if m.is_moe_layer(layer) else n * a * 4 * m.ffn_dim / p.tp
+    return n * 2 * _norm_bytes(m.dim, s, a, r) + mlp + n * linear_mixer_kept(cfg, a)
+
+
+def linear_mixer_kept(cfg: LctrainConfig, a: int) -> float:
+    """Bytes per token a Gated DeltaNet mixer keeps for the backward on the torch path
+    (lctrain.attention.delta_rule; docs/parallelism.md §31), per value head H_v of d_k, d_v,
+    conv channels C_c, kernel k, chunks of C tokens; the recurrence computes in float32:
+      the convolution: its input, its k - 1 shifted copies, the sum and the SiLU, a (k + 2) C_c;
+      the chunk matrices (K K^T, Q K^T, the triangular system's inverse and two masked
+      products), 4 x 5 C, and a boolean mask, C;
+      Q and K: 8 d_k in float32 (normalised, repeated to H_v heads, chunked) and 2 d_k in the
+      compute dtype; V's side: 2 d_v in float32 (the pseudo-values) and 8 d_v in the compute
+      dtype (V, the output, its norm and gate, the output projection's input);
+      per head scalars (beta, the decay and its cumulative sums, the norm's rsqrt), 4 x 12;
+      the state per chunk, 4 d_k d_v / C.
+    Under context parallelism the recurrence runs twice, from zero for the stretch's final
+    state and transition, then from its exact initial state: the first pass keeps about half
+    of what the second does (what the state and the transition need, not the output), so its
+    terms (all but the convolution's) count 1.5 times. A stretch shorter than a chunk is padded
+    to one (the formula assumes stretches of whole chunks: S / (2 cp) >= C under zigzag)."""
+    m, p = cfg.model, cfg.parallel
+    hv, dk, dv, c = m.linear_value_heads, m.linear_key_dim, m.linear_value_dim, DELTA_CHUNK
+    channels = 2 * m.linear_key_heads * dk + hv * dv
+    conv = a * (m.linear_conv_kernel + 2) * channels
+    rule = hv * (4 * 5 * c + c + (4 * 8 + a * 2) * dk + (4 * 2 + a * 8) * dv + 4 * 12
+                 + 4 * dk * dv / c)
+    return (conv + rule * (1.5 if p.cp > 1 else 1)) / p.tp
 
 
 def _moe_kept(cfg: LctrainConfig, n: int, a: int, mode: str) -> float:

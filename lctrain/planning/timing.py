@@ -102,7 +102,9 @@ def compute_seconds(step: StepShape, hw: Hardware) -> ComputeSeconds:
     (`packed_documents`: their own triangles, on the slowest cp rank)."""
     cfg, t, m = step.cfg, step.cfg.train, step.cfg.model
     embedding, blocks, output = layer_costs(m, t.seq_len)
-    attention = attention_flops(m, t.seq_len) * m.n_layers
+    # (a linear-attention layer's recurrence is chunk matmuls: counted with the matmuls)
+    attention = attention_flops(m, t.seq_len) * sum(
+        not m.is_linear_layer(i) for i in range(m.n_layers))
     matmul = embedding + sum(blocks) + output - attention
     # packed documents (plan.documents): the kernels run each document's own triangle, and the
     # step waits for the cp rank with the most of it (§24)
