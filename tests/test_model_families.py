@@ -582,3 +582,33 @@ def test_each_family_continues_pretraining_as_the_readme_says(tmp_path, capsys):
         assert "model.n_layers: 4 (default) -> 2 (config.json)" in err, family
         records = [json.loads(line) for line in (tmp_path / "run" / family / "metrics.jsonl").open()]
         assert records[-1]["val_loss"] > 0 and records[-1]["step"] == 2, family
+
+
+def test_a_released_multimodal_qwen3_5_checkpoint_trains_its_language_model(tmp_path, capsys):
+    """A checkpoint as Qwen3.5 is released (model_type qwen3_5: Qwen3_5ForConditionalGeneration
+    with a nested text_config, a vision tower, the language model under
+    model.language_model.*): config.json's text_config decides the model, said once with the
+    vision tower left out; the language model's weights give transformers' logits on text."""
+    text = FAMILIES["qwen3_5_text"].to_dict()
+    config = transformers.Qwen3_5Config(
+        text_config=text, vision_config={"depth": 1, "hidden_size": 16, "num_heads": 2,
+                                         "intermediate_size": 32, "out_hidden_size": 64},
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    hf.save_pretrained(tmp_path)
+    stored = json.loads((tmp_path / "config.json").read_text())
+    assert stored["model_type"] == "qwen3_5" and "text_config" in stored
+    composed = _resolved(tmp_path)
+    m = composed.cfg.model
+    assert (m.family, m.layer_types, m.rotary_fraction) == (
+        "qwen3_5_text", ["linear_attention", "full_attention"], 0.5)
+    (note,) = [n for n in composed.notes if "vision tower" in n]
+    assert "qwen3_5 checkpoint" in note and "model.language_model.*" in note
+    assert preflight(composed.cfg, 4) == []
+    model = new_model(m)
+    load_hf_weights(model, str(tmp_path))
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(input_ids=tokens).logits,
+                                   rtol=1e-5, atol=1e-5)

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from lctrain.config import ModelConfig
 from lctrain.config.model_families import MODEL_FAMILIES, model_family
-from lctrain.models.hf_config import LINEAR_FIELDS
+from lctrain.models.hf_config import LANGUAGE_MODEL_PREFIX, LINEAR_FIELDS, language_model
 from lctrain.models.hf_params import rope_parameters
 from lctrain.models.init import local_slices
 from lctrain.models.registry import family_code
@@ -123,7 +123,7 @@ def check_hf_dir(path: str, cfg: ModelConfig) -> list[str]:
     if not list(root.glob("*.safetensors")):
         return [f"model.init_from={path} has no *.safetensors file (pickled .bin weights are "
                 "never loaded); convert them with transformers' save_pretrained"]
-    hf = json.loads(config_file.read_text())
+    hf = language_model(json.loads(config_file.read_text()))[0]
     if hf.get("model_type") not in MODEL_FAMILIES:
         return [f"model.init_from={path} is model_type={hf.get('model_type')!r}; lctrain loads "
                 f"the model types {', '.join(MODEL_FAMILIES)}"]
@@ -146,7 +146,10 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
     where = {}
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
-            where.update({k: file for k in f.keys()})  # noqa: SIM118 (safe_open has no __iter__)
+            where.update({k: (file, k) for k in f.keys()})  # noqa: SIM118 (no __iter__)
+    # a multimodal checkpoint keeps its language model's tensors under model.language_model.
+    where.update({"model." + k.removeprefix(LANGUAGE_MODEL_PREFIX): at
+                  for k, at in list(where.items()) if k.startswith(LANGUAGE_MODEL_PREFIX)})
     seen = set()
     for name, param in model.named_parameters():
         if id(param) in seen:  # tied output layer: loaded through the embedding
@@ -167,15 +170,16 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
         target.copy_(local.to(target.dtype))
 
 
-def _read_slice(path: str, where: dict[str, Path], hf_name: str, name: str, shape,
-                index: tuple) -> Tensor:
-    """`index` of tensor `hf_name` of the HF directory `path` (files by tensor: `where`),
-    checked to have `shape` (lctrain's `name`)."""
+def _read_slice(path: str, where: dict[str, tuple[Path, str]], hf_name: str, name: str,
+                shape, index: tuple) -> Tensor:
+    """`index` of tensor `hf_name` of the HF directory `path` (the file and the name it is
+    stored under, by tensor: `where`), checked to have `shape` (lctrain's `name`)."""
     if hf_name not in where:
         raise ValueError(f"{path} has no tensor {hf_name} (for {name}); is it a checkpoint "
                          "of this family and shape?")
-    with safe_open(str(where[hf_name]), framework="pt") as f:
-        piece = f.get_slice(hf_name)
+    file, stored = where[hf_name]
+    with safe_open(str(file), framework="pt") as f:
+        piece = f.get_slice(stored)
         if tuple(piece.get_shape()) != tuple(shape):
             raise ValueError(f"{hf_name} in {path} has shape {piece.get_shape()}, the model "
                              f"expects {tuple(shape)}")

@@ -55,6 +55,32 @@ def read_hf_config(path: str | Path) -> dict:
         raise ValueError(f"{file} is not valid JSON ({e})") from e
 
 
+LANGUAGE_MODEL_PREFIX = "model.language_model."
+"""Where a multimodal checkpoint (Qwen3.5's releases) keeps its language model's tensors,
+instead of `model.`; its output layer stays `lm_head`."""
+
+
+def language_model(hf: dict) -> tuple[dict, str | None]:
+    """(the language model's config, a note) of config.json: itself, or for a multimodal
+    checkpoint whose `text_config` is a registered family (Qwen3.5's releases, model_type
+    qwen3_5 or qwen3_5_moe) that text config, with the top level's tie_word_embeddings where it
+    has none, and a note that the vision tower and the multi-token-prediction layers are left
+    out."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict) or text.get("model_type") not in MODEL_FAMILIES:
+        return hf, None
+    text = dict(text)
+    if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    mtp = text.get("mtp_num_hidden_layers") or 0
+    note = (f"model.init_from: config.json is a {hf.get('model_type')} checkpoint with a vision "
+            f"tower; lctrain trains its language model ({text['model_type']}: the "
+            f"{LANGUAGE_MODEL_PREFIX}* tensors and lm_head), the vision tower"
+            + (f" and the {mtp} multi-token-prediction layer(s) (mtp.*)" if mtp else "")
+            + " are left out of the model and of an export")
+    return text, note
+
+
 def _rope(hf: dict) -> dict:
     """The RoPE settings of config.json as one dict (rope_type, rope_theta, factor, ...): the
     full layers' where each layer type has its own (Gemma 3)."""

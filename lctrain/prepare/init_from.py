@@ -18,7 +18,13 @@ from pathlib import Path
 from lctrain.config import ConfigError, ModelConfig
 from lctrain.config.compose import Composed
 from lctrain.config.validation import init_from_problems
-from lctrain.models.hf_config import SHAPE_FIELDS, model_fields, read_hf_config, unsupported
+from lctrain.models.hf_config import (
+    SHAPE_FIELDS,
+    language_model,
+    model_fields,
+    read_hf_config,
+    unsupported,
+)
 
 FIELDS = [f.name for f in dataclasses.fields(ModelConfig)]
 
@@ -83,11 +89,11 @@ def resolve_model(composed: Composed) -> Composed:
     if missing:  # the first and only problem: every other model check would judge defaults
         raise ConfigError(missing)
     try:
-        hf = read_hf_config(model.init_from)
+        hf, wrapped = language_model(read_hf_config(model.init_from))
     except ValueError as e:
         raise ConfigError([str(e)]) from e
     problems = unsupported(hf, model.init_from) + _override_problems(model)
-    changes, notes = {}, []
+    changes, notes = {}, [wrapped] if wrapped else []
     for name, theirs in model_fields(hf).items():
         ours = getattr(model, name)
         if name in model.hf_overrides:
