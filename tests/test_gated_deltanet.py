@@ -223,7 +223,7 @@ def test_the_state_exchange_sends_the_same_at_four_times_the_sequence():
     assert sent[0] == sent[1], sent
 
 
-def _halo_conv_rank(x, weight, doc_ids, balance, world):
+def _halo_conv_rank(x, weight, doc_ids, balance, world, documents):
     import torch.distributed as dist
 
     from lctrain.attention.delta_cp import StatePassing
@@ -232,7 +232,7 @@ def _halo_conv_rank(x, weight, doc_ids, balance, world):
     rank = dist.get_rank()
     core = StatePassing(dist.group.WORLD, rank, world, x.shape[1], balance, weight.shape[-1])
     local = sequence.split(x, 1, rank, world, balance, doc_ids=doc_ids).clone().requires_grad_()
-    out = core.conv(local, weight, doc_ids)
+    out = core.conv(local, weight, doc_ids if documents else None)
     (out * sequence.split(_ramp(x), 1, rank, world, balance, doc_ids=doc_ids)).sum().backward()
     return out.detach(), local.grad
 
@@ -242,12 +242,14 @@ def _ramp(x):
     return torch.arange(x.shape[1], dtype=x.dtype).view(1, -1, 1).expand(x.shape[0], -1, 1)
 
 
-@pytest.mark.parametrize("world,balance", [(2, "zigzag"), (4, "zigzag"), (3, "none"),
-                                           (2, "documents")])
-def test_the_convolution_takes_its_halo_from_the_ranks_before(world, balance):
+@pytest.mark.parametrize("world,balance,documents", [
+    (2, "zigzag", True), (4, "zigzag", True), (3, "none", True), (2, "documents", True),
+    (2, "zigzag", False)])
+def test_the_convolution_takes_its_halo_from_the_ranks_before(world, balance, documents):
     """Under context parallelism each stretch's convolution reads the k - 1 inputs before it
-    from the rank holding them (a document of one token, documents crossing ranks): every
-    rank's outputs and input gradients are the whole rows' (float64)."""
+    from the rank holding them (a document of one token, documents crossing ranks; or no
+    document ids, each row one document): every rank's outputs and input gradients are the
+    whole rows' (float64)."""
     from lctrain.attention.delta_rule import causal_conv
     from lctrain.layout import sequence
     from tests.helpers import on_ranks
@@ -256,9 +258,9 @@ def test_the_convolution_takes_its_halo_from_the_ranks_before(world, balance):
     x = torch.randn(2, 24, 5, dtype=torch.float64)
     weight = torch.randn(5, 1, 4, dtype=torch.float64)
     doc_ids = torch.tensor([[0] * 5 + [1] * 2 + [2] * 11 + [3] * 6, [0] + [1] * 20 + [2] * 3])
-    got = on_ranks(_halo_conv_rank, world, x, weight, doc_ids, balance, world)
+    got = on_ranks(_halo_conv_rank, world, x, weight, doc_ids, balance, world, documents)
     whole = x.clone().requires_grad_()
-    want = causal_conv(whole, weight, doc_ids)
+    want = causal_conv(whole, weight, doc_ids if documents else None)
     (want * _ramp(x)).sum().backward()
     for rank, (out, grad) in enumerate(got):
         def mine(t):

@@ -528,23 +528,26 @@ ACTIVE = {"qwen3-30b-a3b": 3.3, "qwen3-235b-a22b": 22, "mixtral-8x7b": 12.9, "gp
 """preset -> its model card's active parameters per token, in billions (OpenAI's leave the
 input embedding out, Qwen's and Mistral's count it)"""
 GEMMA3_TEXT = ("gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b")
-"""Presets whose model cards count a vision tower too: their text decoders are counted by
-transformers' own Gemma 3 model built from the preset's config (on the meta device)."""
+QWEN3_5_TEXT = ("qwen3.5-9b", "qwen3.5-27b")
+VISION_CARDS = GEMMA3_TEXT + QWEN3_5_TEXT
+"""Presets whose model cards count a vision tower too (and Qwen3.5's an MTP layer): their text
+decoders are counted by transformers' own model built from the preset's config (on the meta
+device)."""
 
 
 @pytest.mark.slow  # 7 s: every preset built on the meta device
 def test_the_planner_counts_every_preset_as_the_built_model_holds_it():
     presets = sorted(p.stem for p in (REPO / "conf" / "model").glob("*.yaml"))
-    assert set(PUBLISHED) | set(GEMMA3_TEXT) == set(presets) - {"tiny"}
+    assert set(PUBLISHED) | set(VISION_CARDS) == set(presets) - {"tiny"}
     for preset in presets:
         m = compose([f"model={preset}"]).cfg.model
         with torch.device("meta"):
             held = sum(p.numel() for p in new_model(m).parameters())
-            if preset in GEMMA3_TEXT:
+            if preset in VISION_CARDS:
                 hf = transformers.AutoModelForCausalLM.from_config(hf_config(m))
                 assert held == sum(p.numel() for p in hf.parameters()), preset
         assert param_count(m) == held, preset
-        assert preset in ("tiny", *GEMMA3_TEXT) or round(held / 1e9, 2) == PUBLISHED[preset]
+        assert preset in ("tiny", *VISION_CARDS) or round(held / 1e9, 2) == PUBLISHED[preset]
         if preset in ACTIVE:  # the card's figure, which Qwen's cards cut (22.19B: "22B")
             embedding = m.vocab_size * m.dim if m.family == "gpt_oss" else 0
             assert abs(active_param_count(m) - embedding - ACTIVE[preset] * 1e9) < 0.2e9, preset

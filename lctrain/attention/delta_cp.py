@@ -221,6 +221,7 @@ class StatePassing:
         self.group, self.me, self.cp, self.seq_len = group, cp_rank, cp, seq_len
         self.load_balance, self.ulysses, self.width = load_balance, ulysses, conv_kernel - 1
         self._plans = PlanCache(self._plan)
+        self._one_document: dict[int, Tensor] = {}
 
     @device.on_host
     def _plan(self, doc_ids: Tensor) -> tuple[StretchPlan, HaloPlan, Tensor]:
@@ -232,11 +233,15 @@ class StatePassing:
         return (plan, halo_plan(plan, doc_ids, self.me, self.width),
                 sequence.take(doc_ids, positions[self.me], 1))
 
+    @device.on_host
     def _documents(self, doc_ids: Tensor | None, rows: int) -> Tensor:
-        """The global document ids, one document per row when none are packed."""
-        if doc_ids is None:
-            return torch.zeros(rows, self.seq_len, dtype=torch.int64)
-        return doc_ids.cpu()
+        """The global document ids (host tensors), one document per row when none are packed
+        (made once per row count: the plan cache then finds them by identity)."""
+        if doc_ids is not None:
+            return doc_ids.cpu()
+        if rows not in self._one_document:
+            self._one_document[rows] = torch.zeros(rows, self.seq_len, dtype=torch.int64)
+        return self._one_document[rows]
 
     def conv(self, x: Tensor, weight: Tensor, doc_ids: Tensor | None) -> Tensor:
         plan, halo, _ = self._plans(self._documents(doc_ids, x.shape[0]))

@@ -55,6 +55,8 @@ from lctrain.planning.traffic import (
     ep_step_bytes,
     host_copy_bytes,
     layer_windows,
+    linear_layers,
+    state_passing_transfers,
     step_traffic_bytes,
     tp_block_traffic,
 )
@@ -77,6 +79,10 @@ def attention_traffic_per_layer(cfg: LctrainConfig, world_size: int) -> dict[str
         kind = p.attention if window is None else f"{p.attention}_window{window}"
         out |= {f"{kind}_per_layer_fwd": sent["forward"],
                 f"{kind}_per_layer_bwd": sent["backward"]}
+    if linear_layers(cfg, range(m.n_layers)):  # a Gated DeltaNet layer's state passing (§31)
+        for x in state_passing_transfers(cfg):
+            key = f"linear_per_layer_{x.direction}"
+            out[key] = out.get(key, 0) + x.elements * t.micro_batch
     return out
 
 
@@ -266,7 +272,8 @@ def build_plan(cfg: LctrainConfig, world_size: int) -> dict:
                  head_dim],
             "layers_per_stage": [len(layers) for layers in split_layers(cfg)],
             "layers_by_window": {("full" if w is None else f"window {w}"): n for w, n in
-                                 layer_windows(cfg, range(m.n_layers)).items()},
+                                 layer_windows(cfg, range(m.n_layers)).items()}
+            | ({"linear": linear} if (linear := linear_layers(cfg, range(m.n_layers))) else {}),
             **({"experts [MoE layers, experts per rank of E, token rows per rank]":
                 [len(m.moe_layer_ids), m.n_experts // p.ep,
                  t.micro_batch * t.seq_len // (p.cp * seq_div) * m.experts_per_token]}

@@ -41,6 +41,8 @@ from lctrain.planning.traffic import (
     ep_step_bytes,
     host_copy_bytes,
     layer_windows,
+    linear_layers,
+    state_passing_transfers,
     step_traffic_bytes,
 )
 
@@ -204,9 +206,12 @@ def collective_calls(step: StepShape) -> dict[str, float]:
     if p.tp > 1:
         forward, backward, recomputed = TP_CALLS[p.sp]
         per_block["tp"] = forward + backward + (recomputed if again else 0)
-    windows = layer_windows(cfg, range(cfg.model.n_layers))
-    for window, count in windows.items():  # calls of an average block
-        for x in cp_transfers(cfg, step.world_size, window):
+    layers = range(cfg.model.n_layers)
+    kinds = [(cp_transfers(cfg, step.world_size, window), count)
+             for window, count in layer_windows(cfg, layers).items()]
+    kinds.append((state_passing_transfers(cfg), linear_layers(cfg, layers)))
+    for transfers, count in kinds:  # calls of an average block
+        for x in transfers:
             times = 2 if again and x.direction == "fwd" else 1
             per_block[x.group] = (per_block.get(x.group, 0)
                                   + times * x.calls * count / cfg.model.n_layers)

@@ -25,6 +25,7 @@ from lctrain.config.derived import (
     load_balance_of,
     reduces_each_micro_step,
 )
+from lctrain.config.load_balances import split_of
 from lctrain.config.model_size import expert_params
 from lctrain.layout.halo import unit_halo
 from lctrain.layout.stages import rank_of, split_layers, stage_count, stages_of
@@ -282,13 +283,48 @@ def cp_transfers(cfg: LctrainConfig, world_size: int,
 
 
 def layer_windows(cfg: LctrainConfig, layers) -> dict[int | None, int]:
-    """{window (None: full attention): how many of `layers` (global ids) have it}."""
+    """{window (None: full attention): how many of `layers` (global ids) have it}; the
+    linear-attention layers are not attention layers (`linear_layers`)."""
     out: dict[int | None, int] = {}
     for i in layers:
+        if cfg.model.is_linear_layer(i):
+            continue
         w = cfg.model.layer_window(i)
         key = w if w is not None and w < cfg.train.seq_len else None
         out[key] = out.get(key, 0) + 1
     return out
+
+
+def linear_layers(cfg: LctrainConfig, layers) -> int:
+    """How many of `layers` (global ids) are linear-attention layers."""
+    return sum(cfg.model.is_linear_layer(i) for i in layers)
+
+
+STRETCHES_PER_ROW = 2
+"""Stretches (runs of consecutive positions) a rank holds in a row under a split per row
+(load_balance=documents), for the state exchange's count: an estimate, as zigzag's two."""
+
+
+def state_passing_transfers(cfg: LctrainConfig) -> tuple[Transfer, ...]:
+    """The collectives of one Gated DeltaNet layer and sequence under context parallelism
+    (docs/parallelism.md §31), whatever the sequence length: each rank all-gathers, per
+    stretch it holds, the final state and transition of every value head, H_v d_k (d_v + d_k)
+    float32 numbers, and the convolution's last k - 1 inputs, (k - 1) C_c in the compute dtype;
+    the backward reduce-scatters their gradients. An all-gather over P ranks sends each piece
+    P - 1 times."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp == 1:
+        return ()
+    split = split_of(load_balance_of(cfg))
+    slots = STRETCHES_PER_ROW if split.per_row else split.chunks_per_rank
+    state = slots * m.linear_value_heads * m.linear_key_dim * (
+        m.linear_value_dim + m.linear_key_dim) * (p.cp - 1) / p.tp
+    channels = 2 * m.linear_key_heads * m.linear_key_dim + m.linear_value_heads * m.linear_value_dim
+    halo = slots * (m.linear_conv_kernel - 1) * channels * (p.cp - 1) / p.tp
+    return (Transfer("state_all_gather", "fwd", "cp", state, 1, float32=True),
+            Transfer("state_reduce_scatter", "bwd", "cp", state, 1, float32=True),
+            Transfer("halo_all_gather", "fwd", "cp", halo, 1),
+            Transfer("halo_reduce_scatter", "bwd", "cp", halo, 1))
 
 
 RECOMPUTED = "_recompute"
@@ -298,11 +334,13 @@ RECOMPUTED = "_recompute"
 def cp_step_groups(cfg: LctrainConfig, world_size: int) -> dict[str, str]:
     """The topology group that carries each key of `cp_step_bytes`."""
     out = {}
-    for window in layer_windows(cfg, range(cfg.model.n_layers)):
-        for x in cp_transfers(cfg, world_size, window):
-            out[x.key] = x.group
-            if x.direction == "fwd":
-                out[x.collective + RECOMPUTED] = x.group
+    linear = state_passing_transfers(cfg) if linear_layers(cfg, range(cfg.model.n_layers)) else ()
+    transfers = [x for window in layer_windows(cfg, range(cfg.model.n_layers))
+                 for x in cp_transfers(cfg, world_size, window)] + list(linear)
+    for x in transfers:
+        out[x.key] = x.group
+        if x.direction == "fwd":
+            out[x.collective + RECOMPUTED] = x.group
     return out
 
 
@@ -321,8 +359,11 @@ def cp_step_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict
     a = compute_bytes(cfg)
     layers = [i for s in stages_of(cfg, pp_rank) for i in split_layers(cfg)[s]]
     out: dict[str, float] = {}
-    for window, count in layer_windows(cfg, layers).items():
-        for x in cp_transfers(cfg, world_size, window):
+    kinds = [(cp_transfers(cfg, world_size, window), count)
+             for window, count in layer_windows(cfg, layers).items()]
+    kinds.append((state_passing_transfers(cfg), linear_layers(cfg, layers)))
+    for transfers, count in kinds:
+        for x in transfers:
             nbytes = (4 if x.float32 else a) * t.micro_batch * x.elements * count * d.grad_accum
             keys = [x.key]
             if t.activation_checkpointing != "none" and x.direction == "fwd":
