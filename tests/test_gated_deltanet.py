@@ -268,3 +268,60 @@ def test_the_convolution_takes_its_halo_from_the_ranks_before(world, balance, do
 
         torch.testing.assert_close(out, mine(want.detach()), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(grad, mine(whole.grad), rtol=1e-12, atol=1e-12)
+
+
+def _mix_rank(qkv, weight, g, beta, doc_ids, heads, balance, world, how):
+    import torch.distributed as dist
+
+    from lctrain.attention.delta_cp import StatePassing
+    from lctrain.attention.delta_heads import HeadSplit
+    from lctrain.comm import record_traffic
+    from lctrain.layout import sequence
+
+    rank = dist.get_rank()
+    core = (HeadSplit(dist.group.WORLD, rank, world, qkv.shape[1], balance) if how == "heads"
+            else StatePassing(dist.group.WORLD, rank, world, qkv.shape[1], balance,
+                              weight.shape[-1]))
+    local = [sequence.split(x, 1, rank, world, balance, doc_ids=doc_ids).clone().requires_grad_()
+             for x in (qkv, g, beta)]
+    with record_traffic() as sent:
+        out = core.mix(*local[:1], weight, *local[1:], doc_ids, heads)
+        out.pow(2).sum().backward()
+    return out.detach(), [x.grad for x in local], sum(sent.elements.values())
+
+
+@pytest.mark.parametrize("world,balance,how", [(2, "zigzag", "heads"), (2, "documents", "heads"),
+                                               (4, "zigzag", "state")])
+def test_the_head_split_and_state_passing_are_the_whole_rows(world, balance, how):
+    """The two ways a linear layer runs under context parallelism (parallel.linear_cp), from the
+    projected Q, K, V before the convolution to the rule's output: every rank's output and
+    the gradients of its inputs equal the whole rows' (float64, packed documents); the head
+    split sends what grows with the sequence: (P - 1)/P of its tokens' C_c + 2 H_v numbers and
+    H_v d_v back, forward and backward."""
+    from lctrain.attention.delta_rule import LinearHeads, gated_delta_mix
+    from lctrain.layout import sequence
+    from tests.helpers import on_ranks
+
+    torch.manual_seed(0)
+    heads = LinearHeads(2, 4, 4, 3)
+    b, s = 2, 40
+    qkv = torch.randn(b, s, heads.channels, dtype=torch.float64)
+    weight = torch.randn(heads.channels, 1, 4, dtype=torch.float64)
+    g = -torch.rand(b, s, 4, dtype=torch.float64)
+    beta = torch.rand(b, s, 4, dtype=torch.float64)
+    rows = [DOCS["documents across chunk boundaries"] + [3], DOCS["only short documents"] + [3]]
+    doc_ids = torch.stack([_doc_ids(r) for r in rows])
+    got = on_ranks(_mix_rank, world, qkv, weight, g, beta, doc_ids, heads, balance, world, how)
+    whole = [x.clone().requires_grad_() for x in (qkv, g, beta)]
+    want = gated_delta_mix(whole[0], weight, *whole[1:], doc_ids, heads)
+    want.pow(2).sum().backward()
+    for rank, (out, grads, sent) in enumerate(got):
+        def mine(t):
+            return sequence.split(t, 1, rank, world, balance, doc_ids=doc_ids)  # noqa: B023
+
+        torch.testing.assert_close(out, mine(want.detach()), rtol=1e-9, atol=1e-11)
+        for grad, ref in zip(grads, whole, strict=True):
+            torch.testing.assert_close(grad, mine(ref.grad), rtol=1e-9, atol=1e-10)
+        if how == "heads":  # per token: channels and (g, beta) there, the output back; x 2
+            per_token = heads.channels + 2 * 4 + 4 * 3
+            assert sent == 2 * b * (s // world) * per_token * (world - 1) // world, sent

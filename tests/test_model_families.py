@@ -169,7 +169,12 @@ USP_LAYOUT = {"usp2x2_documents": ["parallel.cp=4", "parallel.dp=1", "parallel.a
                                    "parallel.ulysses_degree=2", "data.document_masking=true"]}
 """USP 2x2 with the per-row documents split: the window layers' halo inside ring groups after
 the all-to-all (in the full suite: 5 more 4-rank runs)."""
-ALL_LAYOUTS = {**LAYOUTS, **MOE_LAYOUTS, **USP_LAYOUT}
+LINEAR_LAYOUTS = {"cp2_linear_heads_docs": ["parallel.cp=2", "parallel.dp=2",
+                                             "parallel.attention=ring", "parallel.linear_cp=heads",
+                                             "data.document_masking=true"]}
+"""The linear-attention families' own layouts (full suite): the head split instead of state
+passing."""
+ALL_LAYOUTS = {**LAYOUTS, **MOE_LAYOUTS, **USP_LAYOUT, **LINEAR_LAYOUTS}
 
 
 def save_family(path, family: str) -> transformers.PreTrainedModel:
@@ -348,7 +353,10 @@ def _one_step(cfgs: dict, out_dir: str) -> dict:
 
 def _trains_on(family: str, layout: str) -> bool:
     """Every family trains on LAYOUTS_OF_ALL; the dense ones on the rest of LAYOUTS, the MoE
-    ones on MOE_LAYOUTS."""
+    ones on MOE_LAYOUTS, the linear-attention ones on LINEAR_LAYOUTS and on none with TP or
+    PP."""
+    if layout in LINEAR_LAYOUTS:
+        return family in NOT_SPLIT_BY_HEADS_OR_STAGES
     if family in NOT_SPLIT_BY_HEADS_OR_STAGES and any(
             key.startswith(("parallel.tp=2", "parallel.pp=2")) for key in ALL_LAYOUTS[layout]):
         return False
@@ -357,7 +365,8 @@ def _trains_on(family: str, layout: str) -> bool:
 
 @pytest.mark.parametrize("layouts", [
     pytest.param(LAYOUTS, id="cp_tp_pp", marks=pytest.mark.slow),
-    pytest.param({**USP_LAYOUT, **MOE_LAYOUTS}, id="usp_moe", marks=pytest.mark.slow)])
+    pytest.param({**USP_LAYOUT, **MOE_LAYOUTS, **LINEAR_LAYOUTS}, id="usp_moe",
+                 marks=pytest.mark.slow)])
 def test_every_family_trains_on_every_layout_with_transformers_loss_and_gradients(
         hf_dirs, tmp_path, layouts):
     cfgs, wants = {}, {}

@@ -19,9 +19,11 @@ from lctrain import device
 from lctrain.attention.calls import PlanCache
 from lctrain.attention.delta_rule import (
     CHUNK,
+    LinearHeads,
     causal_conv,
     chunk_gated_delta_rule,
     initial_states,
+    split_heads,
 )
 from lctrain.comm import all_gather, reduce_scatter
 from lctrain.layout import sequence
@@ -209,7 +211,8 @@ def halo_conv(x: Tensor, weight: Tensor, plan: StretchPlan, halo: HaloPlan,
 
 class StatePassing:
     """The linear-attention layers' core (`lctrain.models.gated_deltanet.LinearCore`) of a cp
-    layout: the convolution by `halo_conv`, the recurrence by `state_passing_delta_rule`, over
+    layout that passes states: the convolution by `halo_conv`, the recurrence by
+    `state_passing_delta_rule`, over
     the tokens `lctrain.layout.sequence` gives each cp rank (any split; the stretch plan made
     on the host once per micro-batch's document ids)."""
 
@@ -244,10 +247,13 @@ class StatePassing:
         return self._one_document[rows]
 
     def conv(self, x: Tensor, weight: Tensor, doc_ids: Tensor | None) -> Tensor:
+        """`causal_conv` of this rank's x [B, S_local, C] as over the whole rows."""
         plan, halo, _ = self._plans(self._documents(doc_ids, x.shape[0]))
         return halo_conv(x, weight, plan, halo, self.group)
 
-    def rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-             doc_ids: Tensor | None) -> Tensor:
-        plan, _, local = self._plans(self._documents(doc_ids, q.shape[0]))
-        return state_passing_delta_rule(q, k, v, g, beta, local.to(q.device), plan, self.group)
+    def mix(self, qkv: Tensor, weight: Tensor, g: Tensor, beta: Tensor,
+            doc_ids: Tensor | None, heads: LinearHeads) -> Tensor:
+        plan, _, local = self._plans(self._documents(doc_ids, qkv.shape[0]))
+        q, k, v = split_heads(self.conv(qkv, weight, doc_ids), heads)
+        return state_passing_delta_rule(q, k, v, g, beta, local.to(qkv.device), plan,
+                                        self.group)

@@ -15,6 +15,8 @@ Also the layer's causal depthwise convolution (`causal_conv`), which restarts at
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -26,6 +28,39 @@ CHUNK = DELTA_CHUNK
 FLOPs of chunks of this size)."""
 L2_EPS = 1e-6
 """The L2 normalisation's epsilon, as flash-linear-attention's kernels (and transformers) use."""
+
+
+class LinearHeads(NamedTuple):
+    """A Gated DeltaNet layer's heads: query/key heads of d_k, value heads of d_v (each key head
+    serving value_heads / key_heads consecutive value heads)."""
+
+    key_heads: int
+    key_dim: int
+    value_heads: int
+    value_dim: int
+
+    @property
+    def channels(self) -> int:
+        """The convolution's channels: Q, K, V side by side."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+
+def split_heads(qkv: Tensor, heads: LinearHeads) -> tuple[Tensor, Tensor, Tensor]:
+    """[B, S, C] (Q, K, V side by side) -> q, k [B, S, H_k, d_k], v [B, S, H_v, d_v]."""
+    b, s, _ = qkv.shape
+    keys = heads.key_heads * heads.key_dim
+    q, k, v = qkv.split([keys, keys, heads.value_heads * heads.value_dim], dim=-1)
+    return (q.reshape(b, s, heads.key_heads, heads.key_dim),
+            k.reshape(b, s, heads.key_heads, heads.key_dim),
+            v.reshape(b, s, heads.value_heads, heads.value_dim))
+
+
+def gated_delta_mix(qkv: Tensor, weight: Tensor, g: Tensor, beta: Tensor,
+                    doc_ids: Tensor | None, heads: LinearHeads) -> Tensor:
+    """A Gated DeltaNet layer's mixing over whole rows: the causal convolution of the projected
+    Q, K, V [B, S, C], the heads, the gated delta rule -> [B, S, H_v, d_v]."""
+    q, k, v = split_heads(causal_conv(qkv, weight, doc_ids), heads)
+    return chunk_gated_delta_rule(q, k, v, g, beta, doc_ids)[0]
 
 
 def l2norm(x: Tensor) -> Tensor:

@@ -48,6 +48,10 @@ def linear_problems(cfg: LctrainConfig) -> list[str]:
         problems.append(f"model.linear_value_heads={m.linear_value_heads} is not a multiple of "
                         f"model.linear_key_heads={m.linear_key_heads}: each key head serves "
                         "whole value heads")
+    if p.cp > 1 and p.linear_cp == "heads" and m.linear_key_heads % p.cp:
+        problems.append(f"parallel.linear_cp=heads splits the linear layers' heads over "
+                        f"parallel.cp={p.cp} ranks, which does not divide model.linear_key_heads="
+                        f"{m.linear_key_heads}; set parallel.linear_cp=state")
     split = {"parallel.tp": p.tp, "parallel.pp": p.pp}
     for key, size in split.items():
         if size > 1:

@@ -224,6 +224,12 @@ class ParallelConfig:
     """Sequence split across cp ranks: auto (documents with data.document_masking, else zigzag)
     or a split of the registry in lctrain/config/load_balances.py (`lctrain keys` lists each
     with its summary)."""
+    linear_cp: str = one_of("state", "heads")
+    """Context parallelism of the linear-attention layers (model.layer_types linear_attention):
+    state (each rank runs its own tokens and the ranks pass the recurrent state and the
+    convolution's halo: the same bytes at any sequence length) | heads (an all-to-all gives
+    each rank every token of its share of the heads, Megatron's way: bytes grow with the
+    sequence; the key heads must divide cp). `lctrain plan` prints both's traffic per layer."""
     ep: int = at_least(1, 1)
     """Expert parallelism: the experts of every mixture-of-experts layer split over ep of the
     dp x cp x tp ranks (ep divides dp x cp x tp and model.n_experts; the attention's layout is

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lctrain.attention.delta_rule import causal_conv, chunk_gated_delta_rule
+from lctrain.attention.delta_rule import LinearHeads, gated_delta_mix
 from lctrain.models.init import ZEROS
 
 
@@ -42,33 +42,32 @@ class LinearShape:
     eps: float
 
     @property
+    def heads(self) -> LinearHeads:
+        return LinearHeads(self.key_heads, self.key_dim, self.value_heads, self.value_dim)
+
+    @property
     def conv_channels(self) -> int:
         """Q, K and V's channels, which the convolution mixes one by one."""
-        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+        return self.heads.channels
 
 
 class LinearCore(Protocol):
-    """How a Gated DeltaNet layer runs over the sequence: its tokens, [B, S_local, ...], and the
-    global document ids [B, S] (or None: one document per row)."""
+    """How a Gated DeltaNet layer mixes over the sequence: its tokens' projected Q, K, V
+    [B, S_local, C] (before the convolution), log decays g and write strengths beta
+    [B, S_local, H_v], and the global document ids [B, S] (or None: one document per row) ->
+    the gated delta rule's output [B, S_local, H_v, d_v] as over the whole rows."""
 
-    def conv(self, x: Tensor, weight: Tensor, doc_ids: Tensor | None) -> Tensor:
-        """`causal_conv` of x [B, S_local, C] as over the whole rows."""
-
-    def rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-             doc_ids: Tensor | None) -> Tensor:
-        """The gated delta rule's output [B, S_local, H, d_v] as over the whole rows."""
+    def mix(self, qkv: Tensor, weight: Tensor, g: Tensor, beta: Tensor,
+            doc_ids: Tensor | None, heads: LinearHeads) -> Tensor: ...
 
 
 class LocalLinear:
     """One device holds the whole rows."""
 
-    def conv(self, x: Tensor, weight: Tensor, doc_ids: Tensor | None) -> Tensor:
-        return causal_conv(x, weight, None if doc_ids is None else doc_ids.to(x.device))
-
-    def rule(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-             doc_ids: Tensor | None) -> Tensor:
-        docs = None if doc_ids is None else doc_ids.to(q.device)
-        return chunk_gated_delta_rule(q, k, v, g, beta, docs)[0]
+    def mix(self, qkv: Tensor, weight: Tensor, g: Tensor, beta: Tensor,
+            doc_ids: Tensor | None, heads: LinearHeads) -> Tensor:
+        docs = None if doc_ids is None else doc_ids.to(qkv.device)
+        return gated_delta_mix(qkv, weight, g, beta, docs, heads)
 
 
 LOCAL_LINEAR = LocalLinear()
@@ -118,16 +117,11 @@ class GatedDeltaNet(nn.Module):
                 doc_ids: Tensor | None = None) -> Tensor:
         s = self.shape
         b, n, _ = x.shape
-        qkv = self.core.conv(self.in_proj_qkv(x), self.conv1d.weight, doc_ids)
-        keys = s.key_heads * s.key_dim
-        q, k, v = qkv.split([keys, keys, s.value_heads * s.value_dim], dim=-1)
-        q, k = (t.reshape(b, n, s.key_heads, s.key_dim) for t in (q, k))
-        v = v.reshape(b, n, s.value_heads, s.value_dim)
         beta = torch.sigmoid(self.in_proj_b(x))
         a = self.in_proj_a(x)
         wide = torch.promote_types(a.dtype, torch.float32)  # A could overflow in half precision
         g = -self.A_log.to(wide).exp() * F.softplus(a.to(wide) + self.dt_bias)
-        out = self.core.rule(q, k, v, g, beta, doc_ids)
+        out = self.core.mix(self.in_proj_qkv(x), self.conv1d.weight, g, beta, doc_ids, s.heads)
         z = self.in_proj_z(x).reshape(b, n, s.value_heads, s.value_dim)
         return self.out_proj(self.norm(out, z).reshape(b, n, -1))
 

@@ -17,6 +17,7 @@ from torch import nn
 from lctrain import device
 from lctrain.attention import ContextParallelAttention
 from lctrain.attention.delta_cp import StatePassing
+from lctrain.attention.delta_heads import HeadSplit
 from lctrain.attention.kernels import KernelOptions, forward_ops
 from lctrain.config import LctrainConfig
 from lctrain.config.derived import load_balance_of
@@ -58,13 +59,15 @@ def build_attention_core(cfg: LctrainConfig, rt: Runtime) -> AttentionCore:
 
 def build_linear_core(cfg: LctrainConfig, rt: Runtime) -> LinearCore:
     """The linear-attention layers' core: the whole rows on one rank, or under context
-    parallelism state passing over the cp group (the tokens each rank holds laid out as the
-    attention's)."""
+    parallelism (parallel.linear_cp) state passing or the head split over the cp group (the
+    tokens each rank holds laid out as the attention's)."""
     if cfg.parallel.cp == 1:
         return LOCAL_LINEAR
-    g = rt.cp_groups
-    return StatePassing(g.cp, g.cp_rank, g.cp_size, cfg.train.seq_len, load_balance_of(cfg),
-                        cfg.model.linear_conv_kernel, g.ulysses_size)
+    g, where = rt.cp_groups, (cfg.train.seq_len, load_balance_of(cfg))
+    if cfg.parallel.linear_cp == "heads":
+        return HeadSplit(g.cp, g.cp_rank, g.cp_size, *where, g.ulysses_size)
+    return StatePassing(g.cp, g.cp_rank, g.cp_size, *where, cfg.model.linear_conv_kernel,
+                        g.ulysses_size)
 
 
 def parallelize_model(model: Decoder, cfg: LctrainConfig, rt: Runtime,

@@ -56,7 +56,7 @@ from lctrain.planning.traffic import (
     host_copy_bytes,
     layer_windows,
     linear_layers,
-    state_passing_transfers,
+    linear_transfers,
     step_traffic_bytes,
     tp_block_traffic,
 )
@@ -79,10 +79,11 @@ def attention_traffic_per_layer(cfg: LctrainConfig, world_size: int) -> dict[str
         kind = p.attention if window is None else f"{p.attention}_window{window}"
         out |= {f"{kind}_per_layer_fwd": sent["forward"],
                 f"{kind}_per_layer_bwd": sent["backward"]}
-    if linear_layers(cfg, range(m.n_layers)):  # a Gated DeltaNet layer's state passing (§31)
-        for x in state_passing_transfers(cfg):
-            key = f"linear_per_layer_{x.direction}"
-            out[key] = out.get(key, 0) + x.elements * t.micro_batch
+    if linear_layers(cfg, range(m.n_layers)):  # a Gated DeltaNet layer, both ways (§31)
+        for how in ("state", "heads"):
+            for x in linear_transfers(cfg, how):
+                key = f"linear_{how}_per_layer_{x.direction}"
+                out[key] = out.get(key, 0) + x.elements * t.micro_batch
     return out
 
 

@@ -42,7 +42,7 @@ from lctrain.planning.traffic import (
     host_copy_bytes,
     layer_windows,
     linear_layers,
-    state_passing_transfers,
+    linear_transfers,
     step_traffic_bytes,
 )
 
@@ -209,7 +209,7 @@ def collective_calls(step: StepShape) -> dict[str, float]:
     layers = range(cfg.model.n_layers)
     kinds = [(cp_transfers(cfg, step.world_size, window), count)
              for window, count in layer_windows(cfg, layers).items()]
-    kinds.append((state_passing_transfers(cfg), linear_layers(cfg, layers)))
+    kinds.append((linear_transfers(cfg), linear_layers(cfg, layers)))
     for transfers, count in kinds:  # calls of an average block
         for x in transfers:
             times = 2 if again and x.direction == "fwd" else 1

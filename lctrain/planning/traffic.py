@@ -305,6 +305,16 @@ STRETCHES_PER_ROW = 2
 (load_balance=documents), for the state exchange's count: an estimate, as zigzag's two."""
 
 
+def linear_transfers(cfg: LctrainConfig, how: str | None = None) -> tuple[Transfer, ...]:
+    """The collectives of one linear-attention layer and sequence under context parallelism,
+    by parallel.linear_cp (or `how`): `state_passing_transfers` or `head_split_transfers`; ()
+    when cp = 1."""
+    if cfg.parallel.cp == 1:
+        return ()
+    how = how or cfg.parallel.linear_cp
+    return state_passing_transfers(cfg) if how == "state" else head_split_transfers(cfg)
+
+
 def state_passing_transfers(cfg: LctrainConfig) -> tuple[Transfer, ...]:
     """The collectives of one Gated DeltaNet layer and sequence under context parallelism
     (docs/parallelism.md §31), whatever the sequence length: each rank all-gathers, per
@@ -313,8 +323,6 @@ def state_passing_transfers(cfg: LctrainConfig) -> tuple[Transfer, ...]:
     the backward reduce-scatters their gradients. An all-gather over P ranks sends each piece
     P - 1 times."""
     m, p = cfg.model, cfg.parallel
-    if p.cp == 1:
-        return ()
     split = split_of(load_balance_of(cfg))
     slots = STRETCHES_PER_ROW if split.per_row else split.chunks_per_rank
     state = slots * m.linear_value_heads * m.linear_key_dim * (
@@ -327,6 +335,23 @@ def state_passing_transfers(cfg: LctrainConfig) -> tuple[Transfer, ...]:
             Transfer("halo_reduce_scatter", "bwd", "cp", halo, 1))
 
 
+def head_split_transfers(cfg: LctrainConfig) -> tuple[Transfer, ...]:
+    """The head split's collectives (attention/delta_heads.py), which grow with the sequence:
+    each rank sends (P - 1)/P of its S/P tokens' projected Q, K, V channels C_c (the compute
+    dtype) and their 2 H_v decays and write strengths (float32) to the ranks of the other
+    heads, and gets back its tokens' outputs, H_v d_v; the backward sends the same back."""
+    m, p, s = cfg.model, cfg.parallel, cfg.train.seq_len
+    share = s / p.cp * (p.cp - 1) / p.cp / p.tp
+    channels = 2 * m.linear_key_heads * m.linear_key_dim + m.linear_value_heads * m.linear_value_dim
+    out = m.linear_value_heads * m.linear_value_dim
+    return tuple(Transfer(name, direction, "cp", share * width, 1, float32=wide)
+                 for direction in ("fwd", "bwd")
+                 for name, width, wide in (("heads_all_to_all", channels, False),
+                                           ("heads_rates_all_to_all", 2 * m.linear_value_heads,
+                                            True),
+                                           ("heads_out_all_to_all", out, False)))
+
+
 RECOMPUTED = "_recompute"
 """The suffix of `cp_step_bytes`' keys for a forward collective sent again in the backward."""
 
@@ -334,7 +359,7 @@ RECOMPUTED = "_recompute"
 def cp_step_groups(cfg: LctrainConfig, world_size: int) -> dict[str, str]:
     """The topology group that carries each key of `cp_step_bytes`."""
     out = {}
-    linear = state_passing_transfers(cfg) if linear_layers(cfg, range(cfg.model.n_layers)) else ()
+    linear = linear_transfers(cfg) if linear_layers(cfg, range(cfg.model.n_layers)) else ()
     transfers = [x for window in layer_windows(cfg, range(cfg.model.n_layers))
                  for x in cp_transfers(cfg, world_size, window)] + list(linear)
     for x in transfers:
@@ -361,7 +386,7 @@ def cp_step_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict
     out: dict[str, float] = {}
     kinds = [(cp_transfers(cfg, world_size, window), count)
              for window, count in layer_windows(cfg, layers).items()]
-    kinds.append((state_passing_transfers(cfg), linear_layers(cfg, layers)))
+    kinds.append((linear_transfers(cfg), linear_layers(cfg, layers)))
     for transfers, count in kinds:
         for x in transfers:
             nbytes = (4 if x.float32 else a) * t.micro_batch * x.elements * count * d.grad_accum
