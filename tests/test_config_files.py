@@ -45,7 +45,9 @@ def test_the_readmes_preset_lists_are_conf_model():
 def test_model_presets_compose(model):
     cfg = compose([f"model={model}"]).cfg
     assert cfg.model.name == model
-    assert cfg.model.dim % cfg.model.n_heads == 0
+    # a derived head dim (head_dim null) divides the model evenly (Qwen3.5-27B sets 256 on 24
+    # heads of a 5120 model)
+    assert cfg.model.head_dim is not None or cfg.model.dim % cfg.model.n_heads == 0
 
 
 def test_llama3_8b_has_the_real_shape():

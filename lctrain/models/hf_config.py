@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lctrain.config import ModelConfig, choices_of
 from lctrain.config.model_families import MODEL_FAMILIES, model_family
-from lctrain.config.model_parts import EXPERTS, LINEAR_ATTENTION, QKV_BIAS, WINDOWS
+from lctrain.config.model_parts import EXPERTS, LINEAR_ATTENTION, OUTPUT_GATE, QKV_BIAS, WINDOWS
 from lctrain.config.schema import FULL, LINEAR, SLIDING
 
 # config.json key -> ModelConfig field (plain copies)
@@ -207,6 +207,9 @@ def unsupported(hf: dict, path: str) -> list[str]:
     if hf.get("attention_bias") and not family.has(QKV_BIAS):
         problems.append(f"{where} sets attention_bias=true; lctrain's {kind} has no attention "
                         "biases (the qwen2 family has Q/K/V biases)")
+    if family.has(OUTPUT_GATE) and hf.get("attn_output_gate") is False:
+        problems.append(f"{where} sets attn_output_gate=false; lctrain's {kind} gates every "
+                        "attention output")
     if hf.get("mlp_bias"):
         problems.append(f"{where} sets mlp_bias=true; lctrain's MLPs have no biases")
     act, names = (hf.get("hidden_activation") or hf.get("hidden_act") or "silu",

@@ -209,7 +209,8 @@ def collective_calls(step: StepShape) -> dict[str, float]:
     layers = range(cfg.model.n_layers)
     kinds = [(cp_transfers(cfg, step.world_size, window), count)
              for window, count in layer_windows(cfg, layers).items()]
-    kinds.append((linear_transfers(cfg), linear_layers(cfg, layers)))
+    if linear_layers(cfg, layers):
+        kinds.append((linear_transfers(cfg), linear_layers(cfg, layers)))
     for transfers, count in kinds:  # calls of an average block
         for x in transfers:
             times = 2 if again and x.direction == "fwd" else 1

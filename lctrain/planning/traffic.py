@@ -386,7 +386,8 @@ def cp_step_bytes(cfg: LctrainConfig, world_size: int, pp_rank: int = 0) -> dict
     out: dict[str, float] = {}
     kinds = [(cp_transfers(cfg, world_size, window), count)
              for window, count in layer_windows(cfg, layers).items()]
-    kinds.append((linear_transfers(cfg), linear_layers(cfg, layers)))
+    if linear_layers(cfg, layers):
+        kinds.append((linear_transfers(cfg), linear_layers(cfg, layers)))
     for transfers, count in kinds:
         for x in transfers:
             nbytes = (4 if x.float32 else a) * t.micro_batch * x.elements * count * d.grad_accum

@@ -26,7 +26,8 @@ reads it back before allocating). torch.repeat_interleave without output_size is
 (`sync_name`)."""
 
 _PACKAGE = Path(__file__).resolve().parents[1]
-_SEAMS = (_PACKAGE / "device.py", _PACKAGE / "tracing" / "trace.py", Path(__file__).resolve())
+_SEAMS = (_PACKAGE / "device.py", _PACKAGE / "tracing" / "trace.py",
+          _PACKAGE / "tracing" / "live.py", Path(__file__).resolve())
 
 
 def _caller() -> str:
