@@ -169,11 +169,17 @@ USP_LAYOUT = {"usp2x2_documents": ["parallel.cp=4", "parallel.dp=1", "parallel.a
                                    "parallel.ulysses_degree=2", "data.document_masking=true"]}
 """USP 2x2 with the per-row documents split: the window layers' halo inside ring groups after
 the all-to-all (in the full suite: 5 more 4-rank runs)."""
-LINEAR_LAYOUTS = {"cp2_linear_heads_docs": ["parallel.cp=2", "parallel.dp=2",
-                                             "parallel.attention=ring", "parallel.linear_cp=heads",
-                                             "data.document_masking=true"]}
+LINEAR_LAYOUTS = {
+    "cp2_linear_heads_docs": ["parallel.cp=2", "parallel.dp=2", "parallel.attention=ring",
+                              "parallel.linear_cp=heads", "data.document_masking=true"],
+    "linear_cp2_ulysses_ddp_tiled": MOE_LAYOUTS["cp2_ulysses_ddp_tiled"],
+    "cp2_allgather_heads_selective": ["parallel.cp=2", "parallel.dp=2",
+                                      "parallel.attention=allgather", "parallel.linear_cp=heads",
+                                      "train.activation_checkpointing=selective",
+                                      "data.document_masking=false"]}
 """The linear-attention families' own layouts (full suite): the head split instead of state
-passing."""
+passing, under Ring and all-gather KV; Ulysses with DDP, the tiled MLP and full recompute;
+selective recompute."""
 ALL_LAYOUTS = {**LAYOUTS, **MOE_LAYOUTS, **USP_LAYOUT, **LINEAR_LAYOUTS}
 
 
