@@ -79,7 +79,8 @@ def plan_shares(model: str, cp: int) -> list[dict]:
         cfg = layout(model, cp, s)
         m = cfg.model
         layers = range(m.n_layers)
-        attention_layers, linear = sum(layer_windows(cfg, layers).values()), linear_layers(cfg, layers)
+        attention_layers = sum(layer_windows(cfg, layers).values())
+        linear = linear_layers(cfg, layers)
         flops = {"attention": attention_flops(m, s) * attention_layers,
                  "linear": linear_mixer_flops(m) * linear}
         sent = {"attention": attention_layers * sum(

@@ -1,7 +1,7 @@
 """A decoder block, composed: norm, a token mixer, residual add; norm, a feed-forward, residual
 add. Each layer's token mixer comes from `TOKEN_MIXERS` by the layer's type
-(`model.layer_types`: full or sliding attention, or a Gated DeltaNet) and its feed-forward from `FEED_FORWARDS`
-(`model.moe_layers`: a gated MLP or a mixture of experts); the family's parts
+(`model.layer_types`: full or sliding attention, or a Gated DeltaNet) and its feed-forward from
+`FEED_FORWARDS` (`model.moe_layers`: a gated MLP or a mixture of experts); the family's parts
 (`lctrain.models.parts`) add their modules to the block and its attention and act at their
 seams. Plain single-device code: parallelism is applied from `lctrain.parallel`.
 
@@ -80,8 +80,9 @@ class BlockParts:
 class Attention(nn.Module):
     """Llama's attention: Q, K, V projections (with biases in a `qkv_bias` family), the parts'
     seams on the heads (`Part.query`, `Part.qkv`), RoPE, the core, a gate on its output where a
-    part makes one, the output projection (with a bias in an `out_bias` family). `window`: the sliding window of a window layer (model.layer_types),
-    and `sinks`: a sink logit per query head where a part adds them; both go to the core."""
+    part makes one, the output projection (with a bias in an `out_bias` family). `window`: the
+    sliding window of a window layer (model.layer_types), and `sinks`: a sink logit per query
+    head where a part adds them; both go to the core."""
 
     def __init__(self, cfg: ModelConfig, layer: int = 0, build: BlockParts = BlockParts()):
         super().__init__()
