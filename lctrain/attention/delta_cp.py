@@ -209,6 +209,14 @@ def halo_conv(x: Tensor, weight: Tensor, plan: StretchPlan, halo: HaloPlan,
     return _Through.apply(torch.stack(out), everyone)
 
 
+def check_cp_rank(group: dist.ProcessGroup, cp_rank: int) -> None:
+    """The linear layers' cores order every rank's tokens by cp rank, the all-gather's and the
+    all-to-all's by group rank: they must agree."""
+    if dist.get_rank(group) != cp_rank:
+        raise ValueError(f"cp rank {cp_rank} is rank {dist.get_rank(group)} of its cp group: the "
+                         "linear layers' context parallelism orders the tokens by cp rank")
+
+
 class StatePassing:
     """The linear-attention layers' core (`lctrain.models.gated_deltanet.LinearCore`) of a cp
     layout that passes states: the convolution by `halo_conv`, the recurrence by
@@ -218,9 +226,7 @@ class StatePassing:
 
     def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, seq_len: int,
                  load_balance: str, conv_kernel: int, ulysses: int = 1):
-        if dist.get_rank(group) != cp_rank:
-            raise ValueError(f"cp rank {cp_rank} is rank {dist.get_rank(group)} of its cp group: "
-                             "state passing orders the stretches by cp rank")
+        check_cp_rank(group, cp_rank)
         self.group, self.me, self.cp, self.seq_len = group, cp_rank, cp, seq_len
         self.load_balance, self.ulysses, self.width = load_balance, ulysses, conv_kernel - 1
         self._plans = PlanCache(self._plan)

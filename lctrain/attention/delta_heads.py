@@ -10,20 +10,24 @@ backward); state passing sends the same at any length. The heads must divide the
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lctrain import device
 from lctrain.attention.calls import PlanCache
+from lctrain.attention.delta_cp import check_cp_rank
 from lctrain.attention.delta_rule import LinearHeads, gated_delta_mix
 from lctrain.comm import all_to_all_autograd
 from lctrain.layout import sequence
 
 
+@cache  # every layer and micro-batch asks for the same
 def head_channels(heads: LinearHeads, ranks: int) -> Tensor:
     """[P, C / P]: the convolution channels of each rank's share of the heads, its query heads'
-    then its key heads' then its value heads' (the layout `split_heads` reads)."""
+    then its key heads' then its value heads' (the layout `split_heads` reads; host)."""
     q, k = heads.key_heads * heads.key_dim, heads.key_heads * heads.key_dim
     ids = torch.arange(heads.channels)
     parts = (ids[:q].view(ranks, -1), ids[q:q + k].view(ranks, -1), ids[q + k:].view(ranks, -1))
@@ -38,9 +42,7 @@ class HeadSplit:
 
     def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, seq_len: int,
                  load_balance: str, ulysses: int = 1):
-        if dist.get_rank(group) != cp_rank:
-            raise ValueError(f"cp rank {cp_rank} is rank {dist.get_rank(group)} of its cp group: "
-                             "the head split orders the tokens by cp rank")
+        check_cp_rank(group, cp_rank)
         self.group, self.me, self.cp, self.seq_len = group, cp_rank, cp, seq_len
         self.load_balance, self.ulysses = load_balance, ulysses
         self._orders = PlanCache(self._order)

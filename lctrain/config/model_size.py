@@ -43,7 +43,7 @@ def linear_mixer_params(m: ModelConfig) -> tuple[int, int]:
     projections to Q, K, V (2 H_k d_k + H_v d_v channels), to the gate Z (H_v d_v), to beta and
     the decay's input (H_v each) and back (H_v d_v x D); the convolution's kernel per channel;
     dt_bias and A_log per value head; the gated norm's d_v weights (replicated)."""
-    channels = 2 * m.linear_key_heads * m.linear_key_dim + m.linear_value_heads * m.linear_value_dim
+    channels = m.linear_conv_channels
     values = m.linear_value_heads * m.linear_value_dim
     sharded = (m.dim * (channels + 2 * values + 2 * m.linear_value_heads)
                + channels * m.linear_conv_kernel + 2 * m.linear_value_heads)
@@ -121,7 +121,7 @@ def linear_mixer_flops(m: ModelConfig) -> float:
     left out."""
     c, dk, dv = DELTA_CHUNK, m.linear_key_dim, m.linear_value_dim
     per_head = c * (3 * dk + 2 * dv) + 3 * dk * dv
-    channels = 2 * m.linear_key_heads * dk + m.linear_value_heads * dv
+    channels = m.linear_conv_channels
     forward = FLOPS_PER_WEIGHT * (m.linear_value_heads * per_head
                                   + m.linear_conv_kernel * channels)
     return TRAIN_OVER_FORWARD * forward

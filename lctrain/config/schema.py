@@ -177,6 +177,13 @@ class ModelConfig:
         """The dimensions of each head RoPE rotates (rotary_fraction of d, even)."""
         return int(self.d_head * self.rotary_fraction) // 2 * 2
 
+    @property
+    def linear_conv_channels(self) -> int:
+        """A linear-attention layer's convolution channels: its Q, K and V side by side,
+        2 H_k d_k + H_v d_v."""
+        return 2 * self.linear_key_heads * self.linear_key_dim + (
+            self.linear_value_heads * self.linear_value_dim)
+
     def is_linear_layer(self, layer: int) -> bool:
         """Whether block `layer` is a linear-attention layer."""
         return self.layer_type(layer) == LINEAR

@@ -168,7 +168,7 @@ def linear_mixer_kept(cfg: LctrainConfig, a: int) -> float:
     to one (the formula assumes stretches of whole chunks: S / (2 cp) >= C under zigzag)."""
     m, p = cfg.model, cfg.parallel
     hv, dk, dv, c = m.linear_value_heads, m.linear_key_dim, m.linear_value_dim, DELTA_CHUNK
-    channels = 2 * m.linear_key_heads * dk + hv * dv
+    channels = m.linear_conv_channels
     conv = a * (m.linear_conv_kernel + 2) * channels
     rule = hv * (4 * 5 * c + c + (4 * 8 + a * 2) * dk + (4 * 2 + a * 8) * dv + 4 * 12
                  + 4 * dk * dv / c)

@@ -327,7 +327,7 @@ def state_passing_transfers(cfg: LctrainConfig) -> tuple[Transfer, ...]:
     slots = STRETCHES_PER_ROW if split.per_row else split.chunks_per_rank
     state = slots * m.linear_value_heads * m.linear_key_dim * (
         m.linear_value_dim + m.linear_key_dim) * (p.cp - 1) / p.tp
-    channels = 2 * m.linear_key_heads * m.linear_key_dim + m.linear_value_heads * m.linear_value_dim
+    channels = m.linear_conv_channels
     halo = slots * (m.linear_conv_kernel - 1) * channels * (p.cp - 1) / p.tp
     return (Transfer("state_all_gather", "fwd", "cp", state, 1, float32=True),
             Transfer("state_reduce_scatter", "bwd", "cp", state, 1, float32=True),
@@ -342,7 +342,7 @@ def head_split_transfers(cfg: LctrainConfig) -> tuple[Transfer, ...]:
     heads, and gets back its tokens' outputs, H_v d_v; the backward sends the same back."""
     m, p, s = cfg.model, cfg.parallel, cfg.train.seq_len
     share = s / p.cp * (p.cp - 1) / p.cp / p.tp
-    channels = 2 * m.linear_key_heads * m.linear_key_dim + m.linear_value_heads * m.linear_value_dim
+    channels = m.linear_conv_channels
     out = m.linear_value_heads * m.linear_value_dim
     return tuple(Transfer(name, direction, "cp", share * width, 1, float32=wide)
                  for direction in ("fwd", "bwd")
