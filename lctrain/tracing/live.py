@@ -158,7 +158,7 @@ class LiveBytes(TorchDispatchMode):
             if not self._handed:
                 return
             if time.monotonic() > deadline:
-                held = [tuple(r().shape) for r in self._handed]
+                held = [tuple(t.shape) for r in self._handed if (t := r()) is not None]
                 raise RuntimeError(f"a process group still holds {len(held)} tensors "
                                    f"{seconds:.0f} s after the last collective (shapes {held}): "
                                    "a collective whose Work was never waited for")
@@ -222,7 +222,8 @@ class LiveBytes(TorchDispatchMode):
         if total > self.peak:
             self.peak, self.peak_op, self.at_peak = total, self.ops, dict(self.by_phase)
             self.peak_where = (self.phase(), self.micro_step, func)
-            self.peak_live = {k: v[:] for k, v in self.live.items()}
+            # (a copy first: a process group's thread may free a storage meanwhile)
+            self.peak_live = {k: v[:] for k, v in self.live.copy().items()}
 
     def claim(self, where: str, tensor) -> None:
         """Label the storage of `tensor` (alive now) `where`, whoever created it."""
@@ -235,8 +236,10 @@ class LiveBytes(TorchDispatchMode):
     def alive(self, leave_out: set[int] = frozenset()) -> list[tuple]:
         """(where, op, dtype, shape, bytes) of each storage alive now and not empty, those in
         `leave_out` left out."""
+        # a copy first: a process group's worker thread may drop a storage (and run its
+        # weakref callback) while this reads
         return [(where, str(func), *made_as, nbytes)
-                for key, (nbytes, _, _, func, where, made_as) in self.live.items()
+                for key, (nbytes, _, _, func, where, made_as) in self.live.copy().items()
                 if nbytes and key not in leave_out]
 
     def alive_by_where(self, leave_out: set[int] = frozenset()) -> dict[str, int]:
