@@ -145,7 +145,9 @@ def test_one_forward_measures_the_same_bytes_every_time():
 MOE_CASES = [  # (family, norm_topk_prob, checkpointing, dtype, tiling, ep) on 2 ranks (dp2)
     ("qwen3_moe", True, "none", "fp32", 0, 1), ("mixtral", False, "none", "bf16", 0, 1),
     ("qwen3_moe", True, "selective", "fp32", 0, 1), ("mixtral", True, "none", "fp32", 16, 1),
-    ("gpt_oss", True, "none", "fp32", 0, 1), ("mixtral", False, "none", "fp32", 0, 2)]
+    ("gpt_oss", True, "none", "fp32", 0, 1), ("mixtral", False, "none", "fp32", 0, 2),
+    ("qwen3_5_moe_text", True, "none", "bf16", 0, 1),
+    ("qwen3_5_moe_text", True, "selective", "fp32", 0, 2)]
 
 
 def _moe_configs() -> list:
@@ -154,7 +156,9 @@ def _moe_configs() -> list:
         cfg = cfg_for({"dp": 2, "ep": ep}, mode, dtype, {"train": {"mlp_chunk": chunk}})
         cfg.model = dataclasses.replace(cfg.model, family=family, n_experts=4,
                                         experts_per_token=2, expert_ffn_dim=40,
-                                        norm_topk_prob=norm)
+                                        norm_topk_prob=norm,
+                                        shared_expert_ffn_dim=(
+                                            24 if family == "qwen3_5_moe_text" else None))
         cfgs.append(cfg)
     return cfgs
 
@@ -164,8 +168,9 @@ def _measure_moe() -> list[dict]:
 
 
 def test_a_mixture_of_experts_keeps_the_formula_bytes():
-    """The MoE MLP's part of docs/parallelism.md §28 (`_moe_kept`) for Qwen3-MoE, Mixtral and
-    GPT-OSS (its experts, and its attention with sinks on the position-aware kernels), fp32
+    """The MoE MLP's part of docs/parallelism.md §28 (`_moe_kept`) for Qwen3-MoE, Mixtral,
+    GPT-OSS (its experts, and its attention with sinks on the position-aware kernels) and
+    Qwen3.5-MoE (its shared expert and gate, its gated attention's full layers), fp32
     and bf16 (with the weights' bf16 copies), selective and tiled, byte for byte on each rank;
     under ep2 the rows a rank's experts compute follow the routing, and the two ranks together
     keep twice the formula."""

@@ -109,14 +109,25 @@ FAMILIES = {  # model_type -> transformers config of a random model with the fam
         linear_conv_kernel_dim=4, rms_norm_eps=1e-6, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 50000.0,
                          "partial_rotary_factor": 0.5}),
+    # Qwen3.5-MoE: Qwen3.5's layers, every MLP 4 experts (2 per token) and a shared expert
+    "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig(
+        **{k: v for k, v in SHAPE.items() if k not in ("rope_theta", "intermediate_size")},
+        head_dim=16, layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=8, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=40, router_aux_loss_coef=0.05,
+        output_router_logits=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0,
+                         "partial_rotary_factor": 0.5}),
 }
-MOE = ("qwen3_moe", "mixtral", "gpt_oss")
-NOT_SPLIT_BY_HEADS_OR_STAGES = ("qwen3_5_text",)
+MOE = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text")
+NOT_SPLIT_BY_HEADS_OR_STAGES = ("qwen3_5_text", "qwen3_5_moe_text")
 """Families whose linear-attention layers lctrain does not split over TP or PP ranks yet: they
 train on the layouts without either."""
 LAYOUTS_OF_ALL = ("usp2x2_documents",)
 """The layouts every family runs (an MoE family runs the rest of LAYOUTS as MOE_LAYOUTS)."""
-FUSED_IN_MEMORY = ("qwen3_moe", "mixtral")
+FUSED_IN_MEMORY = ("qwen3_moe", "mixtral", "qwen3_5_moe_text")
 """Families whose checkpoints store each expert's matrices apart and transformers' modules fuse
 them in memory (gate_up_proj [E, 2F, D], down_proj [E, D, F]); GPT-OSS's are fused in both."""
 """The families with experts: they train on their own layouts too (MOE_LAYOUTS)."""
@@ -162,7 +173,7 @@ reduced apart), and ep4, DDP and ep4 tiled and fully recomputed. The fast tier c
 tests/test_activation_memory.py train ep2."""
 EXPORTED_BY = {"cp2_tp2_sp_ulysses": [f for f in FAMILIES if f not in MOE
                                       and f not in NOT_SPLIT_BY_HEADS_OR_STAGES],
-               "cp2_ring_zigzag_docs": list(NOT_SPLIT_BY_HEADS_OR_STAGES),
+               "cp2_ring_zigzag_docs": [f for f in NOT_SPLIT_BY_HEADS_OR_STAGES if f not in MOE],
                "moe_cp2_ring_zigzag_docs": list(MOE)}
 """The layout whose run exports each family (the MoE families' in the full suite)."""
 USP_LAYOUT = {"usp2x2_documents": ["parallel.cp=4", "parallel.dp=1", "parallel.attention=usp",
@@ -180,7 +191,12 @@ LINEAR_LAYOUTS = {
 """The linear-attention families' own layouts (full suite): the head split instead of state
 passing, under Ring and all-gather KV; Ulysses with DDP, the tiled MLP and full recompute;
 selective recompute."""
-ALL_LAYOUTS = {**LAYOUTS, **MOE_LAYOUTS, **USP_LAYOUT, **LINEAR_LAYOUTS}
+LINEAR_MOE_LAYOUTS = {
+    "ep2_cp4_ring_docs": ["parallel.cp=4", "parallel.dp=1", "parallel.ep=2",
+                          "parallel.attention=ring", "data.document_masking=true"]}
+"""The hybrid MoE families' own layout (full suite): experts split over two of four context
+ranks, each of whose linear layers passes its state on to the next."""
+ALL_LAYOUTS = {**LAYOUTS, **MOE_LAYOUTS, **USP_LAYOUT, **LINEAR_LAYOUTS, **LINEAR_MOE_LAYOUTS}
 
 
 def save_family(path, family: str) -> transformers.PreTrainedModel:
@@ -237,7 +253,9 @@ def test_config_json_decides_the_family_and_one_rank_gives_transformers_logits(h
         assert (m.n_experts, m.experts_per_token, m.expert_dim, m.moe_layers, m.norm_topk_prob,
                 m.router_aux_loss_coef) == {
             "qwen3_moe": (4, 2, 48, [0], False, 0.05), "mixtral": (4, 2, 96, None, True, 0.05),
-            "gpt_oss": (4, 2, 96, None, True, 0.05)}.get(family, (0, 2, 96, None, True, 0.0))
+            "gpt_oss": (4, 2, 96, None, True, 0.05), "qwen3_5_moe_text": (4, 2, 48, None, True, 0.05),
+        }.get(family, (0, 2, 96, None, True, 0.0))
+        assert m.shared_expert_ffn_dim == (40 if family == "qwen3_5_moe_text" else None)
         assert [m.layer_window(i) for i in range(2)] == {
             "qwen2": [None, WINDOW], "mistral": [WINDOW, WINDOW],
             "gemma3_text": [WINDOW, None], "gpt_oss": [WINDOW, None]}.get(family, [None, None]), \
@@ -359,10 +377,11 @@ def _one_step(cfgs: dict, out_dir: str) -> dict:
 
 def _trains_on(family: str, layout: str) -> bool:
     """Every family trains on LAYOUTS_OF_ALL; the dense ones on the rest of LAYOUTS, the MoE
-    ones on MOE_LAYOUTS, the linear-attention ones on LINEAR_LAYOUTS and on none with TP or
-    PP."""
-    if layout in LINEAR_LAYOUTS:
-        return family in NOT_SPLIT_BY_HEADS_OR_STAGES
+    ones on MOE_LAYOUTS, the linear-attention ones on LINEAR_LAYOUTS (and LINEAR_MOE_LAYOUTS
+    if they have experts) and on none with TP or PP."""
+    if layout in LINEAR_LAYOUTS or layout in LINEAR_MOE_LAYOUTS:
+        return family in NOT_SPLIT_BY_HEADS_OR_STAGES and (
+            layout in LINEAR_LAYOUTS or family in MOE)
     if family in NOT_SPLIT_BY_HEADS_OR_STAGES and any(
             key.startswith(("parallel.tp=2", "parallel.pp=2")) for key in ALL_LAYOUTS[layout]):
         return False
@@ -371,7 +390,8 @@ def _trains_on(family: str, layout: str) -> bool:
 
 @pytest.mark.parametrize("layouts", [
     pytest.param(LAYOUTS, id="cp_tp_pp", marks=pytest.mark.slow),
-    pytest.param({**USP_LAYOUT, **MOE_LAYOUTS, **LINEAR_LAYOUTS}, id="usp_moe",
+    pytest.param({**USP_LAYOUT, **MOE_LAYOUTS, **LINEAR_LAYOUTS, **LINEAR_MOE_LAYOUTS},
+                 id="usp_moe",
                  marks=pytest.mark.slow)])
 def test_every_family_trains_on_every_layout_with_transformers_loss_and_gradients(
         hf_dirs, tmp_path, layouts):
@@ -425,25 +445,34 @@ RESUMED_UNDER = {  # family -> the layout that loads the cp2 x tp2+sp Ulysses ch
 }
 
 
-@pytest.mark.slow  # 10 s on 2 cores: 3 runs on 4 ranks
+@pytest.mark.slow  # 14 s on 2 cores: 5 runs on 4 ranks
 def test_a_moe_checkpoint_reshards_between_expert_parallel_sizes(hf_dirs, tmp_path):
     """Qwen3-MoE from its HF weights, three steps at ep2 x cp2 ring (a checkpoint at step 2);
     the step-2 checkpoint loaded at ep1 (cp2 x dp2) and at ep4 (dp4) continues with the same
-    loss, load-balancing loss and grad norm: the experts' DTensors reshard by expert."""
-    path = hf_dirs["qwen3_moe"][0]
+    loss, load-balancing loss and grad norm: the experts' DTensors reshard by expert. Qwen3.5's
+    MoE alike from ep2 x cp2 to ep2 x cp4: its linear layers' states then pass over four
+    ranks instead of two."""
     steps = ["train.steps=3", "optim.warmup_steps=1"]
-    step2 = tmp_path / "saved" / "checkpoints" / "step-00000002"
-    loaded = [*steps, "checkpoint.every=0", f"checkpoint.load={step2}"]
-    runs = {"saved": _resolved(path, *MOE_LAYOUTS["ep2_cp2_ring_docs"], *steps,
-                               "checkpoint.every=2").cfg,
-            "ep1": _resolved(path, "parallel.cp=2", "parallel.dp=2", "parallel.attention=ring",
-                             "data.document_masking=true", *loaded).cfg,
-            "ep4": _resolved(path, "parallel.cp=1", "parallel.dp=4", "parallel.ep=4",
-                             "data.document_masking=true", *loaded).cfg}
+    runs, resumed = {}, {}
+    for family, saved, loads in (
+            ("qwen3_moe", MOE_LAYOUTS["ep2_cp2_ring_docs"], {
+                "ep1": ["parallel.cp=2", "parallel.dp=2", "parallel.attention=ring",
+                        "data.document_masking=true"],
+                "ep4": ["parallel.cp=1", "parallel.dp=4", "parallel.ep=4",
+                        "data.document_masking=true"]}),
+            ("qwen3_5_moe_text", MOE_LAYOUTS["ep2_cp2_ring_docs"],
+             {"ep2_cp4": LINEAR_MOE_LAYOUTS["ep2_cp4_ring_docs"]})):
+        path = hf_dirs[family][0]
+        step2 = tmp_path / family / "checkpoints" / "step-00000002"
+        loaded = [*steps, "checkpoint.every=0", f"checkpoint.load={step2}"]
+        runs[family] = _resolved(path, *saved, *steps, "checkpoint.every=2").cfg
+        for name, layout in loads.items():
+            runs[f"{family}_{name}"] = _resolved(path, *layout, *loaded).cfg
+            resumed[f"{family}_{name}"] = family
     histories = on_ranks(train_each, 4, runs, str(tmp_path), timeout_s=300)[0]
-    want = histories["saved"][2]
-    assert want["step"] == 3 and want["aux_loss"] > 0
-    for name in ("ep1", "ep4"):
+    for name, family in resumed.items():
+        want = histories[family][2]
+        assert want["step"] == 3 and want["aux_loss"] > 0
         [got] = histories[name]
         assert got["step"] == 3, name
         for key in ("loss", "aux_loss", "grad_norm"):
@@ -546,7 +575,7 @@ ACTIVE = {"qwen3-30b-a3b": 3.3, "qwen3-235b-a22b": 22, "mixtral-8x7b": 12.9, "gp
 """preset -> its model card's active parameters per token, in billions (OpenAI's leave the
 input embedding out, Qwen's and Mistral's count it)"""
 GEMMA3_TEXT = ("gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b")
-QWEN3_5_TEXT = ("qwen3.5-9b", "qwen3.5-27b")
+QWEN3_5_TEXT = ("qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b")
 VISION_CARDS = GEMMA3_TEXT + QWEN3_5_TEXT
 """Presets whose model cards count a vision tower too (and Qwen3.5's an MTP layer): their text
 decoders are counted by transformers' own model built from the preset's config (on the meta

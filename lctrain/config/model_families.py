@@ -28,6 +28,7 @@ from lctrain.config.model_parts import (
     QKV_BIAS,
     ROUTER_BIAS,
     SANDWICH_NORMS,
+    SHARED_EXPERT,
     SINKS,
     WINDOWS,
     BlockShape,
@@ -102,6 +103,10 @@ for _family in (
     ModelFamily("qwen3_5_text", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig",
                 module="lctrain.models.qwen3_5",
                 parts=(QK_NORM, NORM_OFFSET, OUTPUT_GATE, LINEAR_ATTENTION)),
+    ModelFamily("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig",
+                module="lctrain.models.qwen3_5_moe",
+                parts=(QK_NORM, NORM_OFFSET, OUTPUT_GATE, LINEAR_ATTENTION, EXPERTS,
+                       SHARED_EXPERT)),
 ):
     MODEL_FAMILIES.add(_family)
 

@@ -79,5 +79,7 @@ EXPERT_BIAS = MODEL_PARTS.add(ModelPart(
 OUTPUT_GATE = MODEL_PARTS.add(ModelPart(
     "output_gate", "attention output gated by sigmoid", in_attention=True,
     sharded=lambda s: s.dim * s.n_heads * s.head_dim))  # a gate per query dimension
+SHARED_EXPERT = MODEL_PARTS.add(ModelPart(
+    "shared_expert", "a shared expert gated by sigmoid"))  # counted in model_size.mlp_params
 LINEAR_ATTENTION = MODEL_PARTS.add(ModelPart(
     "linear_attention", "Gated DeltaNet layers"))  # counted in config/model_size.mixer_params

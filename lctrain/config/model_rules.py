@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 
 from lctrain.config.model_families import model_family
-from lctrain.config.model_parts import EXPERTS, LINEAR_ATTENTION, WINDOWS
-from lctrain.config.schema import FULL, LINEAR, SLIDING, LctrainConfig
+from lctrain.config.model_parts import EXPERTS, LINEAR_ATTENTION, SHARED_EXPERT, WINDOWS
+from lctrain.config.schema import FULL, LINEAR, SLIDING, LctrainConfig, ModelConfig
 
 
 def window_problems(cfg: LctrainConfig) -> list[str]:
@@ -70,13 +70,13 @@ def expert_problems(cfg: LctrainConfig, world_size: int) -> list[str]:
         return [f"parallel.ep={p.ep} splits a mixture of experts, but model.family={m.family} "
                 f"(model.n_experts={m.n_experts}) has none; set parallel.ep=1"]
     if not family.has(EXPERTS):
-        return [] if m.n_experts == 0 else [
+        return _shared_expert(m) + ([] if m.n_experts == 0 else [
             f"model.n_experts={m.n_experts} with model.family={m.family}, whose MLPs are dense; "
-            "set model.n_experts=0, or a family with experts (qwen3_moe, mixtral)"]
+            "set model.n_experts=0, or a family with experts (qwen3_moe, mixtral)"])
     if m.n_experts == 0:
         return [f"model.family={m.family} is a mixture of experts: set model.n_experts (e.g. "
                 "model.n_experts=8) or start from its config.json (model.init_from)"]
-    problems = []
+    problems = _shared_expert(m)
     if m.experts_per_token > m.n_experts:
         problems.append(f"model.experts_per_token={m.experts_per_token} exceeds model.n_experts="
                         f"{m.n_experts}; route each token to at most {m.n_experts}")
@@ -95,6 +95,18 @@ def expert_problems(cfg: LctrainConfig, world_size: int) -> list[str]:
         problems.append(f"parallel.dp_engine=deepspeed {moe}: lctrain does not lay experts out "
                         "on DeepSpeed's engine yet; set parallel.dp_engine=fsdp")
     return problems
+
+
+def _shared_expert(m: ModelConfig) -> list[str]:
+    """A shared expert's width set exactly in the families that have one."""
+    if model_family(m.family).has(SHARED_EXPERT) == (m.shared_expert_ffn_dim is not None):
+        return []
+    if m.shared_expert_ffn_dim is None:
+        return [f"model.family={m.family} has a shared expert in every mixture of experts: set "
+                "model.shared_expert_ffn_dim (config.json's shared_expert_intermediate_size) "
+                "or start from its config.json (model.init_from)"]
+    return [f"model.shared_expert_ffn_dim={m.shared_expert_ffn_dim} with model.family="
+            f"{m.family}, which has no shared expert; set model.shared_expert_ffn_dim=null"]
 
 
 def _expert_parallel(cfg: LctrainConfig, world_size: int) -> list[str]:

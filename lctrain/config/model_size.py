@@ -30,11 +30,14 @@ def expert_params(m: ModelConfig, layer: int, experts: int | None = None) -> int
 
 def mlp_params(m: ModelConfig, layer: int, active: bool = False) -> int:
     """Parameters of block `layer`'s MLP: the gated MLP's three D x F matrices; for a mixture of
-    experts the router (E x D, and a bias) and its experts (`expert_params`), or with `active`
-    the k experts one token runs through."""
+    experts the router (E x D, and a bias), a shared expert's three D x F_s matrices and its
+    gate's D, and its experts (`expert_params`), or with `active` the k experts one token runs
+    through."""
     if not m.is_moe_layer(layer):
         return MLP_MATRICES * m.dim * m.ffn_dim
     router = m.n_experts * (m.dim + (1 if model_family(m.family).has(ROUTER_BIAS) else 0))
+    if m.shared_expert_ffn_dim is not None:
+        router += MLP_MATRICES * m.dim * m.shared_expert_ffn_dim + m.dim
     return router + expert_params(m, layer, m.experts_per_token if active else None)
 
 

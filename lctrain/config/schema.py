@@ -116,6 +116,11 @@ class ModelConfig:
     expert_ffn_dim: int | None = at_least(1, None)
     """Hidden width of each expert's gated MLP (Qwen3-MoE's moe_intermediate_size); null:
     model.ffn_dim (Mixtral's experts are as wide as its intermediate_size)."""
+    shared_expert_ffn_dim: int | None = at_least(1, None)
+    """Hidden width of the shared expert of each mixture-of-experts layer, in a family that has
+    one (Qwen3.5-MoE, Qwen3-Next's shared_expert_intermediate_size): a gated MLP every token
+    runs through besides its k experts, its output scaled by sigmoid of a learned gate per
+    token; null in the other families."""
     moe_layers: list[int] | None = None
     """The layers whose MLP is a mixture of experts (from Qwen3-MoE's decoder_sparse_step and
     mlp_only_layers); null: every layer when model.n_experts > 0. The others keep a dense MLP

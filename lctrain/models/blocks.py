@@ -27,7 +27,14 @@ from lctrain.attention.calls import effective_window, local_block
 from lctrain.attention.local import local_attention
 from lctrain.config import ModelConfig
 from lctrain.config.model_families import model_family
-from lctrain.config.model_parts import GELU_TANH, NORM_OFFSET, OUT_BIAS, QKV_BIAS, ROUTER_BIAS
+from lctrain.config.model_parts import (
+    GELU_TANH,
+    NORM_OFFSET,
+    OUT_BIAS,
+    QKV_BIAS,
+    ROUTER_BIAS,
+    SHARED_EXPERT,
+)
 from lctrain.config.registry import Registry
 from lctrain.config.schema import FULL, LINEAR, SLIDING
 from lctrain.models.gated_deltanet import (
@@ -151,14 +158,16 @@ def mlp_activation(cfg: ModelConfig) -> Callable[[Tensor], Tensor]:
 
 class FeedForward(nn.Module):
     """The gated MLP: w2(act(w1 x) * w3 x), act silu (SwiGLU) or tanh GELU (GeGLU: a
-    `gelu_tanh` family)."""
+    `gelu_tanh` family), of hidden width model.ffn_dim (or `width`: a shared expert's)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int = 0, build: BlockParts = BlockParts()):
+    def __init__(self, cfg: ModelConfig, layer: int = 0, build: BlockParts = BlockParts(),
+                 width: int | None = None):
         super().__init__()
         self.activation = mlp_activation(cfg)
-        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
-        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
-        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
+        width = width or cfg.ffn_dim
+        self.w1 = nn.Linear(cfg.dim, width, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.dim, width, bias=False)  # up
+        self.w2 = nn.Linear(width, cfg.dim, bias=False)  # down
         self.std, self.out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -170,10 +179,14 @@ class FeedForward(nn.Module):
 
 
 def mixture_of_experts(cfg: ModelConfig, layer: int = 0, build: BlockParts = BlockParts()) -> MoE:
-    """A mixture of experts (`lctrain.models.moe`) with the family's experts, recording its
-    routing in the model's router log."""
+    """A mixture of experts (`lctrain.models.moe`) with the family's experts (and its shared
+    expert, of model.shared_expert_ffn_dim), recording its routing in the model's router
+    log."""
+    family = model_family(cfg.family)
+    shared = (FeedForward(cfg, layer, build, cfg.shared_expert_ffn_dim)
+              if family.has(SHARED_EXPERT) else None)
     return MoE(cfg, build.experts(cfg, mlp_activation(cfg)), layer, build.router_log,
-               model_family(cfg.family).has(ROUTER_BIAS))
+               family.has(ROUTER_BIAS), shared)
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,7 @@ _HF_SHAPE = {"vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layer
              "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
              "intermediate_size": "ffn_dim", "tie_word_embeddings": "tie_embeddings",
              "head_dim": "head_dim", "num_experts": "n_experts", "num_local_experts": "n_experts",
+             "shared_expert_intermediate_size": "shared_expert_ffn_dim",
              **LINEAR_FIELDS}
 
 

@@ -38,7 +38,8 @@ so on text they rotate as plain RoPE does."""
 _ACTIVATIONS = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}
 """`ModelFamily.mlp_activation` -> config.json's names for it."""
 SHAPE_FIELDS = ("family", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                "ffn_dim", "tie_embeddings", "n_experts", "expert_ffn_dim", "moe_layers",
+                "ffn_dim", "tie_embeddings", "n_experts", "expert_ffn_dim",
+                "shared_expert_ffn_dim", "moe_layers",
                 *LINEAR_FIELDS.values())
 """Fields the weights fix: model.hf_overrides cannot change them."""
 
@@ -181,6 +182,7 @@ def _experts(hf: dict) -> dict:
     n = hf.get("num_experts", hf.get("num_local_experts", 0))
     out = {"n_experts": n, "experts_per_token": hf.get("num_experts_per_tok", 2),
            "expert_ffn_dim": hf.get("moe_intermediate_size"),
+           "shared_expert_ffn_dim": hf.get("shared_expert_intermediate_size"),
            "norm_topk_prob": hf.get("norm_topk_prob", True),
            "router_aux_loss_coef": float(hf.get("router_aux_loss_coef", 0.0))}
     step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())

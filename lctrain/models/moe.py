@@ -240,11 +240,17 @@ class GptOssExperts(Experts):
 
 class MoE(nn.Module):
     """A mixture-of-experts MLP: `router` (Linear D -> E, with a bias in GPT-OSS) and
-    `experts` (`Experts`, or a family's)."""
+    `experts` (`Experts`, or a family's); with a `shared_expert` (a gated MLP every token runs
+    through: Qwen3.5-MoE, Qwen3-Next) its output times sigmoid(`shared_expert_gate`(x)) (a
+    Linear D -> 1) is added to the experts'."""
 
     def __init__(self, cfg: ModelConfig, experts: Experts, layer: int = 0,
-                 log: RouterLog | None = None, router_bias: bool = False):
+                 log: RouterLog | None = None, router_bias: bool = False,
+                 shared_expert: nn.Module | None = None):
         super().__init__()
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = (nn.Linear(cfg.dim, 1, bias=False)
+                                   if shared_expert is not None else None)
         self.layer = layer
         self.n_experts, self.top_k, self.norm_topk = (cfg.n_experts, cfg.experts_per_token,
                                                       cfg.norm_topk_prob)
@@ -287,10 +293,15 @@ class MoE(nn.Module):
         token = order // self.top_k
         y = self.experts(flat[token], counts, ahead)
         y = y * weights.reshape(-1)[order, None]
-        return torch.zeros_like(flat).index_add_(0, token, y).reshape(shape)
+        out = torch.zeros_like(flat).index_add_(0, token, y).reshape(shape)
+        if self.shared_expert is None:
+            return out
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def init_rules(self) -> dict[str, float | None]:
         rules = {"router.weight": self.std}
+        if self.shared_expert_gate is not None:
+            rules["shared_expert_gate.weight"] = self.std
         if self.router.bias is not None:
             rules["router.bias"] = ZEROS
         return rules

@@ -26,6 +26,7 @@ from lctrain.config.model_parts import (
     OUTPUT_GATE,
     QK_NORM,
     SANDWICH_NORMS,
+    SHARED_EXPERT,
     SINKS,
 )
 from lctrain.config.registry import Registry
@@ -154,8 +155,19 @@ class OutputGate(Part):
         return q, gate
 
 
+class SharedExpert(Part):
+    """Hugging Face's names of a mixture of experts' shared expert and its gate (Qwen3.5-MoE,
+    Qwen3-Next), which `lctrain.models.blocks.mixture_of_experts` builds into the MoE
+    (`lctrain.models.moe.MoE`)."""
+
+    hf_names = {"feed_forward.shared_expert.w1": "mlp.shared_expert.gate_proj",
+                "feed_forward.shared_expert.w3": "mlp.shared_expert.up_proj",
+                "feed_forward.shared_expert.w2": "mlp.shared_expert.down_proj",
+                "feed_forward.shared_expert_gate": "mlp.shared_expert_gate"}
+
+
 _CODE = {QK_NORM.name: HeadNorms, SANDWICH_NORMS.name: SandwichNorms, SINKS.name: Sinks,
-         OUTPUT_GATE.name: OutputGate}
+         OUTPUT_GATE.name: OutputGate, SHARED_EXPERT.name: SharedExpert}
 PARTS: Registry[Part] = Registry("model part's code")
 for _name in MODEL_PARTS:  # `Part`: a part that configures a module every family has
     PARTS.add(_CODE.get(_name, Part)(_name))

@@ -15,7 +15,9 @@ from lctrain.models.hf_params import rope_parameters
 _LINEAR = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
 
 
-def _hf_config(cfg: ModelConfig) -> dict:
+def hybrid_hf_config(cfg: ModelConfig) -> dict:
+    """The config keys of Qwen3.5's hybrid layers: their types, partial RoPE, the linear
+    heads and dims."""
     return {"layer_types": [cfg.layer_type(i) for i in range(cfg.n_layers)],
             "rope_parameters": {**rope_parameters(cfg),
                                 "partial_rotary_factor": cfg.rotary_fraction},
@@ -26,8 +28,10 @@ def _hf_config(cfg: ModelConfig) -> dict:
             "linear_conv_kernel_dim": cfg.linear_conv_kernel, "attention_bias": False}
 
 
-FAMILY = FamilyCode(
-    hf_config=_hf_config,
-    hf_names={f"linear_attention.{name}": f"linear_attn.{name}" for name in _LINEAR},
-    hf_params={"linear_attention.A_log": "linear_attn.A_log",
-               "linear_attention.dt_bias": "linear_attn.dt_bias"})
+LINEAR_NAMES = {f"linear_attention.{name}": f"linear_attn.{name}" for name in _LINEAR}
+"""The Gated DeltaNet mixer's modules -> their Hugging Face names."""
+LINEAR_PARAMS = {"linear_attention.A_log": "linear_attn.A_log",
+                 "linear_attention.dt_bias": "linear_attn.dt_bias"}
+"""Its parameters that are not a module's weight -> their Hugging Face names."""
+
+FAMILY = FamilyCode(hf_config=hybrid_hf_config, hf_names=LINEAR_NAMES, hf_params=LINEAR_PARAMS)

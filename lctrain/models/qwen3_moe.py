@@ -28,8 +28,11 @@ def _hf_config(cfg: ModelConfig) -> dict:
             "mlp_only_layers": [i for i in range(cfg.n_layers) if i not in sparse]}
 
 
-FAMILY = FamilyCode(
-    hf_config=_hf_config, hf_names={"feed_forward.router": "mlp.gate"},
-    hf_params={"feed_forward.experts.w1": "mlp.experts.{e}.gate_proj.weight",
-               "feed_forward.experts.w3": "mlp.experts.{e}.up_proj.weight",
-               "feed_forward.experts.w2": "mlp.experts.{e}.down_proj.weight"})
+EXPERT_PARAMS = {"feed_forward.experts.w1": "mlp.experts.{e}.gate_proj.weight",
+                 "feed_forward.experts.w3": "mlp.experts.{e}.up_proj.weight",
+                 "feed_forward.experts.w2": "mlp.experts.{e}.down_proj.weight"}
+"""The experts' stacked matrices -> the Hugging Face tensors of expert e, as the Qwen MoE
+checkpoints store them (one per expert and projection)."""
+
+FAMILY = FamilyCode(hf_config=_hf_config, hf_names={"feed_forward.router": "mlp.gate"},
+                    hf_params=EXPERT_PARAMS)

@@ -186,17 +186,24 @@ def _moe_kept(cfg: LctrainConfig, n: int, a: int, mode: str) -> float:
                  expert's input and output, gate, activation, up and product; GPT-OSS's
                  biased, clamped SwiGLU a (7 F_e + 2 D) and 8 for each row's expert) and 8
                  under ep (the order of the received rows);
-      selective: the matmul outputs, a (2 F_e + D) per row and a E per token (the router)."""
+      selective: the matmul outputs, a (2 F_e + D) per row and a E per token (the router).
+    A shared expert of width F_s keeps per token what a dense MLP keeps, a 4 F_s (selective:
+    its matmuls' outputs, a (2 F_s + D)), and its gate's: the sigmoid and the expert's output
+    it scales, a (1 + D) (selective: the gate's matmul output, a)."""
     m, ep = cfg.model, cfg.parallel.ep > 1
     k, E, D, F = m.experts_per_token, m.n_experts, m.dim, m.expert_dim
     rows = n * k
+    shared = 0.0
+    if m.shared_expert_ffn_dim is not None:
+        width = m.shared_expert_ffn_dim
+        shared = n * a * ((2 * width + D + 1) if mode == "selective" else (4 * width + D + 1))
     if mode == "selective":
-        return rows * a * (2 * F + D) + n * a * E
+        return rows * a * (2 * F + D) + n * a * E + shared
     biased = model_family(m.family).has(EXPERT_BIAS)
     token = (a * (k * D * (2 if ep else 1) + k) + 4 * E + 24 * k
              + (4 * k + 4 if m.norm_topk_prob else 0))
     row = a * ((7 if biased else 4) * F + 2 * D) + (8 if biased else 0) + (8 if ep else 0)
-    return n * token + rows * row
+    return n * token + rows * row + shared
 
 
 def head_activation_formula(cfg: LctrainConfig, world_size: int, batch: int) -> float:
