@@ -120,14 +120,26 @@ FAMILIES = {  # model_type -> transformers config of a random model with the fam
         output_router_logits=True, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 50000.0,
                          "partial_rotary_factor": 0.5}),
+    # Qwen3-Next: Qwen3.5's layers with fused projections grouped by key head, a mixture of 4
+    # experts (2 per token, unnormalised) with a shared expert, and a dense layer
+    "qwen3_next": transformers.Qwen3NextConfig(
+        **{k: v for k, v in SHAPE.items() if k != "rope_theta"}, head_dim=16,
+        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48, shared_expert_intermediate_size=40, mlp_only_layers=[1],
+        norm_topk_prob=False, router_aux_loss_coef=0.05, output_router_logits=True,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0,
+                         "partial_rotary_factor": 0.5}),
 }
-MOE = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text")
-NOT_SPLIT_BY_HEADS_OR_STAGES = ("qwen3_5_text", "qwen3_5_moe_text")
+MOE = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text", "qwen3_next")
+NOT_SPLIT_BY_HEADS_OR_STAGES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 """Families whose linear-attention layers lctrain does not split over TP or PP ranks yet: they
 train on the layouts without either."""
 LAYOUTS_OF_ALL = ("usp2x2_documents",)
 """The layouts every family runs (an MoE family runs the rest of LAYOUTS as MOE_LAYOUTS)."""
-FUSED_IN_MEMORY = ("qwen3_moe", "mixtral", "qwen3_5_moe_text")
+FUSED_IN_MEMORY = ("qwen3_moe", "mixtral", "qwen3_5_moe_text", "qwen3_next")
 """Families whose checkpoints store each expert's matrices apart and transformers' modules fuse
 them in memory (gate_up_proj [E, 2F, D], down_proj [E, D, F]); GPT-OSS's are fused in both."""
 """The families with experts: they train on their own layouts too (MOE_LAYOUTS)."""
@@ -254,8 +266,9 @@ def test_config_json_decides_the_family_and_one_rank_gives_transformers_logits(h
                 m.router_aux_loss_coef) == {
             "qwen3_moe": (4, 2, 48, [0], False, 0.05), "mixtral": (4, 2, 96, None, True, 0.05),
             "gpt_oss": (4, 2, 96, None, True, 0.05), "qwen3_5_moe_text": (4, 2, 48, None, True, 0.05),
-        }.get(family, (0, 2, 96, None, True, 0.0))
-        assert m.shared_expert_ffn_dim == (40 if family == "qwen3_5_moe_text" else None)
+            "qwen3_next": (4, 2, 48, [0], False, 0.05)}.get(family, (0, 2, 96, None, True, 0.0))
+        assert m.shared_expert_ffn_dim == (40 if family in ("qwen3_5_moe_text", "qwen3_next")
+                                           else None)
         assert [m.layer_window(i) for i in range(2)] == {
             "qwen2": [None, WINDOW], "mistral": [WINDOW, WINDOW],
             "gemma3_text": [WINDOW, None], "gpt_oss": [WINDOW, None]}.get(family, [None, None]), \
@@ -576,10 +589,10 @@ ACTIVE = {"qwen3-30b-a3b": 3.3, "qwen3-235b-a22b": 22, "mixtral-8x7b": 12.9, "gp
 input embedding out, Qwen's and Mistral's count it)"""
 GEMMA3_TEXT = ("gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b")
 QWEN3_5_TEXT = ("qwen3.5-9b", "qwen3.5-27b", "qwen3.5-35b-a3b")
-VISION_CARDS = GEMMA3_TEXT + QWEN3_5_TEXT
-"""Presets whose model cards count a vision tower too (and Qwen3.5's an MTP layer): their text
-decoders are counted by transformers' own model built from the preset's config (on the meta
-device)."""
+VISION_CARDS = GEMMA3_TEXT + QWEN3_5_TEXT + ("qwen3-next-80b-a3b",)
+"""Presets whose model cards count a vision tower too, or a multi-token-prediction layer
+(Qwen3.5's, Qwen3-Next's): their text decoders are counted by transformers' own model built
+from the preset's config (on the meta device)."""
 
 
 @pytest.mark.slow  # 7 s: every preset built on the meta device

@@ -107,6 +107,9 @@ for _family in (
                 module="lctrain.models.qwen3_5_moe",
                 parts=(QK_NORM, NORM_OFFSET, OUTPUT_GATE, LINEAR_ATTENTION, EXPERTS,
                        SHARED_EXPERT)),
+    ModelFamily("qwen3_next", "Qwen3NextForCausalLM",
+                parts=(QK_NORM, NORM_OFFSET, OUTPUT_GATE, LINEAR_ATTENTION, EXPERTS,
+                       SHARED_EXPERT)),
 ):
     MODEL_FAMILIES.add(_family)
 

@@ -75,13 +75,15 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor | None = Non
 @dataclass(frozen=True)
 class BlockParts:
     """What a block is built from besides the config: the attention core, the family's parts'
-    code, its experts' class, the model's router log, the linear-attention layers' core."""
+    code, its experts' class, the model's router log, the linear-attention layers' core and
+    the family's linear mixer class."""
 
     core: AttentionCore = sdpa_attention
     parts: tuple[Part, ...] = ()
     experts: Callable[..., Experts] = Experts
     router_log: RouterLog | None = None
     linear: LinearCore = LOCAL_LINEAR
+    linear_mixer: Callable[..., GatedDeltaNet] = GatedDeltaNet
 
 
 class Attention(nn.Module):
@@ -209,12 +211,13 @@ class FeedForwardKind:
 
 def gated_deltanet(cfg: ModelConfig, layer: int = 0,
                    build: BlockParts = BlockParts()) -> GatedDeltaNet:
-    """A linear-attention layer's mixer (`lctrain.models.gated_deltanet`) of the model's sizes."""
+    """A linear-attention layer's mixer (`lctrain.models.gated_deltanet`, the family's class) of
+    the model's sizes."""
     shape = LinearShape(cfg.dim, cfg.linear_key_heads, cfg.linear_value_heads,
                         cfg.linear_key_dim, cfg.linear_value_dim, cfg.linear_conv_kernel,
                         cfg.norm_eps)
-    return GatedDeltaNet(shape, cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers),
-                         build.linear)
+    return build.linear_mixer(shape, cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers),
+                              build.linear)
 
 
 TOKEN_MIXERS: Registry[TokenMixer] = Registry("token mixer")

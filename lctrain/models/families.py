@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from lctrain.config import ModelConfig
+from lctrain.models.gated_deltanet import GatedDeltaNet
 from lctrain.models.moe import Experts
 from lctrain.models.parts import Part
 
@@ -37,6 +38,10 @@ class FamilyCode:
     experts: Callable[..., nn.Module] = Experts
     """Builds a mixture-of-experts layer's experts: (ModelConfig, activation) -> module
     (`lctrain.models.moe.Experts` or a subclass)."""
+    linear_mixer: Callable[..., nn.Module] = GatedDeltaNet
+    """Builds a linear-attention layer's mixer: (LinearShape, init std, output init std, core)
+    -> module (`lctrain.models.gated_deltanet.GatedDeltaNet` or a subclass: Qwen3-Next's fused
+    projections)."""
     parts: tuple[Part, ...] = ()
     """The code of its parts (filled by `lctrain.models.registry.family_code` from the
     facts)."""
@@ -46,7 +51,7 @@ class FamilyCode:
         names = {k: v for part in parts for k, v in part.hf_names.items()}
         params = {k: v for part in parts for k, v in part.hf_params.items()}
         return FamilyCode(self.hf_config, {**names, **self.hf_names},
-                          {**params, **self.hf_params}, self.experts, parts)
+                          {**params, **self.hf_params}, self.experts, self.linear_mixer, parts)
 
     def tp_plan(self) -> dict[str, Any]:
         """Tensor-parallel styles of its parts' modules inside a block, beyond Llama's

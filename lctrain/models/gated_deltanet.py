@@ -101,10 +101,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.shape, self.core = shape, core
         s = shape
-        self.in_proj_qkv = nn.Linear(s.dim, s.conv_channels, bias=False)
-        self.in_proj_z = nn.Linear(s.dim, s.value_heads * s.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(s.dim, s.value_heads, bias=False)
-        self.in_proj_a = nn.Linear(s.dim, s.value_heads, bias=False)
+        self.make_projections()
         self.conv1d = nn.Conv1d(s.conv_channels, s.conv_channels, s.conv_kernel,
                                 groups=s.conv_channels, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(s.value_heads))
@@ -113,22 +110,61 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(s.value_heads * s.value_dim, s.dim, bias=False)
         self.std, self.out_std = init_std, out_std
 
+    def make_projections(self) -> None:
+        """The input projections: Q, K and V (`in_proj_qkv`, [Q of every key head; K; V]), Z,
+        b and a, each its own."""
+        s = self.shape
+        self.in_proj_qkv = nn.Linear(s.dim, s.conv_channels, bias=False)
+        self.in_proj_z = nn.Linear(s.dim, s.value_heads * s.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(s.dim, s.value_heads, bias=False)
+        self.in_proj_a = nn.Linear(s.dim, s.value_heads, bias=False)
+
+    def projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [B, S, D] -> (Q, K, V [B, S, C] in the convolution's channel order, Z
+        [B, S, H_v d_v], b and a [B, S, H_v])."""
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+
     def forward(self, x: Tensor, *, cos: Tensor | None = None, sin: Tensor | None = None,
                 doc_ids: Tensor | None = None) -> Tensor:
         s = self.shape
         b, n, _ = x.shape
-        beta = torch.sigmoid(self.in_proj_b(x))
-        a = self.in_proj_a(x)
+        qkv, z, beta, a = self.projections(x)
+        beta = torch.sigmoid(beta)
         wide = torch.promote_types(a.dtype, torch.float32)  # A could overflow in half precision
         g = -self.A_log.to(wide).exp() * F.softplus(a.to(wide) + self.dt_bias)
-        out = self.core.mix(self.in_proj_qkv(x), self.conv1d.weight, g, beta, doc_ids, s.heads)
-        z = self.in_proj_z(x).reshape(b, n, s.value_heads, s.value_dim)
+        out = self.core.mix(qkv, self.conv1d.weight, g, beta, doc_ids, s.heads)
+        z = z.reshape(b, n, s.value_heads, s.value_dim)
         return self.out_proj(self.norm(out, z).reshape(b, n, -1))
 
     def init_rules(self) -> dict[str, float | None]:
         # the output projection feeds the residual stream: scaled down by depth; dt_bias ones
         # and A_log zeros start every head at g = -softplus(a + 1)
-        return {"in_proj_qkv.weight": self.std, "in_proj_z.weight": self.std,
-                "in_proj_b.weight": self.std, "in_proj_a.weight": self.std,
-                "conv1d.weight": self.std / math.sqrt(self.shape.conv_kernel),
+        projections = {f"{name}.weight": self.std for name, module in self.named_children()
+                       if name.startswith("in_proj_")}
+        return {**projections, "conv1d.weight": self.std / math.sqrt(self.shape.conv_kernel),
                 "dt_bias": None, "A_log": ZEROS, "out_proj.weight": self.out_std}
+
+
+class GroupedGatedDeltaNet(GatedDeltaNet):
+    """The mixer with Qwen3-Next's fused projections, rows grouped by key head:
+    `in_proj_qkvz` gives for each key head its Q (d_k), K (d_k), then the V and Z of its
+    r = H_v / H_k value heads (r d_v each); `in_proj_ba` for each key head its r b's, then its
+    r a's. The forward regroups them into the convolution's channel order (every Q, every K,
+    every V) and computes as `GatedDeltaNet`."""
+
+    def make_projections(self) -> None:
+        s = self.shape
+        self.in_proj_qkvz = nn.Linear(s.dim, s.conv_channels + s.value_heads * s.value_dim,
+                                      bias=False)
+        self.in_proj_ba = nn.Linear(s.dim, 2 * s.value_heads, bias=False)
+
+    def projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        s = self.shape
+        b, n, _ = x.shape
+        r = s.value_heads // s.key_heads
+        per_head = self.in_proj_qkvz(x).view(b, n, s.key_heads, -1)
+        q, k, v, z = per_head.split([s.key_dim, s.key_dim, r * s.value_dim, r * s.value_dim],
+                                    dim=-1)
+        qkv = torch.cat([q.flatten(2), k.flatten(2), v.flatten(2)], dim=-1)
+        beta, a = self.in_proj_ba(x).view(b, n, s.key_heads, 2 * r).split([r, r], dim=-1)
+        return qkv, z.flatten(2), beta.flatten(2), a.flatten(2)

@@ -35,4 +35,5 @@ def new_model(cfg: ModelConfig, core: AttentionCore = sdpa_attention,
     blocks have the family's parts and call `core` (attention) and `linear` (linear-attention
     layers)."""
     code = family_code(cfg)
-    return Decoder(cfg, BlockParts(core, code.parts, code.experts, linear=linear))
+    return Decoder(cfg, BlockParts(core, code.parts, code.experts, linear=linear,
+                                   linear_mixer=code.linear_mixer))
