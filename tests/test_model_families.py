@@ -25,6 +25,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from lctrain.config import ConfigError
@@ -647,31 +649,42 @@ def test_each_family_continues_pretraining_as_the_readme_says(tmp_path, capsys):
         assert records[-1]["val_loss"] > 0 and records[-1]["step"] == 2, family
 
 
-def test_a_released_multimodal_qwen3_5_checkpoint_trains_its_language_model(tmp_path, capsys):
-    """A checkpoint as Qwen3.5 is released (model_type qwen3_5: Qwen3_5ForConditionalGeneration
-    with a nested text_config, a vision tower, the language model under
-    model.language_model.*): config.json's text_config decides the model, said once with the
-    vision tower left out; the language model's weights give transformers' logits on text."""
-    text = FAMILIES["qwen3_5_text"].to_dict()
-    config = transformers.Qwen3_5Config(
-        text_config=text, vision_config={"depth": 1, "hidden_size": 16, "num_heads": 2,
-                                         "intermediate_size": 32, "out_hidden_size": 64},
+@pytest.mark.parametrize("family,release", [("qwen3_5_text", "Qwen3_5"),
+                                            ("qwen3_5_moe_text", "Qwen3_5Moe")])
+def test_a_released_multimodal_qwen3_5_checkpoint_trains_its_language_model(
+        tmp_path, family, release):
+    """A checkpoint as Qwen3.5 is released (model_type qwen3_5 or qwen3_5_moe:
+    ...ForConditionalGeneration with a nested text_config, a vision tower, the language model
+    under model.language_model.*): config.json's text_config decides the model, said once with
+    the vision tower left out; the language model's weights give transformers' logits on text.
+    The MoE's weights are stored as transformers' modules hold them (its state dict: every
+    layer's experts in one gate_up_proj [E, 2 F, D] and one down_proj), which loading reads
+    when a checkpoint has no per-expert tensors."""
+    config = getattr(transformers, f"{release}Config")(
+        text_config=FAMILIES[family].to_dict(),
+        vision_config={"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 32,
+                       "out_hidden_size": 64},
         tie_word_embeddings=False)
     torch.manual_seed(0)
-    hf = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    hf = getattr(transformers, f"{release}ForConditionalGeneration")(config).eval()
     hf.save_pretrained(tmp_path)
+    if family in MOE:  # the experts fused
+        save_file({k: v.contiguous() for k, v in hf.state_dict().items()},
+                  str(tmp_path / "model.safetensors"))
+        with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+            assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in f.keys()  # noqa: SIM118
     stored = json.loads((tmp_path / "config.json").read_text())
-    assert stored["model_type"] == "qwen3_5" and "text_config" in stored
+    assert stored["model_type"] == family.removesuffix("_text") and "text_config" in stored
     composed = _resolved(tmp_path)
     m = composed.cfg.model
     assert (m.family, m.layer_types, m.rotary_fraction) == (
-        "qwen3_5_text", ["linear_attention", "full_attention"], 0.5)
+        family, ["linear_attention", "full_attention"], 0.5)
     (note,) = [n for n in composed.notes if "vision tower" in n]
-    assert "qwen3_5 checkpoint" in note and "model.language_model.*" in note
+    assert f"{stored['model_type']} checkpoint" in note and "model.language_model.*" in note
     assert preflight(composed.cfg, 4) == []
     model = new_model(m)
     load_hf_weights(model, str(tmp_path))
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        torch.testing.assert_close(model(tokens), hf(input_ids=tokens).logits,
+        torch.testing.assert_close(without_routing(model(tokens)), hf(input_ids=tokens).logits,
                                    rtol=1e-5, atol=1e-5)

@@ -35,6 +35,12 @@ class FamilyCode:
     their Hugging Face name inside `model.layers.{i}`, beyond its parts'; a stacked expert
     matrix [E, ...] whose checkpoints store one tensor per expert names expert e's with "{e}"
     (Qwen3-MoE's `mlp.experts.{e}.gate_proj.weight`)."""
+    hf_fused: dict[str, tuple[str, int, int]] = field(default_factory=dict)
+    """A stacked expert matrix that `hf_params` names one tensor per expert, where a checkpoint
+    may hold all experts in one tensor instead (as transformers' modules hold them: the
+    released Qwen3.5-MoE checkpoints): lctrain path inside a block -> (that tensor's name
+    inside `model.layers.{i}`, which of its equal parts along dim 1 this matrix is, how many
+    parts). Loading reads it when the per-expert tensors are absent."""
     experts: Callable[..., nn.Module] = Experts
     """Builds a mixture-of-experts layer's experts: (ModelConfig, activation) -> module
     (`lctrain.models.moe.Experts` or a subclass)."""
@@ -51,7 +57,8 @@ class FamilyCode:
         names = {k: v for part in parts for k, v in part.hf_names.items()}
         params = {k: v for part in parts for k, v in part.hf_params.items()}
         return FamilyCode(self.hf_config, {**names, **self.hf_names},
-                          {**params, **self.hf_params}, self.experts, self.linear_mixer, parts)
+                          {**params, **self.hf_params}, self.hf_fused, self.experts,
+                          self.linear_mixer, parts)
 
     def tp_plan(self) -> dict[str, Any]:
         """Tensor-parallel styles of its parts' modules inside a block, beyond Llama's

@@ -161,7 +161,16 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
         names = hf_names("tok_embeddings.weight" if tied_copy else name, model.cfg.family,
                          model.cfg.n_experts)
         index = local_slices(param)
-        if len(names) == 1:
+        fused = _fused_source(name, model.cfg.family) if names[0] not in where else None
+        if fused is not None:  # all experts in one tensor: this matrix's part of it
+            stored, part, parts = fused
+            width = param.shape[1]
+            rows = range(width)[index[1]]
+            index = (index[0], slice(rows.start + part * width, rows.stop + part * width),
+                     *index[2:])
+            local = _read_slice(path, where, stored, name,
+                                (param.shape[0], parts * width, *param.shape[2:]), index)
+        elif len(names) == 1:
             local = _read_slice(path, where, names[0], name, param.shape, index)
         else:  # one tensor per expert: this rank's experts, stacked
             local = torch.stack([_read_slice(path, where, names[e], name, param.shape[1:],
@@ -169,6 +178,18 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
                                  for e in range(*index[0].indices(param.shape[0])[:2])])
         target = param.to_local() if hasattr(param, "to_local") else param
         target.copy_(local.to(target.dtype))
+
+
+def _fused_source(name: str, family: str) -> tuple[str, int, int] | None:
+    """(the Hugging Face tensor holding every expert's matrix, which part, of how many) of a
+    stacked expert parameter whose family's checkpoints may fuse them (`FamilyCode.hf_fused`);
+    None for any other parameter."""
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    fused = family_code(family).hf_fused
+    if not m or m.group(2) not in fused:
+        return None
+    stored, part, parts = fused[m.group(2)]
+    return f"model.layers.{m.group(1)}.{stored}", part, parts
 
 
 def _read_slice(path: str, where: dict[str, tuple[Path, str]], hf_name: str, name: str,

@@ -33,6 +33,11 @@ EXPERT_PARAMS = {"feed_forward.experts.w1": "mlp.experts.{e}.gate_proj.weight",
                  "feed_forward.experts.w2": "mlp.experts.{e}.down_proj.weight"}
 """The experts' stacked matrices -> the Hugging Face tensors of expert e, as the Qwen MoE
 checkpoints store them (one per expert and projection)."""
+FUSED_EXPERTS = {"feed_forward.experts.w1": ("mlp.experts.gate_up_proj", 0, 2),
+                 "feed_forward.experts.w3": ("mlp.experts.gate_up_proj", 1, 2),
+                 "feed_forward.experts.w2": ("mlp.experts.down_proj", 0, 1)}
+"""The same matrices where a checkpoint holds all experts in one tensor, as transformers'
+modules do: gate_up_proj [E, 2 F, D] (the gates, then the ups), down_proj [E, D, F]."""
 
 FAMILY = FamilyCode(hf_config=_hf_config, hf_names={"feed_forward.router": "mlp.gate"},
-                    hf_params=EXPERT_PARAMS)
+                    hf_params=EXPERT_PARAMS, hf_fused=FUSED_EXPERTS)
