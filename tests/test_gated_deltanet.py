@@ -12,7 +12,9 @@ import transformers
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen3_5
 
 from lctrain.attention.delta_rule import chunk_gated_delta_rule, initial_states
+from lctrain.config.validation import validate
 from lctrain.models.gated_deltanet import GatedDeltaNet, LinearShape
+from tests.helpers import tiny_config
 from tests.reference import gated_delta_reference
 
 CHUNK = 8  # several chunks in short rows
@@ -325,3 +327,27 @@ def test_the_head_split_and_state_passing_are_the_whole_rows(world, balance, how
         if how == "heads":  # per token: channels and (g, beta) there, the output back; x 2
             per_token = heads.channels + 2 * 4 + 4 * 3
             assert sent == 2 * b * (s // world) * per_token * (world - 1) // world, sent
+
+
+HYBRID_MODEL = {"family": "qwen3_5_text", "layer_types": ["linear_attention", "full_attention"],
+                "linear_key_heads": 2, "linear_value_heads": 4, "linear_key_dim": 8,
+                "linear_value_dim": 16}
+
+
+@pytest.mark.parametrize("model,parallel,message", [
+    ({}, {"tp": 2, "sp": True, "dp": 2}, "parallel.tp=2 with linear_attention layers"),
+    ({}, {"cp": 4, "linear_cp": "heads"}, "does not divide model.linear_key_heads=2"),
+    ({"linear_value_heads": 3}, {}, "linear_value_heads=3 is not a multiple"),
+    ({"family": "qwen3_5_moe_text", "n_experts": 4}, {}, "set model.shared_expert_ffn_dim"),
+    ({"n_experts": 0, "shared_expert_ffn_dim": 32}, {}, "which has no shared expert")])
+def test_what_the_linear_layers_and_shared_experts_cannot_run_is_refused_by_name(
+        model, parallel, message):
+    """TP over linear layers, a head split the key heads do not divide, value heads that do
+    not group under the key heads; a shared expert's width missing where the family has one,
+    set where it has none. (PP and every CP algorithm run them: tests/test_model_families.py.)"""
+    cfg = tiny_config(model={**HYBRID_MODEL, **model}, parallel={"dp": 1, **parallel})
+    world = cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.dp
+    problems = validate(cfg, world)
+    assert any(message in p for p in problems), problems
+    ok = tiny_config(model=HYBRID_MODEL, parallel={"pp": 2, "cp": 2, "dp": 1})
+    assert validate(ok, 4) == []

@@ -136,9 +136,9 @@ FAMILIES = {  # model_type -> transformers config of a random model with the fam
                          "partial_rotary_factor": 0.5}),
 }
 MOE = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text", "qwen3_next")
-NOT_SPLIT_BY_HEADS_OR_STAGES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
-"""Families whose linear-attention layers lctrain does not split over TP or PP ranks yet: they
-train on the layouts without either."""
+NOT_SPLIT_BY_HEADS = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+"""Families whose linear-attention layers lctrain does not split over TP ranks yet: they train
+on the layouts without TP."""
 LAYOUTS_OF_ALL = ("usp2x2_documents",)
 """The layouts every family runs (an MoE family runs the rest of LAYOUTS as MOE_LAYOUTS)."""
 FUSED_IN_MEMORY = ("qwen3_moe", "mixtral", "qwen3_5_moe_text", "qwen3_next")
@@ -186,8 +186,8 @@ tp2+sp x cp2 ring, ep2 x pp2, DDP with Ulysses, ep2 x cp2 all-gather KV with DDP
 reduced apart), and ep4, DDP and ep4 tiled and fully recomputed. The fast tier checks them at one rank (logits), and tests/test_moe.py and
 tests/test_activation_memory.py train ep2."""
 EXPORTED_BY = {"cp2_tp2_sp_ulysses": [f for f in FAMILIES if f not in MOE
-                                      and f not in NOT_SPLIT_BY_HEADS_OR_STAGES],
-               "cp2_ring_zigzag_docs": [f for f in NOT_SPLIT_BY_HEADS_OR_STAGES if f not in MOE],
+                                      and f not in NOT_SPLIT_BY_HEADS],
+               "cp2_ring_zigzag_docs": [f for f in NOT_SPLIT_BY_HEADS if f not in MOE],
                "moe_cp2_ring_zigzag_docs": list(MOE)}
 """The layout whose run exports each family (the MoE families' in the full suite)."""
 USP_LAYOUT = {"usp2x2_documents": ["parallel.cp=4", "parallel.dp=1", "parallel.attention=usp",
@@ -201,10 +201,12 @@ LINEAR_LAYOUTS = {
     "cp2_allgather_heads_selective": ["parallel.cp=2", "parallel.dp=2",
                                       "parallel.attention=allgather", "parallel.linear_cp=heads",
                                       "train.activation_checkpointing=selective",
-                                      "data.document_masking=false"]}
+                                      "data.document_masking=false"],
+    "pp2_cp2_ring_docs": ["parallel.cp=2", "parallel.dp=1", "parallel.pp=2",
+                          "parallel.attention=ring", "data.document_masking=true"]}
 """The linear-attention families' own layouts (full suite): the head split instead of state
 passing, under Ring and all-gather KV; Ulysses with DDP, the tiled MLP and full recompute;
-selective recompute."""
+selective recompute; pp2 x cp2 ring (a stage of linear layers, one of attention)."""
 LINEAR_MOE_LAYOUTS = {
     "ep2_cp4_ring_docs": ["parallel.cp=4", "parallel.dp=1", "parallel.ep=2",
                           "parallel.attention=ring", "data.document_masking=true"]}
@@ -393,12 +395,11 @@ def _one_step(cfgs: dict, out_dir: str) -> dict:
 def _trains_on(family: str, layout: str) -> bool:
     """Every family trains on LAYOUTS_OF_ALL; the dense ones on the rest of LAYOUTS, the MoE
     ones on MOE_LAYOUTS, the linear-attention ones on LINEAR_LAYOUTS (and LINEAR_MOE_LAYOUTS
-    if they have experts) and on none with TP or PP."""
+    if they have experts) and on none with TP."""
     if layout in LINEAR_LAYOUTS or layout in LINEAR_MOE_LAYOUTS:
-        return family in NOT_SPLIT_BY_HEADS_OR_STAGES and (
+        return family in NOT_SPLIT_BY_HEADS and (
             layout in LINEAR_LAYOUTS or family in MOE)
-    if family in NOT_SPLIT_BY_HEADS_OR_STAGES and any(
-            key.startswith(("parallel.tp=2", "parallel.pp=2")) for key in ALL_LAYOUTS[layout]):
+    if family in NOT_SPLIT_BY_HEADS and "parallel.tp=2" in ALL_LAYOUTS[layout]:
         return False
     return layout in LAYOUTS_OF_ALL or (layout in MOE_LAYOUTS) == (family in MOE)
 

@@ -15,6 +15,7 @@ Also the layer's causal depthwise convolution (`causal_conv`), which restarts at
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -101,6 +102,21 @@ def _chunk_terms(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, docs:
     return u, w, intra, q_state, k_state, carry
 
 
+def in_float32(fn):
+    """`fn` with autocast off on its first argument's device: the recurrence's matmuls stay in
+    float32 (bf16 autocast would otherwise run each chunk's products, the carried state's
+    among them, in bf16 and keep bf16 copies of their operands)."""
+
+    @functools.wraps(fn)
+    def run(first, *args, **kwargs):
+        device = (first[0] if isinstance(first, list) else first).device
+        with torch.autocast(device.type, enabled=False):
+            return fn(first, *args, **kwargs)
+
+    return run
+
+
+@in_float32
 def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                            doc_ids: Tensor | None = None, initial_state: Tensor | None = None,
                            chunk: int = CHUNK, transition: bool = False
@@ -111,7 +127,8 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     (output [B, S, H, d_v] in v's dtype, final state [B, H, d_k, d_v] of each row's last
     document), and with `transition` the matrix T [B, H, d_k, d_k] by which the final state
     depends on the initial one: final(S0) = T S0 + final(0) (zero when the row holds a
-    document boundary; §31). Computed in float32 (float64 inputs stay float64)."""
+    document boundary; §31). Computed in float32 (float64 inputs stay float64), also under
+    autocast."""
     b, s, h_k, d_k = k.shape
     h, out_dtype = v.shape[2], v.dtype
     if h != h_k:
@@ -147,6 +164,7 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     return (o, state, moved) if transition else (o, state)
 
 
+@in_float32
 def initial_states(ends: list[Tensor], transitions: list[Tensor], continues: list[Tensor],
                    first: Tensor | None = None) -> list[Tensor]:
     """The exact initial state of each stretch of a sequence, in sequence order (§31): each

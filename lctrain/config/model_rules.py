@@ -38,8 +38,8 @@ def window_problems(cfg: LctrainConfig) -> list[str]:
 
 
 def linear_problems(cfg: LctrainConfig) -> list[str]:
-    """Gated DeltaNet layers: their heads, and the layouts they do not run in yet (they run
-    under data and context parallelism: state passing, any split)."""
+    """Gated DeltaNet layers: their heads, and the layout they do not run in yet (they run
+    under data, context and pipeline parallelism: state passing, any split)."""
     m, p = cfg.model, cfg.parallel
     if LINEAR not in (m.layer_types or ()):
         return []
@@ -52,12 +52,11 @@ def linear_problems(cfg: LctrainConfig) -> list[str]:
         problems.append(f"parallel.linear_cp=heads splits the linear layers' heads over "
                         f"parallel.cp={p.cp} ranks, which does not divide model.linear_key_heads="
                         f"{m.linear_key_heads}; set parallel.linear_cp=state")
-    split = {"parallel.tp": p.tp, "parallel.pp": p.pp}
-    for key, size in split.items():
-        if size > 1:
-            problems.append(f"{key}={size} with linear_attention layers (model.layer_types): "
-                            "lctrain does not split Gated DeltaNet layers by heads or stages "
-                            f"yet; set {key}=1 (data and context parallelism run them)")
+    if p.tp > 1:
+        problems.append(f"parallel.tp={p.tp} with linear_attention layers (model.layer_types): "
+                        "lctrain does not split Gated DeltaNet layers by heads over TP ranks "
+                        "yet; set parallel.tp=1 (data, context and pipeline parallelism run "
+                        "them)")
     return problems
 
 

@@ -14,7 +14,13 @@ from lctrain.config.derived import dtype_bytes, load_balance_of
 from lctrain.config.load_balances import split_of
 from lctrain.config.model_families import NORM_TILE_ELEMENTS, model_family
 from lctrain.config.model_parts import EXPERT_BIAS, OUTPUT_GATE, QK_NORM
-from lctrain.config.model_size import DELTA_CHUNK, expert_params, layer_kinds, mlp_params
+from lctrain.config.model_size import (
+    DELTA_CHUNK,
+    expert_params,
+    layer_kinds,
+    linear_mixer_params,
+    mlp_params,
+)
 from lctrain.planning.cp_costs import LayerShape, MemoryTerms, cp_costs
 from lctrain.planning.documents import travelling_share
 
@@ -111,15 +117,14 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int,
     if mode == "full":
         return n * r * D / s
     if m.is_linear_layer(layer):
-        return _linear_block_kept(cfg, n, a, r, s, layer)
+        return _linear_block_kept(cfg, n, a, r, s, layer, casts)
     gate = model_family(m.family).has(OUTPUT_GATE)
     if mode == "selective":  # local attention: its output and lse are kept too
         attention = n * (a * Dq * (2 if gate else 1) + 4 * H) / t if p.cp == 1 else 0.0
         mlp = _moe_kept(cfg, n, a, mode) if moe else n * a * (2 * F / t + D)
         return n * (a * ((Dq + 2 * dkv) / t + D) + r * D / s) + attention + mlp
     attention_weights = D * hd * (2 * H + 2 * m.n_kv_heads + (H if gate else 0)) // t
-    mlp_weights = (mlp_params(m, layer) - expert_params(m, layer) + expert_params(m, layer) // p.ep
-                   if moe else 3 * D * F // t)
+    mlp_weights = _mlp_weights(cfg, layer)
     per_token = 2 * _norm_bytes(D, s, a, r) + a * (2 * Dq + 2 * k * dkv) / t + 4 * H / t
     if model_family(m.family).has(QK_NORM):
         per_token += _head_norm_bytes(m, a) / t
@@ -138,40 +143,65 @@ def activation_formula(cfg: LctrainConfig, world_size: int, batch: int,
     return n * per_token + mlp + per_block
 
 
+def _mlp_weights(cfg: LctrainConfig, layer: int) -> float:
+    """The weights of block `layer`'s MLP one rank multiplies by: the gated MLP's TP shard, or
+    a mixture of experts' router, shared expert and the experts of its ep rank."""
+    m, p = cfg.model, cfg.parallel
+    if not m.is_moe_layer(layer):
+        return 3 * m.dim * m.ffn_dim // p.tp
+    return mlp_params(m, layer) - expert_params(m, layer) + expert_params(m, layer) // p.ep
+
+
 def _linear_block_kept(cfg: LctrainConfig, n: int, a: int, r: int, s: int,
-                       layer: int) -> float:
+                       layer: int, casts: bool) -> float:
     """Bytes a linear-attention block keeps for the backward over n tokens: its two norms, its
-    MLP (as an attention block's; selective checkpointing keeps what `none` keeps) and the
-    mixer's (`linear_mixer_kept`). An estimate within a few percent of the torch path's
-    measurement (tests/test_gated_deltanet.py), not exact as the attention blocks' are."""
+    MLP (as an attention block's; selective checkpointing keeps what `none` keeps), the
+    mixer's (`linear_mixer_kept`) and, with casts, the bf16 copies of the weights its matmuls
+    take (the mixer's projections and the MLP's, per block). An estimate within a few percent
+    of the torch path's measurement (tests/test_activation_memory.py), not exact as the
+    attention blocks' are."""
     m, p = cfg.model, cfg.parallel
     mlp = _moe_kept(cfg, n, a, "none") if m.is_moe_layer(layer) else n * a * 4 * m.ffn_dim / p.tp
-    return n * 2 * _norm_bytes(m.dim, s, a, r) + mlp + n * linear_mixer_kept(cfg, a)
+    sharded = linear_mixer_params(m)[0]  # all but the convolution's kernel, dt_bias and A_log
+    projections = (sharded - m.linear_conv_channels * m.linear_conv_kernel
+                   - 2 * m.linear_value_heads) / p.tp
+    weights = a * (projections + _mlp_weights(cfg, layer)) if casts else 0
+    return n * 2 * _norm_bytes(m.dim, s, a, r) + mlp + n * linear_mixer_kept(cfg, a) + weights
 
 
 def linear_mixer_kept(cfg: LctrainConfig, a: int) -> float:
     """Bytes per token a Gated DeltaNet mixer keeps for the backward on the torch path
     (lctrain.attention.delta_rule; docs/parallelism.md §31), per value head H_v of d_k, d_v,
-    conv channels C_c, kernel k, chunks of C tokens; the recurrence computes in float32:
-      the convolution: its input, its k - 1 shifted copies, the sum and the SiLU, a (k + 2) C_c;
+    conv channels C_c, kernel k, chunks of C tokens. The convolution multiplies its
+    compute-dtype input by float32 weights, and the recurrence runs in float32 also under
+    autocast, so most of what they keep is float32 in either dtype:
+      the convolution: its input and its k - 1 shifted copies, k a C_c (each copy s tokens
+      longer: k (k - 1) / 2 rows more per sequence of S_l), and its float32 sum and SiLU,
+      8 C_c;
       the chunk matrices (K K^T, Q K^T, the triangular system's inverse and two masked
       products), 4 x 5 C, and a boolean mask, C;
-      Q and K: 8 d_k in float32 (normalised, repeated to H_v heads, chunked) and 2 d_k in the
-      compute dtype; V's side: 2 d_v in float32 (the pseudo-values) and 8 d_v in the compute
-      dtype (V, the output, its norm and gate, the output projection's input);
+      Q and K's side: 12 float32 tensors of d_k (Q and K repeated to H_v heads, normalised and
+      scaled, K β, the decayed keys the solve takes, its W, the queries and keys that read and
+      write the state);
+      V's side: 8 tensors of d_v counted at 4 bytes (V, V β, the solve's U, the output, the
+      gated norm's float32 input, its normalised values and its float32 gate and SiLU: a few
+      of them bf16 under bf16);
       per head scalars (beta, the decay and its cumulative sums, the norm's rsqrt), 4 x 12;
       the state per chunk, 4 d_k d_v / C.
-    Under context parallelism the recurrence runs twice, from zero for the stretch's final
-    state and transition, then from its exact initial state: the first pass keeps about half
-    of what the second does (what the state and the transition need, not the output), so its
-    terms (all but the convolution's) count 1.5 times. A stretch shorter than a chunk is padded
-    to one (the formula assumes stretches of whole chunks: S / (2 cp) >= C under zigzag)."""
+    An estimate, over the measurement by under 2% at Qwen3.5's d_k = d_v = 128 (tests/
+    test_activation_memory.py): it leaves out only that with as many key as value heads Q and
+    K are not repeated. Under context parallelism the recurrence runs twice, from zero for the
+    stretch's final state and transition, then from its exact initial state: the first pass
+    keeps about half of what the second does (what the state and the transition need, not the
+    output), so its terms (all but the convolution's) count 1.5 times. A stretch shorter than a
+    chunk is padded to one (the formula assumes stretches of whole chunks: S / (2 cp) >= C
+    under zigzag)."""
     m, p = cfg.model, cfg.parallel
     hv, dk, dv, c = m.linear_value_heads, m.linear_key_dim, m.linear_value_dim, DELTA_CHUNK
     channels = m.linear_conv_channels
-    conv = a * (m.linear_conv_kernel + 2) * channels
-    rule = hv * (4 * 5 * c + c + (4 * 8 + a * 2) * dk + (4 * 2 + a * 8) * dv + 4 * 12
-                 + 4 * dk * dv / c)
+    k, local = m.linear_conv_kernel, cfg.train.seq_len // p.cp
+    conv = (a * k * (1 + (k - 1) / (2 * local)) + 8) * channels
+    rule = hv * (4 * 5 * c + c + 4 * 12 * dk + 4 * 8 * dv + 4 * 12 + 4 * dk * dv / c)
     return (conv + rule * (1.5 if p.cp > 1 else 1)) / p.tp
 
 
