@@ -190,7 +190,9 @@ HYBRID = {"family": "qwen3_5_text", "n_layers": 2, "n_heads": 4, "n_kv_heads": 2
           "rotary_fraction": 0.25}
 HYBRID_CASES = [({}, "fp32", False, {}), ({}, "bf16", True, {}), ({"cp": 2}, "fp32", True, {}),
                 ({}, "bf16", False, {"linear_key_dim": 128, "linear_value_dim": 128}),
-                ({"cp": 2}, "bf16", True, {"linear_key_dim": 64, "linear_value_dim": 128})]
+                ({"cp": 2}, "bf16", True, {"linear_key_dim": 64, "linear_value_dim": 128}),
+                ({"cp": 2, "linear_cp": "heads"}, "bf16", True,
+                 {"linear_key_dim": 64, "linear_value_dim": 128})]
 """(layout, dtype, packed documents, head dims) of the hybrid's linear layer against its
 estimate: small heads, and Qwen3.5's d_k = d_v = 128 in bf16, where the terms in d_k d_v and
 the float32 copies weigh most."""
@@ -211,8 +213,8 @@ def _measure_hybrid(cases) -> list[int]:
 def test_a_linear_attention_layer_keeps_what_its_estimate_says():
     """A Gated DeltaNet block's activations (lctrain.planning.activations.linear_mixer_kept:
     an estimate, not exact as an attention block's) within 8% of the measured ones, over its
-    estimate never under: fp32 and bf16, packed documents, cp2 (the recurrence runs twice),
-    small and released head dims."""
+    estimate never under: fp32 and bf16, packed documents, cp2 (state passing: the recurrence
+    runs twice; the head split: once), small and released head dims."""
     for world in (1, 2):
         cases = [c for c in HYBRID_CASES if c[0].get("cp", 1) == world]
         measured = on_ranks(_measure_hybrid, world, cases)[0]

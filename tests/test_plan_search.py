@@ -5,6 +5,7 @@ search considers exactly the layouts an independent brute force over every key f
 what does not fit is dropped; and `lctrain plan` prints its step time. (The winner of a CPU
 search trains: tests/test_auto_layout.py.)"""
 
+import copy
 import itertools
 import json
 import os
@@ -145,3 +146,39 @@ def test_plan_prints_the_predicted_step(capsys):
     # whose rates: plan.*'s GPU figures, and on a machine without a GPU where this one trains
     assert f"  rates: {t['rates']}" in out and t["rates"].startswith("GPU figures from plan.*")
     assert f"{t['tokens_per_s_per_rank']:,.0f} tokens/s per rank" in out
+
+
+def test_the_search_passes_the_state_or_splits_the_heads_of_linear_layers():
+    """A hybrid's layouts are searched both ways at cp > 1 (parallel.linear_cp), the head split
+    only where the key heads divide cp; the same layout costs the head split no first pass of
+    the recurrence (less recomputed) and state passing fewer bytes on the cp group; every
+    candidate validates."""
+    cfg = tiny_config(train={"global_batch": 8, "micro_batch": 1, "seq_len": 256},
+                      plan={"gpu_memory_gib": 1e6},
+                      model={"family": "qwen3_5_text", "n_layers": 4,
+                             "layer_types": ["linear_attention", "linear_attention",
+                                             "linear_attention", "full_attention"],
+                             "linear_key_heads": 2, "linear_value_heads": 4,
+                             "linear_key_dim": 16, "linear_value_dim": 16})
+    hw = hardware_from_plan(cfg)
+    result = search(cfg, 4, hw)
+    ways = {(c.overrides["parallel.cp"], c.overrides["parallel.linear_cp"])
+            for c in result.ranked}
+    assert ways == {(1, "state"), (2, "state"), (2, "heads"), (4, "state")}
+    for c in result.ranked:
+        chosen = copy.deepcopy(cfg)
+        for key, value in c.overrides.items():
+            section, name = key.split(".")
+            setattr(getattr(chosen, section), name, value)
+        assert validate(chosen, 4) == [], c.overrides
+    pairs = {}
+    for c in result.ranked:
+        if c.overrides["parallel.cp"] == 2:
+            layout = tuple(sorted((k, v) for k, v in c.overrides.items()
+                                  if k != "parallel.linear_cp"))
+            pairs.setdefault(layout, {})[c.overrides["parallel.linear_cp"]] = c.step
+    both = [p for p in pairs.values() if len(p) == 2]
+    assert both
+    for p in both:
+        assert p["state"].recompute_s > p["heads"].recompute_s
+        assert p["state"].comm_s["cp"] < p["heads"].comm_s["cp"]

@@ -130,6 +130,18 @@ def linear_mixer_flops(m: ModelConfig) -> float:
     return TRAIN_OVER_FORWARD * forward
 
 
+def state_passing_extra_flops(m: ModelConfig) -> float:
+    """Training FLOPs per token a Gated DeltaNet layer runs beyond `linear_mixer_flops` under
+    context parallelism by state passing (docs/parallelism.md §31): the first pass over the
+    rank's stretches from a zero state, which computes the recurrence again (the convolution
+    not) and the stretch's transition, per chunk (carry I - K_s^T W) T: C d_k^2 + d_k^3
+    multiply-adds per value head, d_k^2 + d_k^3 / C per token. Not model FLOPs (MFU leaves them
+    out); the step's time counts them."""
+    c, dk, dv = DELTA_CHUNK, m.linear_key_dim, m.linear_value_dim
+    per_head = c * (3 * dk + 2 * dv) + 3 * dk * dv + dk * dk + dk ** 3 / c
+    return TRAIN_OVER_FORWARD * FLOPS_PER_WEIGHT * m.linear_value_heads * per_head
+
+
 TRAIN_OVER_FORWARD = 3
 """Training FLOPs per forward FLOP: the backward runs two matmuls for each forward one (the
 gradient of the input and that of the weight)."""

@@ -241,7 +241,8 @@ class ParallelConfig:
     state (each rank runs its own tokens and the ranks pass the recurrent state and the
     convolution's halo: the same bytes at any sequence length) | heads (an all-to-all gives
     each rank every token of its share of the heads, Megatron's way: bytes grow with the
-    sequence; the key heads must divide cp). `lctrain plan` prints both's traffic per layer."""
+    sequence; the key heads must divide cp). `lctrain plan` prints both's traffic per layer;
+    plan.search and parallel.auto try both and keep the faster."""
     ep: int = at_least(1, 1)
     """Expert parallelism: the experts of every mixture-of-experts layer split over ep of the
     dp x cp x tp ranks (ep divides dp x cp x tp and model.n_experts; the attention's layout is

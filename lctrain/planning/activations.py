@@ -190,10 +190,12 @@ def linear_mixer_kept(cfg: LctrainConfig, a: int) -> float:
       the state per chunk, 4 d_k d_v / C.
     An estimate, over the measurement by under 2% at Qwen3.5's d_k = d_v = 128 (tests/
     test_activation_memory.py): it leaves out only that with as many key as value heads Q and
-    K are not repeated. Under context parallelism the recurrence runs twice, from zero for the
-    stretch's final state and transition, then from its exact initial state: the first pass
-    keeps about half of what the second does (what the state and the transition need, not the
-    output), so its terms (all but the convolution's) count 1.5 times. A stretch shorter than a
+    K are not repeated. Under context parallelism by state passing the recurrence runs twice,
+    from zero for the stretch's final state and transition, then from its exact initial state:
+    the first pass keeps about half of what the second does (what the state and the transition
+    need, not the output), so its terms (all but the convolution's) count 1.5 times; the head
+    split runs it once over whole rows for 1/cp of the heads, the same bytes as one rank's
+    tokens for all of them. A stretch shorter than a
     chunk is padded to one (the formula assumes stretches of whole chunks: S / (2 cp) >= C
     under zigzag)."""
     m, p = cfg.model, cfg.parallel
@@ -202,7 +204,8 @@ def linear_mixer_kept(cfg: LctrainConfig, a: int) -> float:
     k, local = m.linear_conv_kernel, cfg.train.seq_len // p.cp
     conv = (a * k * (1 + (k - 1) / (2 * local)) + 8) * channels
     rule = hv * (4 * 5 * c + c + 4 * 12 * dk + 4 * 8 * dv + 4 * 12 + 4 * dk * dv / c)
-    return (conv + rule * (1.5 if p.cp > 1 else 1)) / p.tp
+    twice = p.cp > 1 and p.linear_cp == "state"
+    return (conv + rule * (1.5 if twice else 1)) / p.tp
 
 
 def _moe_kept(cfg: LctrainConfig, n: int, a: int, mode: str) -> float:

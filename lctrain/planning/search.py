@@ -1,8 +1,8 @@
 """`plan.search`: every valid layout of a model for a world size, ranked by predicted tokens/s.
 
-For each (tp, sp, cp, attention, Ulysses degree, pp, schedule, dp, engine) that passes the
-layout rules (`layout_problems`), the checkpointing mode and tiling with the most predicted
-tokens/s among those that fit `plan.gpu_memory_gib` (the plan's itemised total with its
+For each (tp, sp, cp, attention, Ulysses degree, linear layers' CP, pp, schedule, dp, engine)
+that passes the layout rules (`layout_problems`), the checkpointing mode and tiling with the
+most predicted tokens/s among those that fit `plan.gpu_memory_gib` (the plan's itemised total with its
 allocator allowance, on the pipeline rank with the most) is kept; layouts where none fits are
 dropped. Without checkpointing or tiling nothing is recomputed, so when that fits no other
 variant is tried.
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from lctrain.config import LctrainConfig, ParallelConfig, derive
 from lctrain.config.cp_algorithms import CP_ALGORITHMS, cp_algorithm
+from lctrain.config.schema import LINEAR
 from lctrain.config.validation import layout_problems, offload_problems
 from lctrain.planning.estimate import rank_memory
 from lctrain.planning.hardware import Hardware
@@ -33,15 +34,15 @@ at 1, 2 and 4 stages per rank."""
 ENGINES = (("fsdp", None), ("ddp", None), ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3))
 """(parallel.dp_engine, deepspeed.zero_stage) tried (DeepSpeed without offload)."""
 SEARCHED_KEYS = frozenset({
-    *(f"parallel.{k}" for k in ("tp", "sp", "cp", "attention", "ulysses_degree", "pp",
-                                "pp_schedule", "pp_virtual_stages", "pp_layers", "dp",
+    *(f"parallel.{k}" for k in ("tp", "sp", "cp", "attention", "ulysses_degree", "linear_cp",
+                                "pp", "pp_schedule", "pp_virtual_stages", "pp_layers", "dp",
                                 "dp_engine", "offload_state", "ep")),
     "deepspeed.zero_stage",
     *(f"train.{k}" for k in ("activation_checkpointing", "offload_activations", "loss_chunk",
                              "mlp_chunk"))})
 """The keys a candidate's overrides set: what `search(fixed=...)` can hold fixed."""
 ENUMERATED = ("parallel.tp", "parallel.cp", "parallel.attention", "parallel.ulysses_degree",
-              "parallel.pp", "parallel.pp_schedule", "parallel.pp_virtual_stages",
+              "parallel.linear_cp", "parallel.pp", "parallel.pp_schedule", "parallel.pp_virtual_stages",
               "parallel.dp", "parallel.dp_engine", "deepspeed.zero_stage")
 """The searched keys whose every value the enumeration tries: a fixed one filters the layouts;
 the others (parallel.sp, parallel.pp_layers and the train.* keys), fixed, are set instead."""
@@ -111,11 +112,19 @@ def attentions(cp: int) -> list[tuple[str, int]]:
     return [(a.name, u) for a in CP_ALGORITHMS.entries() for u in a.searched_degrees(cp)]
 
 
+def linear_cps(cfg: LctrainConfig, cp: int) -> tuple[str, ...]:
+    """parallel.linear_cp for `cp` ranks: both ways (state passing, the head split) for a model
+    with linear-attention layers at cp > 1, else the default alone."""
+    if cp > 1 and LINEAR in (cfg.model.layer_types or ()):
+        return ("state", "heads")
+    return (ParallelConfig().linear_cp,)
+
+
 def layouts(cfg: LctrainConfig, world_size: int, ranks_per_node: int):
     """parallel.* and deepspeed.* overrides of every layout of `world_size` ranks with tp
     inside a node (`ranks_per_node`; 0: one node) and SP whenever tp > 1 (without it TP sends
     the same bytes and computes the same, and keeps more activations: it never ranks
-    higher)."""
+    higher); the linear layers' context parallelism both ways (`linear_cps`)."""
     node = ranks_per_node or world_size
     for tp in divisors(world_size):
         if tp > node or cfg.model.n_heads % tp:
@@ -126,11 +135,12 @@ def layouts(cfg: LctrainConfig, world_size: int, ranks_per_node: int):
                     continue
                 dp = world_size // (tp * cp * pp)
                 schedules = SCHEDULES if pp > 1 else (("1f1b", 1),)
-                for sp, (attention, u), (schedule, v), (engine, stage) in itertools.product(
-                        (tp > 1,), attentions(cp), schedules,
-                        ENGINES):
+                for sp, (attention, u), linear_cp, (schedule, v), (engine, stage) in \
+                        itertools.product((tp > 1,), attentions(cp), linear_cps(cfg, cp),
+                                          schedules, ENGINES):
                     parallel = {"tp": tp, "sp": sp, "cp": cp, "attention": attention,
-                                "ulysses_degree": u, "pp": pp, "pp_schedule": schedule,
+                                "ulysses_degree": u, "linear_cp": linear_cp, "pp": pp,
+                                "pp_schedule": schedule,
                                 "pp_virtual_stages": v, "pp_layers": None, "dp": dp,
                                 "dp_engine": engine}
                     for ep in expert_degrees(cfg, dp * cp * tp, engine):
@@ -288,11 +298,13 @@ def search(cfg: LctrainConfig, world_size: int, hw: Hardware,
 
 
 def layout_label(o: dict[str, object]) -> str:
-    """A search candidate's overrides in one short line (tp, cp and its algorithm, pp and its
-    schedule, dp, ep and the engine, checkpointing, tiling, what lives on the host)."""
+    """A search candidate's overrides in one short line (tp, cp and its algorithm, the linear
+    layers' head split where chosen, pp and its schedule, dp, ep and the engine,
+    checkpointing, tiling, what lives on the host)."""
     cp = (f"cp{o['parallel.cp']} {o['parallel.attention']}"
           + (f"(u{o['parallel.ulysses_degree']})"
              if cp_algorithm(o["parallel.attention"]).heads_over == "ulysses_degree" else "")
+          + (" linear:heads" if o.get("parallel.linear_cp") == "heads" else "")
           if o["parallel.cp"] > 1 else "cp1")
     pp = (f"pp{o['parallel.pp']} {o['parallel.pp_schedule']}"
           + (f"x{o['parallel.pp_virtual_stages']}" if o["parallel.pp_virtual_stages"] > 1

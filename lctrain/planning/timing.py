@@ -25,6 +25,7 @@ from lctrain.config.model_size import (
     TRAIN_OVER_FORWARD,
     attention_flops,
     layer_costs,
+    state_passing_extra_flops,
 )
 from lctrain.layout.stages import bubble_fraction, split_layers, stages_of
 from lctrain.layout.topology import Topology
@@ -100,7 +101,8 @@ def compute_seconds(step: StepShape, hw: Hardware) -> ComputeSeconds:
     """The model FLOPs of one rank's share of the step, and the forward FLOPs run again: by
     checkpointing (`full`: the blocks' forward; `selective` at cp > 1: the attention's forward;
     at cp = 1 it recomputes only elementwise work), by the tiled loss (the output layer) and the
-    tiled MLP (its matmuls). The attention's share follows the corpus's documents
+    tiled MLP (its matmuls), and the linear layers' first pass under state passing
+    (`state_passing_extra_flops`, forward and backward). The attention's share follows the corpus's documents
     (`packed_documents`: their own triangles, on the slowest cp rank)."""
     cfg, t, m = step.cfg, step.cfg.train, step.cfg.model
     embedding, blocks, output = layer_costs(m, t.seq_len)
@@ -122,7 +124,11 @@ def compute_seconds(step: StepShape, hw: Hardware) -> ComputeSeconds:
         again = attention / TRAIN_OVER_FORWARD / attention_rate
     tiled = (output / TRAIN_OVER_FORWARD if t.loss_chunk else 0) + (
         FLOPS_PER_WEIGHT * MLP_MATRICES * m.dim * m.ffn_dim * m.n_layers if t.mlp_chunk else 0)
-    again += tiled / matmul_rate
+    first_pass = 0.0  # the linear layers' under state passing (§31)
+    if cfg.parallel.cp > 1 and cfg.parallel.linear_cp == "state":
+        first_pass = state_passing_extra_flops(m) * sum(
+            m.is_linear_layer(i) for i in range(m.n_layers))
+    again += (tiled + first_pass) / matmul_rate
     tokens = step.derived.tokens_per_step / step.world_size
     return ComputeSeconds(matmul_s=matmul * tokens / matmul_rate,
                           attention_s=attention * tokens / attention_rate,
