@@ -689,3 +689,24 @@ def test_a_released_multimodal_qwen3_5_checkpoint_trains_its_language_model(
     with torch.no_grad():
         torch.testing.assert_close(without_routing(model(tokens)), hf(input_ids=tokens).logits,
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_multi_token_prediction_layers_are_left_out_by_name(hf_dirs, tmp_path):
+    """A Qwen3-Next checkpoint as released, with a multi-token-prediction layer (config.json's
+    mtp_num_hidden_layers, mtp.* tensors): the note says it is left out, and the language
+    model's weights still give transformers' logits."""
+    path, hf = hf_dirs["qwen3_next"]
+    for file in path.iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    config = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "mtp_num_hidden_layers": 1}))
+    save_file({"mtp.fc.weight": torch.zeros(64, 128)}, str(tmp_path / "mtp.safetensors"))
+    composed = _resolved(tmp_path)
+    (note,) = [n for n in composed.notes if "multi-token-prediction" in n]
+    assert "1 multi-token-prediction layer(s) (mtp.*)" in note and "left out" in note
+    model = new_model(composed.cfg.model)
+    load_hf_weights(model, str(tmp_path))
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(without_routing(model(tokens)), hf(input_ids=tokens).logits,
+                                   rtol=1e-5, atol=1e-5)

@@ -62,14 +62,17 @@ instead of `model.`; its output layer stays `lm_head`."""
 
 
 def language_model(hf: dict) -> tuple[dict, str | None]:
-    """(the language model's config, a note) of config.json: itself, or for a multimodal
-    checkpoint whose `text_config` is a registered family (Qwen3.5's releases, model_type
-    qwen3_5 or qwen3_5_moe) that text config, with the top level's tie_word_embeddings where it
-    has none, and a note that the vision tower and the multi-token-prediction layers are left
-    out."""
+    """(the language model's config, a note) of config.json: itself (with a note where it has
+    multi-token-prediction layers: Qwen3-Next's, left out), or for a multimodal checkpoint
+    whose `text_config` is a registered family (Qwen3.5's releases, model_type qwen3_5 or
+    qwen3_5_moe) that text config, with the top level's tie_word_embeddings where it has none,
+    and a note that the vision tower and the multi-token-prediction layers are left out."""
     text = hf.get("text_config")
     if not isinstance(text, dict) or text.get("model_type") not in MODEL_FAMILIES:
-        return hf, None
+        mtp = hf.get("mtp_num_hidden_layers") or hf.get("num_nextn_predict_layers") or 0
+        return hf, (f"model.init_from: config.json has {mtp} multi-token-prediction layer(s) "
+                    "(mtp.*); lctrain trains the language model without them: they are left "
+                    "out of the model and of an export" if mtp else None)
     text = dict(text)
     if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:
         text["tie_word_embeddings"] = hf["tie_word_embeddings"]
