@@ -59,7 +59,7 @@ def build_models(cfg: ModelConfig, seq_len: int, seed: int) -> dict[str, tuple[n
     hf.set_attn_implementation("sdpa")
     hf.config.use_cache = False  # training: a DynamicCache would be pure overhead
     result = hf.load_state_dict(
-        to_hf_state_dict(ours.state_dict(), cfg.tie_embeddings, cfg.family), strict=False)
+        to_hf_state_dict(ours.state_dict(), cfg), strict=False)
     tied = {"lm_head.weight"} if cfg.tie_embeddings else set()
     assert not result.unexpected_keys and set(result.missing_keys) <= tied, result
 

@@ -11,9 +11,9 @@ import torch
 import transformers
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen3_5
 
-from lctrain.attention.delta_rule import chunk_gated_delta_rule, initial_states
+from lctrain.attention.delta_rule import LinearHeads, chunk_gated_delta_rule, initial_states
 from lctrain.config.validation import validate
-from lctrain.models.gated_deltanet import GatedDeltaNet, LinearShape
+from lctrain.models.gated_deltanet import GatedDeltaNet, LinearShape, grouped_to_qkv
 from tests.helpers import tiny_config
 from tests.reference import gated_delta_reference
 
@@ -128,8 +128,20 @@ def _pair(dtype=torch.float32):
     shape = LinearShape(dim=32, key_heads=2, value_heads=4, key_dim=8, value_dim=6,
                         conv_kernel=4, eps=1e-6)
     ours = GatedDeltaNet(shape, 0.02, 0.01).to(dtype)
-    ours.load_state_dict(theirs.state_dict())
+    ours.load_state_dict({k: _grouped(k, v) for k, v in theirs.state_dict().items()})
     return ours, theirs
+
+
+REGROUPED = ("in_proj_qkv.weight", "conv1d.weight")
+"""The parameters lctrain holds grouped by key head where transformers holds every Q, every K,
+every V (`lctrain.models.gated_deltanet.grouped_to_qkv`)."""
+
+
+def _grouped(name: str, t: torch.Tensor) -> torch.Tensor:
+    """transformers' tensor `name` in lctrain's row order."""
+    if name not in REGROUPED:
+        return t
+    return t[grouped_to_qkv(LinearHeads(2, 8, 4, 6)).argsort()]
 
 
 def test_the_mixer_is_transformers_gated_deltanet_on_rows_and_documents():
@@ -150,6 +162,7 @@ def test_the_mixer_is_transformers_gated_deltanet_on_rows_and_documents():
     got_grads = torch.autograd.grad((got * weight).sum(), [x, *(mine[n] for n in names)])
     names = ["x", *names]
     for name, a, b in zip(names, got_grads, ref_grads, strict=True):  # float32 sums of 37 rows
+        b = _grouped(name, b)
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()), msg=name)
 
 
@@ -335,19 +348,21 @@ HYBRID_MODEL = {"family": "qwen3_5_text", "layer_types": ["linear_attention", "f
 
 
 @pytest.mark.parametrize("model,parallel,message", [
-    ({}, {"tp": 2, "sp": True, "dp": 2}, "parallel.tp=2 with linear_attention layers"),
-    ({}, {"cp": 4, "linear_cp": "heads"}, "does not divide model.linear_key_heads=2"),
+    ({}, {"tp": 4, "sp": True}, "parallel.tp=4 does not divide model.linear_key_heads=2"),
+    ({}, {"cp": 4, "linear_cp": "heads"}, "2 key heads per TP rank over parallel.cp=4"),
+    ({}, {"tp": 2, "sp": True, "cp": 2, "linear_cp": "heads"},
+     "1 key heads per TP rank over parallel.cp=2"),
     ({"linear_value_heads": 3}, {}, "linear_value_heads=3 is not a multiple"),
     ({"family": "qwen3_5_moe_text", "n_experts": 4}, {}, "set model.shared_expert_ffn_dim"),
     ({"n_experts": 0, "shared_expert_ffn_dim": 32}, {}, "which has no shared expert")])
 def test_what_the_linear_layers_and_shared_experts_cannot_run_is_refused_by_name(
         model, parallel, message):
-    """TP over linear layers, a head split the key heads do not divide, value heads that do
-    not group under the key heads; a shared expert's width missing where the family has one,
-    set where it has none. (PP and every CP algorithm run them: tests/test_model_families.py.)"""
+    """TP or a head split the key heads do not divide, value heads that do not group under the
+    key heads; a shared expert's width missing where the family has one, set where it has
+    none. (TP, PP and every CP algorithm run them: tests/test_model_families.py.)"""
     cfg = tiny_config(model={**HYBRID_MODEL, **model}, parallel={"dp": 1, **parallel})
     world = cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.dp
     problems = validate(cfg, world)
     assert any(message in p for p in problems), problems
-    ok = tiny_config(model=HYBRID_MODEL, parallel={"pp": 2, "cp": 2, "dp": 1})
-    assert validate(ok, 4) == []
+    for layout in ({"pp": 2, "cp": 2, "dp": 1}, {"tp": 2, "sp": True, "cp": 2, "dp": 1}):
+        assert validate(tiny_config(model=HYBRID_MODEL, parallel=layout), 4) == []

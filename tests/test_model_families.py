@@ -16,6 +16,7 @@ model.init_from=DIR` runs as the README says. What lctrain cannot compute is ref
 and the planner counts every preset's parameters as the built model holds them.
 """
 
+import dataclasses
 import json
 from functools import partial
 from pathlib import Path
@@ -136,9 +137,8 @@ FAMILIES = {  # model_type -> transformers config of a random model with the fam
                          "partial_rotary_factor": 0.5}),
 }
 MOE = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text", "qwen3_next")
-NOT_SPLIT_BY_HEADS = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
-"""Families whose linear-attention layers lctrain does not split over TP ranks yet: they train
-on the layouts without TP."""
+LINEAR = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+"""Families with linear-attention layers: they train on LINEAR_LAYOUTS too."""
 LAYOUTS_OF_ALL = ("usp2x2_documents",)
 """The layouts every family runs (an MoE family runs the rest of LAYOUTS as MOE_LAYOUTS)."""
 FUSED_IN_MEMORY = ("qwen3_moe", "mixtral", "qwen3_5_moe_text", "qwen3_next")
@@ -185,10 +185,8 @@ MOE_LAYOUTS = {"ep2_cp2_ring_docs": ["parallel.cp=2", "parallel.dp=2", "parallel
 tp2+sp x cp2 ring, ep2 x pp2, DDP with Ulysses, ep2 x cp2 all-gather KV with DDP (the experts
 reduced apart), and ep4, DDP and ep4 tiled and fully recomputed. The fast tier checks them at one rank (logits), and tests/test_moe.py and
 tests/test_activation_memory.py train ep2."""
-EXPORTED_BY = {"cp2_tp2_sp_ulysses": [f for f in FAMILIES if f not in MOE
-                                      and f not in NOT_SPLIT_BY_HEADS],
-               "cp2_ring_zigzag_docs": [f for f in NOT_SPLIT_BY_HEADS if f not in MOE],
-               "moe_cp2_ring_zigzag_docs": list(MOE)}
+EXPORTED_BY = {"cp2_tp2_sp_ulysses": [f for f in FAMILIES if f not in MOE],
+               "moe_cp2_tp2_sp_ulysses": list(MOE)}
 """The layout whose run exports each family (the MoE families' in the full suite)."""
 USP_LAYOUT = {"usp2x2_documents": ["parallel.cp=4", "parallel.dp=1", "parallel.attention=usp",
                                    "parallel.ulysses_degree=2", "data.document_masking=true"]}
@@ -212,6 +210,13 @@ LINEAR_MOE_LAYOUTS = {
                           "parallel.attention=ring", "data.document_masking=true"]}
 """The hybrid MoE families' own layout (full suite): experts split over two of four context
 ranks, each of whose linear layers passes its state on to the next."""
+DECAY_PARAMETERS = ("linear_attention.dt_bias", "linear_attention.A_log",
+                    "linear_attention.in_proj_a.weight", "linear_attention.in_proj_ba.weight")
+"""The parameters of a Gated DeltaNet's decays, whose gradients sum terms of both signs over
+every later token: in float32 they carry an error of about 1e-4 of their largest element, in
+transformers' chunked rule as in lctrain's (against either computed in float64, measured on
+these random models at cp 2 without documents: 1.05e-4 for lctrain's). They are compared to
+2e-4 of their largest element."""
 ALL_LAYOUTS = {**LAYOUTS, **MOE_LAYOUTS, **USP_LAYOUT, **LINEAR_LAYOUTS, **LINEAR_MOE_LAYOUTS}
 
 
@@ -325,8 +330,9 @@ def _hf_step(hf: transformers.PreTrainedModel, cfg) -> tuple[float, dict, "_Rout
     grads = {name: p.grad.clone() for name, p in hf.named_parameters()}
     fused = hf.config.model_type in FUSED_IN_MEMORY
     moe = {k: v for k, v in grads.items() if fused and (".mlp.gate." in k or ".mlp.experts." in k)}
-    grads = {**from_hf_state_dict({k: v for k, v in grads.items() if k not in moe}, False,
-                                  hf.config.model_type), **_moe_grads(moe)}
+    grads = {**from_hf_state_dict({k: v for k, v in grads.items() if k not in moe},
+                                  dataclasses.replace(cfg.model, tie_embeddings=False)),
+             **_moe_grads(moe)}
     return total, grads, routing  # tied: one tensor, listed once under its embedding's name
 
 
@@ -395,12 +401,9 @@ def _one_step(cfgs: dict, out_dir: str) -> dict:
 def _trains_on(family: str, layout: str) -> bool:
     """Every family trains on LAYOUTS_OF_ALL; the dense ones on the rest of LAYOUTS, the MoE
     ones on MOE_LAYOUTS, the linear-attention ones on LINEAR_LAYOUTS (and LINEAR_MOE_LAYOUTS
-    if they have experts) and on none with TP."""
+    if they have experts)."""
     if layout in LINEAR_LAYOUTS or layout in LINEAR_MOE_LAYOUTS:
-        return family in NOT_SPLIT_BY_HEADS and (
-            layout in LINEAR_LAYOUTS or family in MOE)
-    if family in NOT_SPLIT_BY_HEADS and "parallel.tp=2" in ALL_LAYOUTS[layout]:
-        return False
+        return family in LINEAR and (layout in LINEAR_LAYOUTS or family in MOE)
     return layout in LAYOUTS_OF_ALL or (layout in MOE_LAYOUTS) == (family in MOE)
 
 
@@ -433,7 +436,9 @@ def test_every_family_trains_on_every_layout_with_transformers_loss_and_gradient
                 assert routing["expert_load"] == want_routing.counts.tolist(), key
         assert sorted(grads) == sorted(want_grads), key
         for name, want in want_grads.items():
-            torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=1e-6,
+            decay = name.endswith(DECAY_PARAMETERS)
+            atol = 1e-6 + (2e-4 * float(want.abs().max()) if decay else 0.0)
+            torch.testing.assert_close(grads[name], want, rtol=1e-4, atol=atol,
                                        msg=lambda m, k=key, n=name: f"{k} {n}: {m}")
     exported = [f for layout in layouts for f in EXPORTED_BY.get(layout, ())]
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(2))

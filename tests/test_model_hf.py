@@ -19,8 +19,7 @@ def build_pair(cfg: ModelConfig, seed: int = 0):
     ours.init_weights(seed)
     hf = transformers.LlamaForCausalLM(hf_config(cfg))
     hf.config._attn_implementation = "eager"  # independent attention code path
-    missing, unexpected = hf.load_state_dict(to_hf_state_dict(ours.state_dict(),
-                                                              cfg.tie_embeddings, cfg.family),
+    missing, unexpected = hf.load_state_dict(to_hf_state_dict(ours.state_dict(), cfg),
                                              strict=False)
     assert not unexpected
     assert set(missing) <= {"lm_head.weight"} and (not missing or cfg.tie_embeddings)
@@ -96,7 +95,7 @@ def test_state_dict_round_trip_and_deterministic_init():
     b.init_weights(3)
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), n
-    back = from_hf_state_dict(to_hf_state_dict(a.state_dict(), False, "llama"), False, "llama")
+    back = from_hf_state_dict(to_hf_state_dict(a.state_dict(), a.cfg), a.cfg)
     assert back.keys() == a.state_dict().keys()
     c = new_model(cfg)
     c.init_weights(4)

@@ -79,9 +79,9 @@ def test_the_toy_family_builds_counts_maps_and_computes_as_its_reference():
         with torch.no_grad():  # away from their initial ones
             for layer in toy.layers.values():
                 layer.attention.v_scale.weight.uniform_(0.5, 1.5)
-        hf = to_hf_state_dict(toy.state_dict(), False, TOY["family"])
+        hf = to_hf_state_dict(toy.state_dict(), toy.cfg)
         assert "model.layers.1.self_attn.v_scale.weight" in hf
-        assert from_hf_state_dict(hf, False, TOY["family"]).keys() == toy.state_dict().keys()
+        assert from_hf_state_dict(hf, toy.cfg).keys() == toy.state_dict().keys()
         ref = _folded_reference(toy, cfg.model)
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 25))
     lengths = [np.array([7, 12, 6]), np.array([25])]  # packed documents of mixed lengths

@@ -38,8 +38,7 @@ def window_problems(cfg: LctrainConfig) -> list[str]:
 
 
 def linear_problems(cfg: LctrainConfig) -> list[str]:
-    """Gated DeltaNet layers: their heads, and the layout they do not run in yet (they run
-    under data, context and pipeline parallelism: state passing, any split)."""
+    """Gated DeltaNet layers: their heads, which TP and the head split divide."""
     m, p = cfg.model, cfg.parallel
     if LINEAR not in (m.layer_types or ()):
         return []
@@ -48,15 +47,14 @@ def linear_problems(cfg: LctrainConfig) -> list[str]:
         problems.append(f"model.linear_value_heads={m.linear_value_heads} is not a multiple of "
                         f"model.linear_key_heads={m.linear_key_heads}: each key head serves "
                         "whole value heads")
-    if p.cp > 1 and p.linear_cp == "heads" and m.linear_key_heads % p.cp:
-        problems.append(f"parallel.linear_cp=heads splits the linear layers' heads over "
-                        f"parallel.cp={p.cp} ranks, which does not divide model.linear_key_heads="
-                        f"{m.linear_key_heads}; set parallel.linear_cp=state")
-    if p.tp > 1:
-        problems.append(f"parallel.tp={p.tp} with linear_attention layers (model.layer_types): "
-                        "lctrain does not split Gated DeltaNet layers by heads over TP ranks "
-                        "yet; set parallel.tp=1 (data, context and pipeline parallelism run "
-                        "them)")
+    if m.linear_key_heads % p.tp:
+        problems.append(f"parallel.tp={p.tp} does not divide model.linear_key_heads="
+                        f"{m.linear_key_heads}: TP splits the linear layers by key heads (each "
+                        "with its value heads); choose a tp that divides them")
+    elif p.cp > 1 and p.linear_cp == "heads" and (m.linear_key_heads // p.tp) % p.cp:
+        problems.append(f"parallel.linear_cp=heads splits the linear layers' "
+                        f"{m.linear_key_heads // p.tp} key heads per TP rank over parallel.cp="
+                        f"{p.cp} ranks, which does not divide them; set parallel.linear_cp=state")
     return problems
 
 

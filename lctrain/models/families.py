@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from lctrain.config import ModelConfig
 from lctrain.models.gated_deltanet import GatedDeltaNet
@@ -41,6 +41,11 @@ class FamilyCode:
     released Qwen3.5-MoE checkpoints): lctrain path inside a block -> (that tensor's name
     inside `model.layers.{i}`, which of its equal parts along dim 1 this matrix is, how many
     parts). Loading reads it when the per-expert tensors are absent."""
+    hf_rows: dict[str, Callable[[ModelConfig], Tensor]] = field(default_factory=dict)
+    """Parameters whose rows lctrain holds in another order than Hugging Face's (a Gated
+    DeltaNet's Q/K/V projection and convolution, grouped by key head so that TP splits them by
+    rows): lctrain path inside a block -> (model config) -> index [rows], lctrain's row i being
+    Hugging Face's row index[i]. Loading, export and the state-dict maps reorder them."""
     experts: Callable[..., nn.Module] = Experts
     """Builds a mixture-of-experts layer's experts: (ModelConfig, activation) -> module
     (`lctrain.models.moe.Experts` or a subclass)."""
@@ -57,8 +62,8 @@ class FamilyCode:
         names = {k: v for part in parts for k, v in part.hf_names.items()}
         params = {k: v for part in parts for k, v in part.hf_params.items()}
         return FamilyCode(self.hf_config, {**names, **self.hf_names},
-                          {**params, **self.hf_params}, self.hf_fused, self.experts,
-                          self.linear_mixer, parts)
+                          {**params, **self.hf_params}, self.hf_fused, self.hf_rows,
+                          self.experts, self.linear_mixer, parts)
 
     def tp_plan(self) -> dict[str, Any]:
         """Tensor-parallel styles of its parts' modules inside a block, beyond Llama's

@@ -60,19 +60,36 @@ def hf_names(name: str, family: str, n_experts: int) -> list[str]:
     return [to_hf_name(name, family)]
 
 
-def to_hf_state_dict(state: dict[str, Tensor], tie_embeddings: bool,
-                     family: str) -> dict[str, Tensor]:
-    """lctrain's state dict in Hugging Face names (one tensor each: a family whose checkpoints
-    split experts apart is not mapped here, see `hf_names`)."""
-    out = {hf_names(k, family, 1)[0]: v for k, v in state.items()}
-    if tie_embeddings:
+def hf_rows(name: str, cfg: ModelConfig) -> Tensor | None:
+    """Where the rows of lctrain parameter `name` are in its Hugging Face tensor (row i at
+    index[i], `FamilyCode.hf_rows`), or None where the orders are the same."""
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    rows = family_code(cfg.family).hf_rows
+    return rows[m.group(2)](cfg) if m and m.group(2) in rows else None
+
+
+def to_hf_order(name: str, full: Tensor, cfg: ModelConfig) -> Tensor:
+    """lctrain's whole tensor `name` with its rows in Hugging Face's order."""
+    rows = hf_rows(name, cfg)
+    if rows is None:
+        return full
+    out = torch.empty_like(full)
+    out[rows.to(full.device)] = full
+    return out
+
+
+def to_hf_state_dict(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
+    """lctrain's state dict in Hugging Face names and row orders (one tensor each: a family
+    whose checkpoints split experts apart is not mapped here, see `hf_names`)."""
+    out = {hf_names(k, cfg.family, 1)[0]: to_hf_order(k, v, cfg) for k, v in state.items()}
+    if cfg.tie_embeddings:
         out.pop("lm_head.weight", None)
     return out
 
 
-def from_hf_state_dict(hf_state: dict[str, Tensor], tie_embeddings: bool,
-                       family: str) -> dict[str, Tensor]:
+def from_hf_state_dict(hf_state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     """The inverse of `to_hf_state_dict`."""
+    family, tie_embeddings = cfg.family, cfg.tie_embeddings
     inverse, ours_of = {}, {h: ours for ours, h in _layer_map(family).items()}
     params_of = {h: ours for ours, h in family_code(family).hf_params.items() if "{e}" not in h}
     for k, v in hf_state.items():
@@ -86,6 +103,10 @@ def from_hf_state_dict(hf_state: dict[str, Tensor], tie_embeddings: bool,
             inverse[{h: o for o, h in _TOP_MAP.items()}[k.removesuffix(".weight")] + ".weight"] = v
     if tie_embeddings:
         inverse["output.weight"] = inverse["tok_embeddings.weight"]
+    for name, tensor in inverse.items():
+        rows = hf_rows(name, cfg)
+        if rows is not None:
+            inverse[name] = tensor[rows.to(tensor.device)]
     return inverse
 
 
@@ -162,7 +183,12 @@ def load_hf_weights(model: nn.Module, path: str) -> None:
                          model.cfg.n_experts)
         index = local_slices(param)
         fused = _fused_source(name, model.cfg.family) if names[0] not in where else None
-        if fused is not None:  # all experts in one tensor: this matrix's part of it
+        rows = hf_rows(name, model.cfg)
+        if rows is not None:  # rows in another order: the whole tensor read, this rank's taken
+            whole = _read_slice(path, where, names[0], name, param.shape,
+                                tuple(slice(None) for _ in param.shape))
+            local = whole[rows[index[0]]][(slice(None), *index[1:])]
+        elif fused is not None:  # all experts in one tensor: this matrix's part of it
             stored, part, parts = fused
             width = param.shape[1]
             rows = range(width)[index[1]]
@@ -240,6 +266,7 @@ def export_hf(parameters: Iterable[tuple[str, Tensor | None]], cfg: ModelConfig,
         if rank != 0:
             continue
         names = hf_names(name, cfg.family, cfg.n_experts)
+        full = to_hf_order(name, full, cfg)
         pieces = full.unbind(0) if len(names) > 1 else (full,)  # one tensor per expert
         for hf_name, piece in zip(names, pieces):
             current[hf_name] = piece.detach().float().cpu().contiguous()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from lctrain.config import ModelConfig
 from lctrain.models.families import FamilyCode
-from lctrain.models.qwen3_5 import LINEAR_NAMES, LINEAR_PARAMS, hybrid_hf_config
+from lctrain.models.qwen3_5 import HYBRID_ROWS, LINEAR_NAMES, LINEAR_PARAMS, hybrid_hf_config
 from lctrain.models.qwen3_moe import EXPERT_PARAMS, FUSED_EXPERTS, moe_hf_config
 
 
@@ -20,4 +20,5 @@ def _hf_config(cfg: ModelConfig) -> dict:
 
 FAMILY = FamilyCode(hf_config=_hf_config,
                     hf_names={**LINEAR_NAMES, "feed_forward.router": "mlp.gate"},
-                    hf_params={**LINEAR_PARAMS, **EXPERT_PARAMS}, hf_fused=FUSED_EXPERTS)
+                    hf_params={**LINEAR_PARAMS, **EXPERT_PARAMS}, hf_fused=FUSED_EXPERTS,
+                    hf_rows=HYBRID_ROWS)

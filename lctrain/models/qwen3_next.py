@@ -11,7 +11,7 @@ from __future__ import annotations
 from lctrain.config import ModelConfig
 from lctrain.models.families import FamilyCode
 from lctrain.models.gated_deltanet import GroupedGatedDeltaNet
-from lctrain.models.qwen3_5 import LINEAR_PARAMS, hybrid_hf_config
+from lctrain.models.qwen3_5 import LINEAR_PARAMS, QKV_ROWS, hybrid_hf_config
 from lctrain.models.qwen3_moe import EXPERT_PARAMS, FUSED_EXPERTS, moe_hf_config
 
 _LINEAR = ("in_proj_qkvz", "in_proj_ba", "conv1d", "norm", "out_proj")
@@ -30,5 +30,5 @@ FAMILY = FamilyCode(
     hf_config=_hf_config,
     hf_names={**{f"linear_attention.{name}": f"linear_attn.{name}" for name in _LINEAR},
               "feed_forward.router": "mlp.gate"},
-    hf_params={**LINEAR_PARAMS, **EXPERT_PARAMS}, hf_fused=FUSED_EXPERTS,
+    hf_params={**LINEAR_PARAMS, **EXPERT_PARAMS}, hf_fused=FUSED_EXPERTS, hf_rows=QKV_ROWS,
     linear_mixer=GroupedGatedDeltaNet)

@@ -8,7 +8,7 @@ block. Without SP the row-parallel outputs all-reduce. The embedding is vocab-pa
 the output layer column-parallel over the vocabulary; the loss then runs vocab-parallel
 (`loss_parallel`), so no rank materialises full-vocabulary logits. A mixture-of-experts block
 (with SP) routes each rank's sequence shard itself (`moe_block_plan`); attention sinks shard by
-heads.
+heads, and so does a Gated DeltaNet mixer (`linear_block_plan`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 
 from lctrain.models.families import FamilyCode
 from lctrain.models.moe import MoE
+from lctrain.models.parts import HEADS_DIM
 from lctrain.models.registry import family_code
 
 
@@ -71,12 +72,21 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> nn
     """Shard a model (of any family) in place over `tp_mesh`; returns it. Logits come out as a
     vocab-sharded DTensor [B, S/cp, V] (Shard(-1)) for the vocab-parallel loss."""
     top, block = tp_plan(sp, family_code(model.cfg))
+    seq = Shard(1) if sp else Replicate()
     tied = (model.tok_embeddings is not None and model.output is not None
             and model.output.weight is model.tok_embeddings.weight)
     for layer in model.layers.values():
-        moe = isinstance(layer.feed_forward, MoE)
-        parallelize_module(layer, tp_mesh, moe_block_plan(block) if moe else block)
-        if layer.attention.sinks is not None:
+        plan = block
+        if isinstance(layer.feed_forward, MoE):
+            plan = moe_block_plan(plan, layer.feed_forward.shared_expert is not None)
+        if layer.mixer_name != "attention":
+            plan = linear_block_plan(plan, layer.mixer, seq)
+            for name in ("dt_bias", "A_log"):  # one per value head, with the heads
+                setattr(layer.mixer, name, shard_rows(getattr(layer.mixer, name), tp_mesh))
+            conv = layer.mixer.conv1d  # a kernel per channel, grouped by key head
+            conv.weight = shard_rows(conv.weight, tp_mesh)
+        parallelize_module(layer, tp_mesh, plan)
+        if layer.mixer_name == "attention" and layer.attention.sinks is not None:
             # one sink per query head: sharded by heads like the queries
             layer.attention.sinks = shard_rows(layer.attention.sinks, tp_mesh)
     parallelize_module(model, tp_mesh, {k: v for k, v in top.items()
@@ -86,17 +96,38 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sp: bool) -> nn
     return model
 
 
-def moe_block_plan(block: dict) -> dict:
+def moe_block_plan(block: dict, shared_expert: bool = False) -> dict:
     """A block plan whose MLP is a mixture of experts (with SP, which validation requires): the
     MoE takes this rank's sequence shard as a local tensor and routes its own tokens; the
-    router's weight is replicated, its gradient summed over the TP ranks (SequenceParallel,
-    as the norms'); the experts are not TP-sharded (`lctrain.parallel.experts` lays them out
-    over dp x cp x tp)."""
+    router's weight (and a shared expert's and its gate's) is replicated, its gradient summed
+    over the TP ranks (SequenceParallel, as the norms'); the experts are not TP-sharded
+    (`lctrain.parallel.experts` lays them out over dp x cp x tp)."""
     plan = {k: v for k, v in block.items() if not k.startswith("feed_forward")}
     plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),),
                                               desired_input_layouts=(Shard(1),),
                                               use_local_output=True)
-    plan["feed_forward.router"] = SequenceParallel(use_local_output=True)
+    replicated = ["router"] + (["shared_expert.w1", "shared_expert.w3", "shared_expert.w2",
+                                "shared_expert_gate"] if shared_expert else [])
+    for name in replicated:
+        plan[f"feed_forward.{name}"] = SequenceParallel(use_local_output=True)
+    return plan
+
+
+def linear_block_plan(block: dict, mixer: nn.Module, seq) -> dict:
+    """A block plan whose token mixer is a Gated DeltaNet (docs/parallelism.md §31): split by
+    heads as the attention is, its input projections column-parallel (their rows grouped by key
+    head: each rank's are its key heads' and their value heads'), its output projection
+    row-parallel, the per-head norm's weight replicated with its gradient summed over the TP
+    ranks (the heads dimension sharded, as the attention's head norms)."""
+    plan = {k: v for k, v in block.items() if k.split(".")[0] != "attention"}
+    plan["linear_attention"] = PrepareModuleInput(input_layouts=(seq,),
+                                                  desired_input_layouts=(Replicate(),))
+    for name, _ in mixer.named_children():
+        if name.startswith("in_proj_"):
+            plan[f"linear_attention.{name}"] = ColwiseParallel()
+    plan["linear_attention.out_proj"] = RowwiseParallel(output_layouts=seq)
+    plan["linear_attention.norm"] = SequenceParallel(sequence_dim=HEADS_DIM,
+                                                     use_local_output=True)
     return plan
 
 
