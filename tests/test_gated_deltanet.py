@@ -366,3 +366,64 @@ def test_what_the_linear_layers_and_shared_experts_cannot_run_is_refused_by_name
     assert any(message in p for p in problems), problems
     for layout in ({"pp": 2, "cp": 2, "dp": 1}, {"tp": 2, "sp": True, "cp": 2, "dp": 1}):
         assert validate(tiny_config(model=HYBRID_MODEL, parallel=layout), 4) == []
+
+
+def _fake_fla(monkeypatch):
+    """flash-linear-attention's `chunk_gated_delta_rule` as its docstring specifies it (variable
+    -length sequences flattened into one row and cut by cu_seqlens, an initial and a final
+    state per sequence, value heads grouped on the key heads, L2-normalised q and k), computed
+    by the token-by-token reference: what lctrain's glue is checked against on the CPU."""
+    import sys
+    import types
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+                               output_final_state=False, use_qk_l2norm_in_kernel=False,
+                               cu_seqlens=None, cu_seqlens_cpu=None, chunk_size=64):
+        assert use_qk_l2norm_in_kernel and scale is None and chunk_size in (16, 32, 64)
+        assert q.shape[0] == 1 and torch.equal(cu_seqlens.cpu(), cu_seqlens_cpu)
+        bounds = cu_seqlens_cpu.tolist()
+        outs, finals = [], []
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            out, final = gated_delta_reference(
+                *(x[:, a:b] for x in (q, k, v, g, beta)),
+                initial_state=initial_state[i:i + 1].to(v.dtype))
+            outs.append(out)
+            finals.append(final)
+        return torch.cat(outs, dim=1), torch.cat(finals).float() if output_final_state else None
+
+    gated = types.ModuleType("fla.ops.gated_delta_rule")
+    gated.chunk_gated_delta_rule = chunk_gated_delta_rule
+    for name, module in (("fla", types.ModuleType("fla")),
+                         ("fla.ops", types.ModuleType("fla.ops")),
+                         ("fla.ops.gated_delta_rule", gated)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_the_fla_kernels_glue_keeps_the_rules_contract(monkeypatch):
+    """train.linear_kernel=fla: packed documents as fla's variable-length sequences, each row's
+    initial state to its first document and its final state from its last, the transition from
+    a second call with the identity and no values; against lctrain's chunked rule (float64),
+    outputs, final states, transitions and every gradient, on rows with and without
+    boundaries. (On CUDA, tests/test_gpu.py runs the real kernels against it.)"""
+    from lctrain.attention.delta_fla import fla_gated_delta_rule
+    from lctrain.attention.delta_rule import delta_rule
+
+    _fake_fla(monkeypatch)
+    assert delta_rule("fla", torch.device("cpu")) is fla_gated_delta_rule
+    assert delta_rule("auto", torch.device("cpu")) is chunk_gated_delta_rule
+    doc_ids = torch.stack([_doc_ids(DOCS["documents across chunk boundaries"]),
+                           _doc_ids(DOCS["whole row"])])
+    inputs = _inputs(2, 37, 2, 4, 8, 6)
+    start = torch.randn(2, 4, 8, 6, dtype=torch.float64, requires_grad=True)
+    got = fla_gated_delta_rule(*inputs, doc_ids=doc_ids, initial_state=start, transition=True)
+    want = chunk_gated_delta_rule(*inputs, doc_ids=doc_ids, initial_state=start,
+                                  transition=True)
+    assert torch.count_nonzero(want[2][0]) == 0 and torch.count_nonzero(want[2][1]) > 0
+    weights = [torch.randn_like(x) for x in want]
+    leaves = [*inputs, start]
+    grads = [torch.autograd.grad(sum((x * w).sum() for x, w in zip(result, weights)), leaves)
+             for result in (got, want)]
+    for name, a, b in zip(("output", "final state", "transition"), got, want, strict=True):
+        torch.testing.assert_close(a.to(b.dtype), b, rtol=1e-6, atol=1e-8, msg=name)
+    for name, a, b in zip(("q", "k", "v", "g", "beta", "initial state"), *grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8, msg=name)

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 ALL_CHECKS = {"env", "kernels", "cp_algorithms", "train_tiny", "selective_memory",
               "offload_and_tiling", "state_offload", "compile", "checkpoint_resume", "step_8b",
               "kernel_throughput", "batch_transfer", "moe_grouped_mm", "documents_windows_sinks",
-              "families_step"}
+              "families_step", "linear_rule"}
 
 
 @pytest.mark.slow  # 22 s on 2 cores: every check's wiring, each in its own process
@@ -45,6 +45,8 @@ def test_gpu_session_dry_run(tmp_path):
         (a, w) for a in ("ring", "ulysses", "allgather") for w in (2, 4)} | {("usp", 4)}
     step = next(c for c in report["checks"] if c["name"] == "step_8b")
     assert step["plan_step_s"] > 0 and step["plan_modelled_gib"] > 0  # the plan beside it
+    linear = next(c for c in report["checks"] if c["name"] == "linear_rule")
+    assert [c["rule"] for c in linear["cases"]] == ["torch"]  # fla: on CUDA, where installed
     resume = next(c for c in report["checks"] if c["name"] == "checkpoint_resume")
     assert resume["resumed_steps"] == [3, 4]
     assert f"summary: {len(ALL_CHECKS)} passed, 0 failed, 0 skipped" in done.stdout

@@ -115,6 +115,15 @@ def test_kernel_names_are_checked_against_the_device(monkeypatch, capsys):
                             "train.attention_kernel=flash_attn"], capsys)
     assert code == 2 and "flash-attn is not installed" in err
     assert "--no-build-isolation" in err and "train.attention_kernel=torch" in err
+    # flash-linear-attention named but absent: the install, exit 2; named on the CPU: refused
+    monkeypatch.setattr(train_command, "fla_installed", lambda: False)
+    code, _, err = run_cli(["train", *CLI, "parallel.cp=2", "parallel.dp=1", "train.dtype=bf16",
+                            "train.linear_kernel=fla"], capsys)
+    assert code == 2 and "flash-linear-attention is not installed" in err
+    assert "train.linear_kernel=torch" in err
+    cfg = tiny_config(train={"linear_kernel": "fla", "device": "cpu"})
+    (problem,) = validate(cfg, cfg.parallel.cp)
+    assert "train.linear_kernel=fla runs on CUDA only" in problem
     cfg = tiny_config(train={"attention_kernel": "torch", "device": "cpu"})
     (problem,) = validate(cfg, cfg.parallel.cp)
     assert "train.attention_kernel=torch runs on CUDA only" in problem

@@ -50,6 +50,7 @@ from gpu_checks.features import check_documents_windows_sinks, check_families_st
 from gpu_checks.kernels import (  # noqa: E402
     check_kernel_throughput,
     check_kernels,
+    check_linear_rule,
     check_moe_grouped_mm,
 )
 from gpu_checks.memory import (  # noqa: E402
@@ -86,6 +87,7 @@ CHECKS = {  # in order of what a first GPU run must not miss: the paths never ru
     "documents_windows_sinks": Check(check_documents_windows_sinks, 60, 150),
     "families_step": Check(check_families_step, 40, 120, True),
     "moe_grouped_mm": Check(check_moe_grouped_mm, 10, 60),
+    "linear_rule": Check(check_linear_rule, 15, 90),
     "cp_algorithms": Check(check_cp_algorithms, 60, 150),
     "train_tiny": Check(check_train_tiny, 25, 90, True),
     "step_8b": Check(check_step_8b, 60, 180, True),

@@ -19,6 +19,7 @@ from lctrain import device
 from lctrain.attention.calls import PlanCache
 from lctrain.attention.delta_rule import (
     CHUNK,
+    DeltaRule,
     LinearHeads,
     causal_conv,
     chunk_gated_delta_rule,
@@ -103,17 +104,19 @@ def stretch_plan(positions: list[Tensor], doc_ids: Tensor, me: int) -> StretchPl
 
 def state_passing_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                              doc_ids: Tensor, plan: StretchPlan, group: dist.ProcessGroup,
-                             chunk: int = CHUNK) -> Tensor:
+                             chunk: int = CHUNK, rule: DeltaRule = chunk_gated_delta_rule
+                             ) -> Tensor:
     """The gated delta rule over this rank's tokens, exact for the whole sequence.
 
     q, k, v, g, beta, doc_ids: this rank's tokens, shaped as `chunk_gated_delta_rule` takes
-    them ([B, S_local, ...]); `plan`: `stretch_plan`'s. Returns [B, S_local, H, d_v]."""
+    them ([B, S_local, ...]; doc_ids on the host or the device); `plan`: `stretch_plan`'s;
+    `rule`: the rule over each stretch (`chunk_gated_delta_rule`'s contract). Returns
+    [B, S_local, H, d_v]."""
     parts = (q, k, v, g, beta)
 
     def run(b: int, span: slice, start: Tensor | None = None, transition: bool = False):
-        return chunk_gated_delta_rule(*(x[b:b + 1, span] for x in parts),
-                                      doc_ids=doc_ids[b:b + 1, span], initial_state=start,
-                                      chunk=chunk, transition=transition)
+        return rule(*(x[b:b + 1, span] for x in parts), doc_ids=doc_ids[b:b + 1, span],
+                    initial_state=start, chunk=chunk, transition=transition)
 
     b_rows, h, d_k, d_v = v.shape[0], v.shape[2], k.shape[-1], v.shape[-1]
     empty = v.new_zeros(1, h, d_k, d_v + d_k, dtype=torch.promote_types(v.dtype, torch.float32))
@@ -225,8 +228,10 @@ class StatePassing:
     on the host once per micro-batch's document ids)."""
 
     def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, seq_len: int,
-                 load_balance: str, conv_kernel: int, ulysses: int = 1):
+                 load_balance: str, conv_kernel: int, ulysses: int = 1,
+                 rule: DeltaRule = chunk_gated_delta_rule):
         check_cp_rank(group, cp_rank)
+        self.rule = rule
         self.group, self.me, self.cp, self.seq_len = group, cp_rank, cp, seq_len
         self.load_balance, self.ulysses, self.width = load_balance, ulysses, conv_kernel - 1
         self._plans = PlanCache(self._plan)
@@ -261,5 +266,5 @@ class StatePassing:
             doc_ids: Tensor | None, heads: LinearHeads) -> Tensor:
         plan, _, local = self._plans(self._documents(doc_ids, qkv.shape[0]))
         q, k, v = split_heads(self.conv(qkv, weight, doc_ids), heads)
-        return state_passing_delta_rule(q, k, v, g, beta, local.to(qkv.device), plan,
-                                        self.group)
+        return state_passing_delta_rule(q, k, v, g, beta, local, plan, self.group,
+                                        rule=self.rule)

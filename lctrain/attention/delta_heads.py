@@ -19,7 +19,12 @@ from torch import Tensor
 from lctrain import device
 from lctrain.attention.calls import PlanCache
 from lctrain.attention.delta_cp import check_cp_rank
-from lctrain.attention.delta_rule import LinearHeads, gated_delta_mix
+from lctrain.attention.delta_rule import (
+    DeltaRule,
+    LinearHeads,
+    chunk_gated_delta_rule,
+    gated_delta_mix,
+)
 from lctrain.comm import all_to_all_autograd
 from lctrain.layout import sequence
 
@@ -41,8 +46,9 @@ class HeadSplit:
     once per micro-batch's document ids)."""
 
     def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, seq_len: int,
-                 load_balance: str, ulysses: int = 1):
+                 load_balance: str, ulysses: int = 1, rule: DeltaRule = chunk_gated_delta_rule):
         check_cp_rank(group, cp_rank)
+        self.rule = rule
         self.group, self.me, self.cp, self.seq_len = group, cp_rank, cp, seq_len
         self.load_balance, self.ulysses = load_balance, ulysses
         self._orders = PlanCache(self._order)
@@ -74,7 +80,6 @@ class HeadSplit:
         mine = LinearHeads(heads.key_heads // p, heads.key_dim, heads.value_heads // p,
                            heads.value_dim)
         out = gated_delta_mix(x, weight[channels[self.me].to(weight.device)], rates[..., 0],
-                              rates[..., 1].to(beta.dtype),
-                              None if docs is None else docs.to(qkv.device), mine)
+                              rates[..., 1].to(beta.dtype), docs, mine, self.rule)
         out = sequence.take(out, inverse, 1)  # [B, S, H_v/P, d_v] in cp-rank order
         return all_to_all_autograd(out, self.group, scatter_dim=1, gather_dim=2)

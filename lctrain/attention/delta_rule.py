@@ -16,12 +16,15 @@ Also the layer's causal depthwise convolution (`causal_conv`), which restarts at
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lctrain import device
+from lctrain.attention.delta_fla import fla_gated_delta_rule, fla_installed
 from lctrain.config.model_size import DELTA_CHUNK
 
 CHUNK = DELTA_CHUNK
@@ -57,11 +60,28 @@ def split_heads(qkv: Tensor, heads: LinearHeads) -> tuple[Tensor, Tensor, Tensor
 
 
 def gated_delta_mix(qkv: Tensor, weight: Tensor, g: Tensor, beta: Tensor,
-                    doc_ids: Tensor | None, heads: LinearHeads) -> Tensor:
+                    doc_ids: Tensor | None, heads: LinearHeads,
+                    rule: DeltaRule | None = None) -> Tensor:
     """A Gated DeltaNet layer's mixing over whole rows: the causal convolution of the projected
-    Q, K, V [B, S, C], the heads, the gated delta rule -> [B, S, H_v, d_v]."""
-    q, k, v = split_heads(causal_conv(qkv, weight, doc_ids), heads)
-    return chunk_gated_delta_rule(q, k, v, g, beta, doc_ids)[0]
+    Q, K, V [B, S, C], the heads, the gated delta rule (`rule`: `chunk_gated_delta_rule`'s
+    contract; that function by default) -> [B, S, H_v, d_v]. doc_ids: on the host (or the
+    device)."""
+    on_device = None if doc_ids is None else doc_ids.to(qkv.device)
+    q, k, v = split_heads(causal_conv(qkv, weight, on_device), heads)
+    return (rule or chunk_gated_delta_rule)(q, k, v, g, beta, doc_ids)[0]
+
+
+DeltaRule = Callable[..., tuple[Tensor, ...]]
+"""The gated delta rule over rows (`chunk_gated_delta_rule`'s arguments and results): lctrain's
+chunked torch code, or fla's kernels (`lctrain.attention.delta_fla`)."""
+
+
+def delta_rule(kernel: str, on: torch.device) -> DeltaRule:
+    """The rule train.linear_kernel names for a run on device `on`: `fla` (flash-linear-attention's
+    kernels; `auto` on CUDA where the package imports) or `torch` (the chunked rule here)."""
+    if kernel == "fla" or (kernel == "auto" and device.gpu_path(on) and fla_installed()):
+        return fla_gated_delta_rule
+    return chunk_gated_delta_rule
 
 
 def l2norm(x: Tensor) -> Tensor:

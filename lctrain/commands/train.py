@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from lctrain.attention.delta_fla import FLA_INSTALL, fla_installed
 from lctrain.attention.kernels import KERNEL_CODE
 from lctrain.commands import CommandArgs
 from lctrain.config import ConfigError, LctrainConfig
@@ -53,6 +54,10 @@ def cuda_host_problems(cfg: LctrainConfig, nproc: int | None) -> list[str]:
                         f"{gpus}; lower the parallel sizes or launch with torchrun/srun across "
                         "nodes")
     problems += kernel_install_problems(cfg.train.attention_kernel)
+    if cfg.train.linear_kernel == "fla" and not fla_installed():
+        problems.append(f"train.linear_kernel=fla, and flash-linear-attention is not "
+                        f"installed: {FLA_INSTALL}; or train.linear_kernel=torch (no extra "
+                        "package)")
     return problems
 
 

@@ -33,7 +33,12 @@ def uses_lctrain_kernels(cfg: LctrainConfig) -> bool:
 
 
 def kernel_device_problems(cfg: LctrainConfig, device: str) -> list[str]:
-    """train.attention_kernel against the device the run trains on (cpu | cuda)."""
+    """train.attention_kernel (and train.linear_kernel) against the device the run trains on
+    (cpu | cuda)."""
+    if cfg.train.linear_kernel == "fla" and device == "cpu":
+        return ["train.linear_kernel=fla runs on CUDA only (Triton kernels), and this run "
+                "trains on the CPU; use train.linear_kernel=auto (or torch) or "
+                "train.device=cuda"]
     kernel = cfg.train.attention_kernel
     if kernel == "auto" or kernel_backend(kernel).device == device:
         return []

@@ -327,6 +327,11 @@ class TrainConfig:
     then torch on CUDA; cpu on the CPU) or a backend of the registry in
     lctrain/config/kernel_backends.py (`lctrain keys` lists each with its summary). Anything but
     auto also routes plain local attention through lctrain's kernels instead of SDPA."""
+    linear_kernel: str = one_of("auto", "torch", "fla")
+    """The gated delta rule of the linear-attention layers (model.layer_types linear_attention):
+    auto (fla on CUDA where its package imports, else torch) | torch (lctrain's chunked rule in
+    plain torch, any device) | fla (flash-linear-attention's Triton kernels, the `gpu` extra;
+    CUDA only)."""
     activation_checkpointing: str = one_of("none", "selective", "full")
     """none | selective (save matmul and attention outputs, recompute the rest) | full (whole
     blocks recomputed in backward)."""

@@ -27,7 +27,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lctrain.attention.delta_rule import LinearHeads, gated_delta_mix
+from lctrain.attention.delta_rule import (
+    DeltaRule,
+    LinearHeads,
+    chunk_gated_delta_rule,
+    gated_delta_mix,
+)
 from lctrain.models.init import ZEROS
 
 
@@ -63,13 +68,16 @@ class LinearCore(Protocol):
             doc_ids: Tensor | None, heads: LinearHeads) -> Tensor: ...
 
 
+@dataclass(frozen=True)
 class LocalLinear:
-    """One device holds the whole rows."""
+    """One device holds the whole rows; `rule`: the gated delta rule's code (lctrain's chunked
+    torch, or fla's kernels: `lctrain.attention.delta_rule.delta_rule`)."""
+
+    rule: DeltaRule = chunk_gated_delta_rule
 
     def mix(self, qkv: Tensor, weight: Tensor, g: Tensor, beta: Tensor,
             doc_ids: Tensor | None, heads: LinearHeads) -> Tensor:
-        docs = None if doc_ids is None else doc_ids.to(qkv.device)
-        return gated_delta_mix(qkv, weight, g, beta, docs, heads)
+        return gated_delta_mix(qkv, weight, g, beta, doc_ids, heads, self.rule)
 
 
 LOCAL_LINEAR = LocalLinear()

@@ -18,12 +18,13 @@ from lctrain import device
 from lctrain.attention import ContextParallelAttention
 from lctrain.attention.delta_cp import StatePassing
 from lctrain.attention.delta_heads import HeadSplit
+from lctrain.attention.delta_rule import delta_rule
 from lctrain.attention.kernels import KernelOptions, forward_ops
 from lctrain.config import LctrainConfig
 from lctrain.config.derived import load_balance_of
 from lctrain.models.blocks import AttentionCore, sdpa_attention
 from lctrain.models.decoder import Decoder
-from lctrain.models.gated_deltanet import LOCAL_LINEAR, LinearCore
+from lctrain.models.gated_deltanet import LinearCore, LocalLinear
 from lctrain.models.hf import load_hf_weights
 from lctrain.models.init import init_weights
 from lctrain.models.registry import new_model
@@ -60,14 +61,16 @@ def build_attention_core(cfg: LctrainConfig, rt: Runtime) -> AttentionCore:
 def build_linear_core(cfg: LctrainConfig, rt: Runtime) -> LinearCore:
     """The linear-attention layers' core: the whole rows on one rank, or under context
     parallelism (parallel.linear_cp) state passing or the head split over the cp group (the
-    tokens each rank holds laid out as the attention's)."""
+    tokens each rank holds laid out as the attention's); the rule on the kernels
+    train.linear_kernel names."""
+    rule = delta_rule(cfg.train.linear_kernel, rt.device)
     if cfg.parallel.cp == 1:
-        return LOCAL_LINEAR
+        return LocalLinear(rule)
     g, where = rt.cp_groups, (cfg.train.seq_len, load_balance_of(cfg))
     if cfg.parallel.linear_cp == "heads":
-        return HeadSplit(g.cp, g.cp_rank, g.cp_size, *where, g.ulysses_size)
+        return HeadSplit(g.cp, g.cp_rank, g.cp_size, *where, g.ulysses_size, rule)
     return StatePassing(g.cp, g.cp_rank, g.cp_size, *where, cfg.model.linear_conv_kernel,
-                        g.ulysses_size)
+                        g.ulysses_size, rule)
 
 
 def parallelize_model(model: Decoder, cfg: LctrainConfig, rt: Runtime,

@@ -16,6 +16,8 @@ from gpu_checks.context import (
 )
 from lctrain.attention.calls import Block
 from lctrain.attention.cuda_kernels import flash_attn_installed
+from lctrain.attention.delta_fla import fla_gated_delta_rule, fla_installed
+from lctrain.attention.delta_rule import chunk_gated_delta_rule
 from lctrain.attention.kernels import KernelOptions
 from lctrain.attention.local import local_attention
 from lctrain.models.moe import grouped_matmul
@@ -189,3 +191,50 @@ def check_moe_grouped_mm(ctx: Context) -> dict:
     return {"status": "PASS" if worst <= tol else "FAIL", "max_rel_diff": worst,
             "detail": f"largest difference / largest value {worst:.2e} (tolerance {tol:.0e}), "
                       + ("forward" if ctx.dry_run else "forward and every gradient")}
+
+
+def check_linear_rule(ctx: Context) -> dict:
+    """The gated delta rule of the linear-attention layers on the device, with packed documents,
+    an initial state and the transition state passing needs: lctrain's chunked torch rule in
+    the device dtype (float32 inside) and, where flash-linear-attention imports, its kernels
+    (train.linear_kernel=fla), each against the chunked rule in float64 on the CPU: outputs,
+    final states, transitions and every gradient."""
+    gen = torch.Generator().manual_seed(0)
+    b, s, h_k, h, d_k, d_v = 2, 200, 2, 4, 64, 64
+    qkv = [torch.randn(b, s, n, d, generator=gen, dtype=torch.float64)
+           for n, d in ((h_k, d_k), (h_k, d_k), (h, d_v))]
+    g = -torch.rand(b, s, h, generator=gen, dtype=torch.float64) * 0.5
+    beta = torch.rand(b, s, h, generator=gen, dtype=torch.float64)
+    start = torch.randn(b, h, d_k, d_v, generator=gen, dtype=torch.float64) * 0.1
+    doc_ids = torch.cat([torch.zeros(s // 2), torch.ones(s - s // 2)]).long().expand(b, s)
+    doc_ids = torch.stack([doc_ids[0], torch.zeros(s, dtype=torch.long)])  # row 2: one doc
+    weights = None
+
+    def run(rule, dtype, device):
+        nonlocal weights
+        leaves = [x.to(device, dtype).requires_grad_() for x in (*qkv, g, beta)]
+        leaves.append(start.to(device, torch.float32 if dtype != torch.float64 else dtype)
+                      .requires_grad_())
+        out = rule(*leaves[:5], doc_ids=doc_ids, initial_state=leaves[5], transition=True)
+        if weights is None:
+            weights = [torch.randn(x.shape, generator=gen, dtype=torch.float64) for x in out]
+        loss = sum((x.double() * w.to(device)).sum() for x, w in zip(out, weights))
+        grads = torch.autograd.grad(loss, leaves)
+        return [t.detach().double().cpu() for t in (*out, *grads)]
+
+    want = run(chunk_gated_delta_rule, torch.float64, torch.device("cpu"))
+    rules = {"torch": chunk_gated_delta_rule}
+    if fla_installed() and ctx.device.type == "cuda":
+        rules["fla"] = fla_gated_delta_rule
+    rows, tol = [], 1e-5 if ctx.dry_run else BF16_TOL
+    for name, rule in rules.items():
+        got = run(rule, ctx.dtype, ctx.device)
+        worst = max(float((a - w).abs().max() / w.abs().max().clamp_min(1e-12))
+                    for a, w in zip(got, want))
+        rows.append({"rule": name, "max_rel_diff": worst})
+    ok = all(r["max_rel_diff"] <= tol for r in rows)
+    missing = "" if "fla" in rules else "; flash-linear-attention not installed: fla not run"
+    return {"status": "PASS" if ok else "FAIL", "cases": rows,
+            "detail": ", ".join(f"{r['rule']} {r['max_rel_diff']:.2e}" for r in rows)
+                      + f" (tolerance {tol:.0e}; largest difference / largest value over "
+                      "outputs, states, transitions, gradients)" + missing}
