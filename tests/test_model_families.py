@@ -463,6 +463,8 @@ RESUMED_UNDER = {  # family -> the layout that loads the cp2 x tp2+sp Ulysses ch
               "train.loss_chunk=8", "train.mlp_chunk=8", "data.document_masking=false"],
     # the tied embedding split over the first and last stage, refreshed from the loaded weights
     "gemma3_text": LAYOUTS["pp2_dp2"],
+    # the linear layers' rows grouped by key head, split by TP, whole on each pipeline stage
+    "qwen3_5_text": LAYOUTS["pp2_dp2"],
 }
 
 
@@ -510,8 +512,8 @@ DEEPSPEED = ["parallel.cp=2", "parallel.dp=2", "parallel.attention=ring",
 def test_every_family_checkpoints_and_resumes_under_another_layout(hf_dirs, tmp_path):
     """Three steps from the HF weights on cp2 x tp2+sp (a checkpoint at step 2); the step-2
     checkpoint loaded under another layout (all-gather KV with DDP and tiling for Qwen2, ring
-    x pp2 with tiling for Qwen3, pp2 x dp2 for Gemma 3's tied embedding) continues with the
-    same loss and grad norm; DeepSpeed ZeRO-3 trains Qwen2's first steps alike. (Llama's reshards: tests/test_checkpoint.py and
+    x pp2 with tiling for Qwen3, pp2 x dp2 for Gemma 3's tied embedding and Qwen3.5's linear
+    layers) continues with the same loss and grad norm; DeepSpeed ZeRO-3 trains Qwen2's first steps alike. (Llama's reshards: tests/test_checkpoint.py and
     test_pipeline.py; DeepSpeed's own: tests/test_deepspeed.py.)"""
     runs = {}
     for family in RESUMED_UNDER:
