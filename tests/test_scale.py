@@ -141,12 +141,24 @@ def test_offload_keeps_the_block_inputs_in_host_memory(monkeypatch):
     assert packed.count((2, 32, MODEL["dim"])) >= MODEL["n_layers"], packed
 
 
-@pytest.mark.slow  # 13 s on 2 cores, most of it torch.compile
+HYBRID = {"family": "qwen3_5_text", "layer_types": ["linear_attention", "full_attention"],
+          "linear_key_heads": 2, "linear_value_heads": 4, "linear_key_dim": 8,
+          "linear_value_dim": 16}
+"""A Qwen3.5-shaped hybrid: a Gated DeltaNet layer and a gated full-attention one."""
+
+
+@pytest.mark.slow  # 30 s on 2 cores, most of it torch.compile
 def test_compiled_blocks_and_loss_match_eager(tmp_path):
+    """A dense model and a hybrid (its linear layer's convolution and chunked rule compiled
+    too)."""
     steps = {"steps": 2, "global_batch": 2, "micro_batch": 2}
-    runs = {"e": tiny_config(model=MODEL, train=steps),
-            "c": tiny_config(model=MODEL, train={**steps, "compile": True, "loss_chunk": 16})}
+    runs = {}
+    for name, model in (("dense", MODEL), ("hybrid", HYBRID)):
+        runs[f"{name}_eager"] = tiny_config(model=model, train=steps)
+        runs[f"{name}_compiled"] = tiny_config(model=model, train={**steps, "compile": True,
+                                                                    "loss_chunk": 16})
     histories = on_ranks(train_each, 1, runs, str(tmp_path), timeout_s=600)[0]
-    for got, want in zip(histories["c"], histories["e"]):
-        for key in ("loss", "grad_norm"):
-            assert got[key] == pytest.approx(want[key], rel=1e-5), (got["step"], key)
+    for name in ("dense", "hybrid"):
+        for got, want in zip(histories[f"{name}_compiled"], histories[f"{name}_eager"]):
+            for key in ("loss", "grad_norm"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5), (name, got["step"], key)
