@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lctrain.attention import ContextParallelAttention, cuda_kernels, kernels
+from lctrain.attention import ContextParallelAttention, cuda_kernels, delta_rule, kernels
 from lctrain.attention.kernels import KernelOptions
 from lctrain.comm import all_gather, check_collective_devices
 from lctrain.commands import train as train_command
@@ -116,7 +116,8 @@ def test_kernel_names_are_checked_against_the_device(monkeypatch, capsys):
     assert code == 2 and "flash-attn is not installed" in err
     assert "--no-build-isolation" in err and "train.attention_kernel=torch" in err
     # flash-linear-attention named but absent: the install, exit 2; named on the CPU: refused
-    monkeypatch.setattr(train_command, "fla_installed", lambda: False)
+    monkeypatch.setitem(delta_rule.DELTA_RULES, "fla",
+                        delta_rule.RuleCode(delta_rule.DELTA_RULES["fla"].rule, lambda: False))
     code, _, err = run_cli(["train", *CLI, "parallel.cp=2", "parallel.dp=1", "train.dtype=bf16",
                             "train.linear_kernel=fla"], capsys)
     assert code == 2 and "flash-linear-attention is not installed" in err

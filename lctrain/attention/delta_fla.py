@@ -19,8 +19,7 @@ from functools import cache
 import torch
 from torch import Tensor
 
-FLA_INSTALL = ("pip install flash-linear-attention (the `gpu` extra: pip install 'lctrain[gpu]'; "
-               "needs Triton and a CUDA GPU)")
+from lctrain.config.kernel_backends import FLA_INSTALL
 
 
 @cache
@@ -59,18 +58,19 @@ def fla_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
                          ) -> tuple[Tensor, Tensor] | tuple[Tensor, Tensor, Tensor]:
     """`chunk_gated_delta_rule`'s contract (q, k [B, S, H_k, d_k], v [B, S, H, d_v], g and beta
     [B, S, H], doc_ids [B, S] or None, initial_state [B, H, d_k, d_v] or None -> output
-    [B, S, H, d_v], final state [B, H, d_k, d_v] in float32, and with `transition` T
+    [B, S, H, d_v], final state [B, H, d_k, d_v] in float32 (float64 for float64 inputs, which
+    only a stand-in for fla takes), and with `transition` T
     [B, H, d_k, d_k]) on fla's kernels (their value heads grouped on the key heads as
     lctrain's: value head j reads key head j // (H / H_k))."""
     rule = _fla_rule()
     b, s, _, d_k = k.shape
     h, d_v = v.shape[2], v.shape[3]
     cu, first, last = _sequences(doc_ids, b, s)
-    device = v.device
+    device, wide = v.device, torch.promote_types(v.dtype, torch.float32)  # the states' dtype
     flat = [x.reshape(1, b * s, *x.shape[2:]) for x in (q, k, v, g, beta)]
-    start = torch.zeros(len(cu) - 1, h, d_k, d_v, dtype=torch.float32, device=device)
+    start = torch.zeros(len(cu) - 1, h, d_k, d_v, dtype=wide, device=device)
     if initial_state is not None:
-        start = start.index_copy(0, first.to(device), initial_state.float())
+        start = start.index_copy(0, first.to(device), initial_state.to(wide))
     kernel = {"cu_seqlens": cu.to(device), "cu_seqlens_cpu": cu, "chunk_size": chunk,
               "use_qk_l2norm_in_kernel": True, "output_final_state": True}
     out, final = rule(*flat, initial_state=start, **kernel)
@@ -78,8 +78,8 @@ def fla_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     final = final[last.to(device)]
     if not transition:
         return out, final
-    eye = torch.eye(d_k, dtype=torch.float32, device=device).expand(b, h, d_k, d_k)
-    start = torch.zeros(len(cu) - 1, h, d_k, d_k, dtype=torch.float32, device=device)
+    eye = torch.eye(d_k, dtype=wide, device=device).expand(b, h, d_k, d_k)
+    start = torch.zeros(len(cu) - 1, h, d_k, d_k, dtype=wide, device=device)
     start = start.index_copy(0, first.to(device), eye)
     no_values = flat[2].new_zeros(1, b * s, h, d_k)
     _, moved = rule(flat[0], flat[1], no_values, flat[3], flat[4], initial_state=start,

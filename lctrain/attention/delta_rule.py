@@ -25,6 +25,7 @@ from torch import Tensor
 
 from lctrain import device
 from lctrain.attention.delta_fla import fla_gated_delta_rule, fla_installed
+from lctrain.config.kernel_backends import LINEAR_KERNELS
 from lctrain.config.model_size import DELTA_CHUNK
 
 CHUNK = DELTA_CHUNK
@@ -76,12 +77,24 @@ DeltaRule = Callable[..., tuple[Tensor, ...]]
 chunked torch code, or fla's kernels (`lctrain.attention.delta_fla`)."""
 
 
+class RuleCode(NamedTuple):
+    """A linear-attention kernel's code (its facts: `lctrain.config.kernel_backends`'s
+    LINEAR_KERNELS entry of the same name)."""
+
+    rule: DeltaRule
+    installed: Callable[[], bool] = lambda: True
+
+
 def delta_rule(kernel: str, on: torch.device) -> DeltaRule:
-    """The rule train.linear_kernel names for a run on device `on`: `fla` (flash-linear-attention's
-    kernels; `auto` on CUDA where the package imports) or `torch` (the chunked rule here)."""
-    if kernel == "fla" or (kernel == "auto" and device.gpu_path(on) and fla_installed()):
-        return fla_gated_delta_rule
-    return chunk_gated_delta_rule
+    """The rule train.linear_kernel names for a run on device `on`; `auto`: of the kernels that
+    run there and whose code imports, the one `auto` ranks first (fla on CUDA where it is
+    installed, else torch)."""
+    if kernel == "auto":
+        kind = "cuda" if device.gpu_path(on) else "cpu"
+        kernel = min((LINEAR_KERNELS[n].auto_rank, n) for n in LINEAR_KERNELS
+                     if LINEAR_KERNELS[n].device in ("any", kind)
+                     and DELTA_RULES[n].installed())[1]
+    return DELTA_RULES[kernel].rule
 
 
 def l2norm(x: Tensor) -> Tensor:
@@ -129,8 +142,8 @@ def in_float32(fn):
 
     @functools.wraps(fn)
     def run(first, *args, **kwargs):
-        device = (first[0] if isinstance(first, list) else first).device
-        with torch.autocast(device.type, enabled=False):
+        on = (first[0] if isinstance(first, list) else first).device
+        with torch.autocast(on.type, enabled=False):
             return fn(first, *args, **kwargs)
 
     return run
@@ -215,3 +228,8 @@ def causal_conv(x: Tensor, weight: Tensor, doc_ids: Tensor | None) -> Tensor:
             earlier = earlier * same[..., None].to(x.dtype)
         out = out + earlier * weight[:, 0, k - 1 - shift]
     return F.silu(out)
+
+
+DELTA_RULES: dict[str, RuleCode] = {"torch": RuleCode(chunk_gated_delta_rule),
+                                    "fla": RuleCode(fla_gated_delta_rule, fla_installed)}
+"""The code of each linear-attention kernel of `LINEAR_KERNELS`, by name."""

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from lctrain.attention.delta_fla import FLA_INSTALL, fla_installed
+from lctrain.attention.delta_rule import DELTA_RULES
 from lctrain.attention.kernels import KERNEL_CODE
 from lctrain.commands import CommandArgs
 from lctrain.config import ConfigError, LctrainConfig
 from lctrain.config.derived import local_world_size
 from lctrain.config.device_rules import cuda_problems, kernel_device_problems
-from lctrain.config.kernel_backends import backends_on, kernel_backend
+from lctrain.config.kernel_backends import LINEAR_KERNELS, backends_on, kernel_backend
 from lctrain.config.model_size import param_count
 from lctrain.config.validation import warnings_for
 from lctrain.data.ingest import DataError
@@ -54,10 +54,11 @@ def cuda_host_problems(cfg: LctrainConfig, nproc: int | None) -> list[str]:
                         f"{gpus}; lower the parallel sizes or launch with torchrun/srun across "
                         "nodes")
     problems += kernel_install_problems(cfg.train.attention_kernel)
-    if cfg.train.linear_kernel == "fla" and not fla_installed():
-        problems.append(f"train.linear_kernel=fla, and flash-linear-attention is not "
-                        f"installed: {FLA_INSTALL}; or train.linear_kernel=torch (no extra "
-                        "package)")
+    linear = cfg.train.linear_kernel
+    if linear != "auto" and not DELTA_RULES[linear].installed():
+        facts = LINEAR_KERNELS[linear]
+        problems.append(f"train.linear_kernel={linear}, and {facts.package} is not installed: "
+                        f"{facts.install}; or train.linear_kernel=torch (no extra package)")
     return problems
 
 

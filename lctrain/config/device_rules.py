@@ -6,7 +6,7 @@ names the device; `lctrain train` runs them again once train.device=auto is reso
 
 from __future__ import annotations
 
-from lctrain.config.kernel_backends import backends_on, kernel_backend
+from lctrain.config.kernel_backends import LINEAR_KERNELS, backends_on, kernel_backend
 from lctrain.config.model_families import model_family
 from lctrain.config.model_parts import SINKS
 from lctrain.config.schema import LctrainConfig
@@ -35,10 +35,12 @@ def uses_lctrain_kernels(cfg: LctrainConfig) -> bool:
 def kernel_device_problems(cfg: LctrainConfig, device: str) -> list[str]:
     """train.attention_kernel (and train.linear_kernel) against the device the run trains on
     (cpu | cuda)."""
-    if cfg.train.linear_kernel == "fla" and device == "cpu":
-        return ["train.linear_kernel=fla runs on CUDA only (Triton kernels), and this run "
-                "trains on the CPU; use train.linear_kernel=auto (or torch) or "
-                "train.device=cuda"]
+    linear = cfg.train.linear_kernel
+    if linear != "auto" and LINEAR_KERNELS[linear].device not in ("any", device):
+        names = {"cpu": "the CPU", "cuda": "CUDA"}
+        return [f"train.linear_kernel={linear} runs on {names[LINEAR_KERNELS[linear].device]} "
+                f"only, and this run trains on {names[device]}; use train.linear_kernel=auto "
+                "(or torch)" + (" or train.device=cuda" if device == "cpu" else "")]
     kernel = cfg.train.attention_kernel
     if kernel == "auto" or kernel_backend(kernel).device == device:
         return []

@@ -26,7 +26,8 @@ class KernelBackend:
     name: str
     """The value of train.attention_kernel that selects it."""
     device: str
-    """cpu | cuda: the only device it runs on (validation refuses it on the other)."""
+    """cpu | cuda: the only device it runs on (validation refuses it on the other); any: every
+    device (a linear-attention kernel in plain torch)."""
     summary: str
     """One line for `lctrain keys` and the docs."""
     varlen: bool = False
@@ -50,6 +51,22 @@ for _backend in (
         KernelBackend("reference", "cpu", "CPU: a plain-torch varlen kernel, for checks",
                       varlen=True)):
     KERNEL_BACKENDS.add(_backend)
+
+
+FLA_INSTALL = ("pip install flash-linear-attention (the `gpu` extra: pip install 'lctrain[gpu]'; "
+               "needs Triton and a CUDA GPU)")
+
+LINEAR_KERNELS: Registry[KernelBackend] = Registry("linear-attention kernel")
+"""The gated delta rule's backends (`train.linear_kernel`), device `any` for one that runs on
+every device; their code is registered under the same names in
+`lctrain.attention.delta_rule` (`DELTA_RULES`)."""
+for _backend in (
+        KernelBackend("torch", "any", "any device: lctrain's chunked gated delta rule in plain "
+                      "torch", auto_rank=1),
+        KernelBackend("fla", "cuda", "CUDA: flash-linear-attention's Triton kernels, the `gpu` "
+                      "extra", package="flash-linear-attention", install=FLA_INSTALL,
+                      auto_rank=0)):
+    LINEAR_KERNELS.add(_backend)
 
 
 def kernel_backend(name: str) -> KernelBackend:

@@ -16,7 +16,7 @@ from typing import Any
 
 from lctrain.config.cp_algorithms import CP_ALGORITHMS
 from lctrain.config.fields import at_least, one_of
-from lctrain.config.kernel_backends import KERNEL_BACKENDS
+from lctrain.config.kernel_backends import KERNEL_BACKENDS, LINEAR_KERNELS
 from lctrain.config.load_balances import LOAD_BALANCES
 from lctrain.config.model_families import MODEL_FAMILIES
 from lctrain.config.schema_data import DataConfig, EvalConfig, PreprocessConfig
@@ -327,11 +327,12 @@ class TrainConfig:
     then torch on CUDA; cpu on the CPU) or a backend of the registry in
     lctrain/config/kernel_backends.py (`lctrain keys` lists each with its summary). Anything but
     auto also routes plain local attention through lctrain's kernels instead of SDPA."""
-    linear_kernel: str = one_of("auto", "torch", "fla")
+    linear_kernel: str = one_of("auto", registry=LINEAR_KERNELS)
     """The gated delta rule of the linear-attention layers (model.layer_types linear_attention):
-    auto (fla on CUDA where its package imports, else torch) | torch (lctrain's chunked rule in
-    plain torch, any device) | fla (flash-linear-attention's Triton kernels, the `gpu` extra;
-    CUDA only)."""
+    auto (of the kernels that run on the device and import, the one auto ranks first: fla on
+    CUDA, else torch) or a kernel of the registry in lctrain/config/kernel_backends.py: torch
+    (lctrain's chunked rule in plain torch, any device) | fla (flash-linear-attention's Triton
+    kernels, the `gpu` extra; CUDA only)."""
     activation_checkpointing: str = one_of("none", "selective", "full")
     """none | selective (save matmul and attention outputs, recompute the rest) | full (whole
     blocks recomputed in backward)."""
