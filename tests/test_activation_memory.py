@@ -192,6 +192,8 @@ HYBRID_CASES = [({}, "fp32", False, {}), ({}, "bf16", True, {}), ({"cp": 2}, "fp
                 ({}, "bf16", False, {"linear_key_dim": 128, "linear_value_dim": 128}),
                 ({"cp": 2}, "bf16", True, {"linear_key_dim": 64, "linear_value_dim": 128}),
                 ({"cp": 2, "linear_cp": "heads"}, "bf16", True,
+                 {"linear_key_dim": 64, "linear_value_dim": 128}),
+                ({"tp": 2, "sp": True}, "bf16", True,
                  {"linear_key_dim": 64, "linear_value_dim": 128})]
 """(layout, dtype, packed documents, head dims) of the hybrid's linear layer against its
 estimate: small heads, and Qwen3.5's d_k = d_v = 128 in bf16, where the terms in d_k d_v and
@@ -214,9 +216,10 @@ def test_a_linear_attention_layer_keeps_what_its_estimate_says():
     """A Gated DeltaNet block's activations (lctrain.planning.activations.linear_mixer_kept:
     an estimate, not exact as an attention block's) within 8% of the measured ones, over its
     estimate never under: fp32 and bf16, packed documents, cp2 (state passing: the recurrence
-    runs twice; the head split: once), small and released head dims."""
+    runs twice; the head split: once), tp2+sp (a rank's share of the heads), small and released
+    head dims."""
     for world in (1, 2):
-        cases = [c for c in HYBRID_CASES if c[0].get("cp", 1) == world]
+        cases = [c for c in HYBRID_CASES if c[0].get("cp", 1) * c[0].get("tp", 1) == world]
         measured = on_ranks(_measure_hybrid, world, cases)[0]
         for case, got in zip(cases, measured, strict=True):
             want = activation_formula(_hybrid_config(*case), world, batch=1, layer=0)
