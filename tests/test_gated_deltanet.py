@@ -305,14 +305,17 @@ def _mix_rank(qkv, weight, g, beta, doc_ids, heads, balance, world, how):
     return out.detach(), [x.grad for x in local], sum(sent.elements.values())
 
 
-@pytest.mark.parametrize("world,balance,how", [(2, "zigzag", "heads"), (2, "documents", "heads"),
-                                               (4, "zigzag", "state")])
-def test_the_head_split_and_state_passing_are_the_whole_rows(world, balance, how):
+@pytest.mark.parametrize("world,balance,how,held_whole", [
+    (2, "zigzag", "heads", False), (2, "documents", "heads", False),
+    (4, "zigzag", "state", False), (4, "zigzag", "state", True)])
+def test_the_head_split_and_state_passing_are_the_whole_rows(world, balance, how, held_whole):
     """The two ways a linear layer runs under context parallelism (parallel.linear_cp), from the
     projected Q, K, V before the convolution to the rule's output: every rank's output and
     the gradients of its inputs equal the whole rows' (float64, packed documents); the head
     split sends what grows with the sequence: (P - 1)/P of its tokens' C_c + 2 H_v numbers and
-    H_v d_v back, forward and backward."""
+    H_v d_v back, forward and backward. Documents each held whole by one rank (`held_whole`:
+    stretches of 5 tokens, documents of 5) need no exchange at all: state passing sends
+    nothing."""
     from lctrain.attention.delta_rule import LinearHeads, gated_delta_mix
     from lctrain.layout import sequence
     from tests.helpers import on_ranks
@@ -325,6 +328,8 @@ def test_the_head_split_and_state_passing_are_the_whole_rows(world, balance, how
     g = -torch.rand(b, s, 4, dtype=torch.float64)
     beta = torch.rand(b, s, 4, dtype=torch.float64)
     rows = [DOCS["documents across chunk boundaries"] + [3], DOCS["only short documents"] + [3]]
+    if held_whole:
+        rows = [[5] * 8, [2, 3] * 8]
     doc_ids = torch.stack([_doc_ids(r) for r in rows])
     got = on_ranks(_mix_rank, world, qkv, weight, g, beta, doc_ids, heads, balance, world, how)
     whole = [x.clone().requires_grad_() for x in (qkv, g, beta)]
@@ -340,6 +345,8 @@ def test_the_head_split_and_state_passing_are_the_whole_rows(world, balance, how
         if how == "heads":  # per token: channels and (g, beta) there, the output back; x 2
             per_token = heads.channels + 2 * 4 + 4 * 3
             assert sent == 2 * b * (s // world) * per_token * (world - 1) // world, sent
+        else:
+            assert (sent == 0) == held_whole, sent
 
 
 HYBRID_MODEL = {"family": "qwen3_5_text", "layer_types": ["linear_attention", "full_attention"],

@@ -10,6 +10,7 @@ reduce-scatters the gradients of (E, T) to the ranks that made them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -75,6 +76,14 @@ class StretchPlan:
     bounds: list[list[tuple[int, int]]]
     """Per row, the global positions [start, end) of each stretch of `order`."""
 
+    @cached_property
+    def passes(self) -> bool:
+        """Whether some stretch continues a document from the stretch before it: else every
+        stretch starts from a zero state and no halo (documents held whole by their ranks),
+        and nothing is exchanged (the same on every rank: the plan is made from the global
+        document ids)."""
+        return any(bool(c) for row in self.continues for c in row)
+
 
 def _runs(pos: Tensor) -> list[slice]:
     """Runs of consecutive global positions in `pos` [S_local], as slices of it."""
@@ -119,6 +128,9 @@ def state_passing_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: T
                     initial_state=start, chunk=chunk, transition=transition)
 
     b_rows, h, d_k, d_v = v.shape[0], v.shape[2], k.shape[-1], v.shape[-1]
+    if not plan.passes:  # every stretch starts a document: from zero, nothing to exchange
+        return torch.cat([torch.cat([run(b, span)[0] for span in plan.mine[b]], dim=1)
+                          for b in range(b_rows)])
     empty = v.new_zeros(1, h, d_k, d_v + d_k, dtype=torch.promote_types(v.dtype, torch.float32))
     slots = []
     for slot in range(plan.slots):
@@ -193,6 +205,10 @@ def halo_conv(x: Tensor, weight: Tensor, plan: StretchPlan, halo: HaloPlan,
     document ids beside: the convolution restarts at documents as on one rank."""
     width = weight.shape[-1] - 1
     rows, c = x.shape[0], x.shape[-1]
+    if not plan.passes:  # every stretch starts a document: no halo to fetch
+        return torch.stack([torch.cat([
+            causal_conv(x[b, span][None], weight, halo.docs[b][slot][None, width:].to(x.device))[0]
+            for slot, span in enumerate(plan.mine[b])]) for b in range(rows)])
     tails = x.new_zeros(plan.slots, rows, width, c)
     for b in range(rows):
         for slot, span in enumerate(plan.mine[b]):
