@@ -66,7 +66,7 @@ def test_greedy_tokens_are_transformers_generate(tmp_path):
 
 
 def test_what_generation_does_not_run_is_refused_by_name():
-    from lctrain.training.generate import generation_problems
+    from lctrain.config.eval_rules import generation_problems
     from tests.helpers import tiny_config
 
     assert generation_problems(tiny_config(parallel={"tp": 2, "sp": False})) == []

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from lctrain.config.ruler_tasks import RULER_TASKS
 from lctrain.data import ruler
-from lctrain.data.ruler import RULER_TASKS, RulerBuilder, score
+from lctrain.data.ruler import RulerBuilder, score
 
 TEXT = "Once upon a time a river ran past an old mill where nobody worked any more. " * 3
 
@@ -130,3 +131,75 @@ def test_the_score_is_the_share_of_expected_strings_generated():
     assert score(" the numbers are 1234567 and 7654321", answers) == pytest.approx(2 / 3)
     assert score(" I do not know.", answers) == 0.0
     assert score(" AMBER-FALCON", ("amber-falcon",)) == 1.0  # case folded
+
+
+SCORED = ["niah_single_1", "niah_multikey_2", "vt", "cwe", "fwe"]
+"""The tasks the wiring test scores: every kind, the haystacks that need no validation data."""
+
+
+def _ruler_rank(cfg):
+    from lctrain.parallel.parallelize import build_model
+    from lctrain.parallel.runtime import setup_distributed
+    from lctrain.training.evals import Evaluator
+
+    rt = setup_distributed(cfg)
+    model = build_model(cfg, rt)
+    evaluator = Evaluator(cfg, rt)
+    return evaluator.run(model), evaluator.samples
+
+
+@pytest.mark.slow  # 3 layouts of a random model generating 2 x 5 answers at 700 tokens
+def test_the_suite_scores_generations_the_same_on_every_layout(tokenizer, tmp_path):
+    """eval.tasks scored on greedy generation (tests/test_generate.py checks the tokens against
+    transformers'): on one rank, dp2 and cp2 ring, the same samples (prompts, generated ids)
+    and scores, each score the share of its answers in the decoded generation, the means as the
+    table says."""
+    from lctrain.training.evals import format_table
+    from tests.helpers import on_ranks, tiny_config
+
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    runs = {}
+    for name, par, world in (("one", {"dp": 1}, 1), ("dp2", {"dp": 2}, 2),
+                             ("cp2", {"dp": 1, "cp": 2, "attention": "ring"}, 2)):
+        runs[name] = (world, tiny_config(
+            model={"vocab_size": tokenizer.get_vocab_size()},
+            data={"tokenizer": str(path), "source": "synthetic", "add_bos": False,
+                  "add_eos": False},
+            train={"seq_len": 768, "global_batch": 2, "micro_batch": 1},
+            parallel=par, eval={"every": 1, "tasks": SCORED, "lengths": [700], "samples": 2}))
+    got = {name: on_ranks(_ruler_rank, world, cfg, timeout_s=300)
+           for name, (world, cfg) in runs.items()}
+    results, samples = got["one"][0]
+    assert [(s["task"], s["length"]) for s in samples] == [
+        (t, 700) for t in SCORED for _ in range(2)]
+    for name in ("dp2", "cp2"):
+        for rank_results, rank_samples in got[name]:
+            assert rank_samples == samples and rank_results == results, name
+    for s in samples:
+        text = tokenizer.decode(s["generated"])
+        assert s["score"] == score(text, tuple(s["answers"]))
+        assert len(s["prompt"]) == 700 and len(s["generated"]) > 0
+    for task in SCORED:
+        want = np.mean([s["score"] for s in samples if s["task"] == task])
+        assert results[f"eval/ruler/{task}/len700"] == pytest.approx(want)
+    lines = format_table(results, SCORED, [700])
+    assert lines[0].split() == ["eval", "ruler", "task", "700"] and len(lines) == len(SCORED) + 2
+
+
+def test_the_suite_is_refused_by_name_where_it_cannot_run(tmp_path):
+    """No tokenizer; a text haystack without validation data; a layout generation does not run
+    (TP with SP, pipeline stages); the suite's name expands to every task."""
+    from lctrain.config.ruler_tasks import ruler_tasks
+    from lctrain.config.validation import validate
+    from tests.helpers import tiny_config
+
+    assert ruler_tasks(["ruler", "passkey"]) == list(RULER_TASKS)
+    assert ruler_tasks(["fwe", "vt"]) == ["vt", "fwe"]
+    cfg = tiny_config(eval={"every": 1, "tasks": ["ruler"]},
+                      parallel={"tp": 2, "sp": True, "pp": 2, "dp": 1})
+    problems = validate(cfg, 4)
+    for message in ("set data.tokenizer", "niah_single_2, niah_single_3, niah_multikey_1, "
+                    "niah_multivalue, niah_multiquery, whose haystack is held-out text",
+                    "parallel.sp=true: generation decodes one token", "parallel.pp=2: generation"):
+        assert any(message in p for p in problems), (message, problems)

@@ -6,7 +6,8 @@ Part of `lctrain.config.validation`; the tasks' own minimum lengths are checked 
 
 from __future__ import annotations
 
-from lctrain.config.schema import LctrainConfig
+from lctrain.config.ruler_tasks import TEXT_HAYSTACK, ruler_tasks
+from lctrain.config.schema import LINEAR, LctrainConfig
 
 NEEDLE_KEYS = 16
 """Distinct keys the needle task has (lctrain.data.needle.KEYS): eval.needle_keys' bound."""
@@ -74,6 +75,7 @@ def eval_problems(cfg: LctrainConfig) -> list[str]:
                             "tokenizer.json is used when it has one)")
         if ev.needle_keys > NEEDLE_KEYS:
             problems.append(f"eval.needle_keys={ev.needle_keys}: at most {NEEDLE_KEYS} keys")
+    problems += _ruler_problems(cfg)
     if ev.samples < 1:
         problems.append(f"eval.samples={ev.samples} must be >= 1; try eval.samples=8")
     problems += [f"eval.depths contains {x}; depths are fractions in [0, 1]"
@@ -82,4 +84,41 @@ def eval_problems(cfg: LctrainConfig) -> list[str]:
         problems.append("eval.depths is empty; try eval.depths=[0,0.5,1]")
     problems += [f"eval.lengths contains {n}; each context length must lie in [1, train.seq_len="
                  f"{cfg.train.seq_len}]" for n in ev.lengths if not 1 <= n <= cfg.train.seq_len]
+    return problems
+
+
+def generation_problems(cfg: LctrainConfig) -> list[str]:
+    """The layouts and models greedy generation (`lctrain.training.generate`) does not run yet,
+    by name."""
+    p, problems = cfg.parallel, []
+    if p.tp > 1 and p.sp:
+        problems.append(f"parallel.tp={p.tp} with parallel.sp=true: generation decodes one token "
+                        "at a time, which sequence parallelism cannot split; set "
+                        "parallel.sp=false (or parallel.tp=1) to generate")
+    if p.pp > 1:
+        problems.append(f"parallel.pp={p.pp}: generation does not run pipeline stages yet; set "
+                        "parallel.pp=1 to generate")
+    if LINEAR in (cfg.model.layer_types or ()):
+        problems.append("linear_attention layers (model.layer_types): generation does not cache "
+                        "their recurrent state yet")
+    return problems
+
+
+def _ruler_problems(cfg: LctrainConfig) -> list[str]:
+    """The RULER-style tasks: the model's tokenizer, validation text for the text haystacks, a
+    layout generation runs on."""
+    tasks = ruler_tasks(cfg.eval.tasks)
+    if not tasks:
+        return []
+    problems = [f"eval.tasks has {', '.join(tasks)}, scored on generation: {p}"
+                for p in generation_problems(cfg)]
+    if cfg.data.tokenizer is None:
+        problems.append(f"eval.tasks has {', '.join(tasks)}, whose prompts are written and whose "
+                        "answers are read with the model's tokenizer: set data.tokenizer "
+                        "(model.init_from's tokenizer.json is used when it has one)")
+    text = [t for t in tasks if t in TEXT_HAYSTACK]
+    if text and not has_validation(cfg):
+        problems.append(f"eval.tasks has {', '.join(text)}, whose haystack is held-out text: set "
+                        "data.val_fraction=0.01 (documents of data.path) or eval.val_data=DIR, "
+                        "or score the other tasks")
     return problems

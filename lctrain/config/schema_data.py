@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lctrain.config.fields import at_least, each_one_of, one_of
+from lctrain.config.ruler_tasks import RULER_SUITE, RULER_TASKS
 
 
 @dataclass
@@ -101,10 +102,14 @@ class DataConfig:
 class EvalConfig:
     every: int = at_least(0, 0)
     """Run the retrieval evals every N optimizer steps and after the last one (0 = never)."""
-    tasks: list[str] = each_one_of("passkey", "recall", "needle", default=("passkey",))
+    tasks: list[str] = each_one_of("passkey", "recall", "needle", RULER_SUITE, *RULER_TASKS,
+                                   default=("passkey",))
     """Tasks to score: passkey | recall (lctrain.data.tasks: token ids of the built-in data, with
     data.answer_len and data.recall_pairs) | needle (lctrain.data.needle: real held-out text and
-    the model's tokenizer, for a pretrained model; needs validation data and data.tokenizer)."""
+    the model's tokenizer, for a pretrained model; needs validation data and data.tokenizer),
+    scored on the answer's logits; ruler (every RULER-style task, lctrain.data.ruler) or its
+    tasks by name, scored on greedy generation (the share of the expected strings generated),
+    with the model's tokenizer (data.tokenizer), the text-haystack tasks on validation data."""
     lengths: list[int] = field(default_factory=list, metadata={"min": 1, "hint": None})
     """Context lengths to score (each <= train.seq_len); empty = [train.seq_len]."""
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])

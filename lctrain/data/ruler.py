@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lctrain.config.ruler_tasks import RulerTask
+
 Encode = Callable[[str], np.ndarray]
 """A tokenizer's text -> token ids (int64), without special tokens."""
 TextSource = Callable[[np.random.Generator, int], np.ndarray]
@@ -92,47 +94,6 @@ class Example:
     prompt: np.ndarray
     answers: tuple[str, ...]
     answer_tokens: int
-
-
-@dataclass(frozen=True)
-class RulerTask:
-    name: str
-    kind: str
-    """niah | vt | cwe | fwe."""
-    haystack: str = "noise"
-    """noise | text | needles: what fills the context around the task's statements."""
-    keys: int = 1
-    """Needles with distinct keys (niah; the asked ones among them), or chains (vt: one asked,
-    the others distractors)."""
-    values: int = 1
-    """Values of each asked key (niah)."""
-    queries: int = 1
-    """Keys asked (niah)."""
-    value_kind: str = "number"
-    """number (7 digits) | uuid."""
-    key_kind: str = "word"
-    """word | uuid."""
-    hops: int = 4
-    """Assignments after the first in each chain (vt)."""
-    top: int = 10
-    """Words expected (cwe: the common ones; fwe: the most frequent)."""
-
-
-RULER_TASKS = {t.name: t for t in (
-    RulerTask("niah_single_1", "niah"),
-    RulerTask("niah_single_2", "niah", haystack="text"),
-    RulerTask("niah_single_3", "niah", haystack="text", value_kind="uuid"),
-    RulerTask("niah_multikey_1", "niah", haystack="text", keys=4),
-    RulerTask("niah_multikey_2", "niah", haystack="needles"),
-    RulerTask("niah_multikey_3", "niah", haystack="needles", key_kind="uuid",
-              value_kind="uuid"),
-    RulerTask("niah_multivalue", "niah", haystack="text", values=4),
-    RulerTask("niah_multiquery", "niah", haystack="text", keys=4, queries=4),
-    RulerTask("vt", "vt", keys=5),
-    RulerTask("cwe", "cwe"),
-    RulerTask("fwe", "fwe", top=3),
-)}
-"""The suite `ruler`, in its order."""
 
 
 def _uuid(rng: np.random.Generator) -> str:

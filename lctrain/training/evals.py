@@ -1,6 +1,7 @@
 """Retrieval evals during training: passkey and multi-key recall accuracy by context length and
 needle depth (lctrain.data.tasks), and the needle in real text (lctrain.data.needle), on the
-training layout itself.
+training layout itself; the RULER-style tasks, scored on generation, by
+`lctrain.training.ruler_eval`.
 
 Every (task, length, depth) cell has eval.samples examples. An example is one document at the
 start of a train.seq_len window (padding after it changes nothing under causal attention), so it
@@ -18,39 +19,24 @@ from collections import defaultdict
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lctrain.config import LctrainConfig
 from lctrain.config.derived import load_balance_of, ulysses_degree
 from lctrain.config.eval_rules import has_validation
+from lctrain.config.ruler_tasks import RULER_SUITE, ruler_tasks
 from lctrain.data.batch import build_micro_batch
 from lctrain.data.needle import NeedleTask
 from lctrain.data.tasks import TASKS, EvalExample, eval_examples
 from lctrain.models.decoder import without_routing
 from lctrain.parallel.runtime import Runtime
+from lctrain.training.generate import vocab_argmax
 from lctrain.training.heldout import ValidationLoss
+from lctrain.training.ruler_eval import RulerEval, ruler_table
 
 
 def cell_key(ex: EvalExample) -> str:
     return f"eval/{ex.task}/len{ex.length}/depth{ex.depth:.2f}"
-
-
-def vocab_argmax(logits: torch.Tensor, tp_group, tp_rank: int) -> torch.Tensor:
-    """argmax over the vocabulary [B, S, V] -> [B, S]; a vocab-sharded DTensor is reduced with
-    one all-gather of each TP rank's (max, index), never gathering the logits."""
-    if not isinstance(logits, DTensor):
-        return logits.argmax(-1)
-    local = logits.to_local().float()
-    best, idx = local.max(-1)
-    idx = idx + tp_rank * local.shape[-1]
-    pair = torch.stack([best, idx.float()])  # ids < 2^24 stay exact in float32
-    gathered = [torch.empty_like(pair) for _ in range(dist.get_world_size(tp_group))]
-    dist.all_gather(gathered, pair, group=tp_group)
-    stacked = torch.stack(gathered)  # [tp, 2, B, S]; the first max wins, as in a global argmax
-    winner = stacked[:, 0].argmax(0, keepdim=True)
-    return stacked[:, 1].gather(0, winner)[0].long()
 
 
 class Evaluator:
@@ -63,7 +49,14 @@ class Evaluator:
                            else None)
         e, t = cfg.eval, cfg.train
         self.examples: list[EvalExample] = []
+        generated = ruler_tasks(e.tasks)
+        self.ruler = RulerEval(cfg, rt) if e.every and generated else None
+        """The RULER-style tasks, scored on generation (lctrain.training.ruler_eval)."""
+        self.samples: list[dict] = []
+        """Their last run's samples (prompts, answers, generated ids), for eval.json."""
         for name in e.tasks if e.every else []:
+            if name in generated or name == RULER_SUITE:
+                continue
             task = (NeedleTask(cfg) if name == NeedleTask.name
                     else TASKS[name](cfg.data, cfg.model.vocab_size, t.seq_len, t.seed))
             self.examples += eval_examples(task, e.lengths or [t.seq_len], e.depths, e.samples,
@@ -100,6 +93,8 @@ class Evaluator:
         cfg, rt = self.cfg, self.rt
         mine = list(range(self.dp_rank, len(self.examples), self.dp))
         n_batches = -(-len(self.examples) // (self.dp * cfg.train.micro_batch))
+        if not self.examples:
+            n_batches = 0
         # on the device: NCCL reduces device tensors only
         misses = torch.zeros(len(self.examples), 2, dtype=torch.float64, device=rt.device)
         mb_size = cfg.train.micro_batch
@@ -116,6 +111,9 @@ class Evaluator:
                 misses += self._misses(logits, batch, mb.global_positions).to(rt.device)
         rt.sum_scores(misses)
         results = summarize(self.examples, misses.cpu())
+        if self.ruler is not None:
+            scores, self.samples = self.ruler.run(model)
+            results.update(scores)
         if self.validation is not None:
             results.update(self.validation.run(model))
         return results
@@ -131,9 +129,11 @@ def summarize(examples: list[EvalExample], misses: torch.Tensor) -> dict[str, fl
     return {k: float(np.mean(v)) for k, v in sorted(groups.items())}
 
 
-def format_table(results: dict[str, float], tasks: list[str]) -> list[str]:
-    """Console lines: one per task and context length, accuracy by depth; the validation loss."""
-    lines = []
+def format_table(results: dict[str, float], tasks: list[str],
+                 lengths: list[int] | None = None) -> list[str]:
+    """Console lines: one per task and context length, accuracy by depth; the RULER-style tasks'
+    scores by task and length (`lengths`); the validation loss."""
+    lines = ruler_table(results, lengths or [])
     if "val_loss" in results:
         lines.append(f"eval validation: loss {results['val_loss']:.4f}  "
                      f"ppl {results['val_ppl']:.2f}")

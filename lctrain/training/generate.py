@@ -23,33 +23,33 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lctrain.config import LctrainConfig
 from lctrain.config.derived import load_balance_of, ulysses_degree
-from lctrain.config.schema import LINEAR
+from lctrain.config.eval_rules import generation_problems
 from lctrain.data.batch import micro_batch_from_tokens
 from lctrain.models.decoder import without_routing
 from lctrain.parallel.data_parallel import unwrap
 from lctrain.parallel.runtime import Runtime
-from lctrain.training.evals import vocab_argmax
 
 _NEG_INF = float("-inf")
 
 
-def generation_problems(cfg: LctrainConfig) -> list[str]:
-    """The layouts and models greedy generation does not run yet, by name."""
-    p, problems = cfg.parallel, []
-    if p.tp > 1 and p.sp:
-        problems.append(f"parallel.tp={p.tp} with parallel.sp=true: generation decodes one token "
-                        "at a time, which sequence parallelism cannot split; set "
-                        "parallel.sp=false (or parallel.tp=1) to generate")
-    if p.pp > 1:
-        problems.append(f"parallel.pp={p.pp}: generation does not run pipeline stages yet; set "
-                        "parallel.pp=1 to generate")
-    if LINEAR in (cfg.model.layer_types or ()):
-        problems.append("linear_attention layers (model.layer_types): generation does not cache "
-                        "their recurrent state yet")
-    return problems
+def vocab_argmax(logits: torch.Tensor, tp_group, tp_rank: int) -> torch.Tensor:
+    """argmax over the vocabulary [B, S, V] -> [B, S]; a vocab-sharded DTensor is reduced with
+    one all-gather of each TP rank's (max, index), never gathering the logits."""
+    if not isinstance(logits, DTensor):
+        return logits.argmax(-1)
+    local = logits.to_local().float()
+    best, idx = local.max(-1)
+    idx = idx + tp_rank * local.shape[-1]
+    pair = torch.stack([best, idx.float()])  # ids < 2^24 stay exact in float32
+    gathered = [torch.empty_like(pair) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(gathered, pair, group=tp_group)
+    stacked = torch.stack(gathered)  # [tp, 2, B, S]; the first max wins, as in a global argmax
+    winner = stacked[:, 0].argmax(0, keepdim=True)
+    return stacked[:, 1].gather(0, winner)[0].long()
 
 
 @dataclass

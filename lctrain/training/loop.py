@@ -294,7 +294,7 @@ def _maybe_evaluate(evaluator: Evaluator, step: int, model: nn.Module, out: dict
     progress.mark(phase="eval")
     results = evaluator.run(model)
     out.update(results)
-    for line in format_table(results, cfg.eval.tasks):
+    for line in format_table(results, cfg.eval.tasks, cfg.eval.lengths or [cfg.train.seq_len]):
         metrics.info(line)
     return True
 

@@ -24,7 +24,9 @@ from lctrain.training.evals import Evaluator, format_table
 from lctrain.training.metrics import MetricsLogger
 
 EVAL_FILE = "eval.json"
-"""What `lctrain eval` scored: {"weights": where from, "step": int, "results": {key: value}}."""
+"""What `lctrain eval` scored: {"weights": where from, "step": int, "results": {key: value},
+"samples": every RULER-style example (task, length, prompt ids, answers, generated ids, score),
+so that another harness can check the scoring and the generation}."""
 
 
 def evaluate(cfg: LctrainConfig, run_dir: str | os.PathLike) -> dict[str, float]:
@@ -43,14 +45,16 @@ def evaluate(cfg: LctrainConfig, run_dir: str | os.PathLike) -> dict[str, float]
             checkpointer = Checkpointer(cfg, rt, run_dir, to_yaml(cfg), metrics.info)
             step, weights = checkpointer.load_weights(Path(cfg.checkpoint.load), model), \
                 cfg.checkpoint.load
-        results = Evaluator(cfg, rt).run(model)
+        evaluator = Evaluator(cfg, rt)
+        results = evaluator.run(model)
         metrics.info(f"lctrain: evaluated {weights} (step {step}) on {rt.world_size} rank(s)")
-        for line in format_table(results, cfg.eval.tasks):
+        for line in format_table(results, cfg.eval.tasks, cfg.eval.lengths or [cfg.train.seq_len]):
             metrics.info(line)
         metrics.record(step, results)
         if rt.rank == 0:
             write_atomic(run_dir / EVAL_FILE, json.dumps(
-                {"weights": str(weights), "step": step, "results": results}, indent=1) + "\n")
+                {"weights": str(weights), "step": step, "results": results,
+                 "samples": evaluator.samples}, indent=1) + "\n")
     finally:
         if checkpointer is not None:
             checkpointer.close()
