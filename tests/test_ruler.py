@@ -203,3 +203,21 @@ def test_the_suite_is_refused_by_name_where_it_cannot_run(tmp_path):
                     "niah_multivalue, niah_multiquery, whose haystack is held-out text",
                     "parallel.sp=true: generation decodes one token", "parallel.pp=2: generation"):
         assert any(message in p for p in problems), (message, problems)
+
+
+def test_lengths_too_short_for_a_task_are_refused_before_launch(tokenizer, tmp_path):
+    from lctrain.prepare.checks import input_problems
+    from tests.helpers import tiny_config
+
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    cfg = tiny_config(model={"vocab_size": tokenizer.get_vocab_size()},
+                      data={"tokenizer": str(path), "add_bos": False, "add_eos": False},
+                      train={"seq_len": 768},
+                      eval={"every": 1, "tasks": ["vt", "cwe"], "lengths": [100, 700]})
+    problems = input_problems(cfg)
+    assert len(problems) == 2 and all("eval.lengths contains 100" in p for p in problems)
+    need = RulerBuilder(_builder(tokenizer).encode).min_length(RULER_TASKS["vt"], 0)
+    assert f"the vt task needs contexts of at least {need} tokens" in problems[0]
+    for i in range(4):  # the bound holds for other draws
+        _builder(tokenizer).example(RULER_TASKS["vt"], need, seed=1, index=i)

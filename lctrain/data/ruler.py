@@ -37,7 +37,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lctrain.config.ruler_tasks import RulerTask
+from lctrain.config import LctrainConfig
+from lctrain.config.ruler_tasks import RULER_TASKS, RulerTask, ruler_tasks
+from lctrain.data.tokenizer import load_tokenizer
 
 Encode = Callable[[str], np.ndarray]
 """A tokenizer's text -> token ids (int64), without special tokens."""
@@ -125,6 +127,18 @@ class RulerBuilder:
         if task.value_kind == "uuid":
             return _uuid(rng)
         return str(int(rng.integers(1_000_000, 10_000_000)))
+
+    def min_length(self, task: RulerTask, seed: int, tries: int = 16) -> int:
+        """Tokens of the head, the statements (the shortest word list) and the question of
+        `tries` examples' draws, the longest, plus a margin of 16 for other draws' keys and
+        values: the shortest length to ask for."""
+        build = {"niah": self._niah, "vt": self._vt, "cwe": self._cwe, "fwe": self._fwe}
+        longest = 0
+        for i in range(tries):
+            parts = build[task.kind](task, np.random.default_rng([seed, 0x313, i]), 0)
+            longest = max(longest, len(parts.head) + len(parts.tail)
+                          + sum(map(len, parts.statements)))
+        return longest + 16
 
     def example(self, task: RulerTask, length: int, seed: int, index: int) -> Example:
         """Example `index` of `task` at `length` tokens (a function of seed, task, length and
@@ -289,3 +303,23 @@ def score(generated: str, answers: tuple[str, ...]) -> float:
     all expected strings."""
     text = generated.lower()
     return sum(a.lower() in text for a in answers) / len(answers)
+
+
+def ruler_problems(cfg: LctrainConfig) -> list[str]:
+    """eval.lengths too short for a RULER-style task of eval.tasks (its statements and question
+    in the model's tokens), and a tokenizer that cannot be read."""
+    from tokenizers import Tokenizer  # lazy: only runs that score these tasks need it
+
+    try:
+        tokenizer = Tokenizer.from_str(load_tokenizer(cfg.data).json)
+    except (ValueError, OSError) as e:
+        return [f"eval.tasks has RULER-style tasks: {e}"]
+    builder = RulerBuilder(lambda text: np.array(
+        tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int64))
+    problems = []
+    for name in ruler_tasks(cfg.eval.tasks):
+        need = builder.min_length(RULER_TASKS[name], cfg.train.seed)
+        problems += [f"eval.lengths contains {n}; the {name} task needs contexts of at least "
+                     f"{need} tokens (its statements and question, in the model's tokens)"
+                     for n in cfg.eval.lengths or [cfg.train.seq_len] if n < need]
+    return problems

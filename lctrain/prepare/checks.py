@@ -11,8 +11,10 @@ import os
 from lctrain.config import LctrainConfig
 from lctrain.config.derived import context_stages, stage_problems
 from lctrain.config.eval_rules import has_validation
+from lctrain.config.ruler_tasks import ruler_tasks
 from lctrain.config.validation import field_problems, validate
 from lctrain.data.needle import needle_problems
+from lctrain.data.ruler import ruler_problems
 from lctrain.data.sources import data_problems, length_histogram
 from lctrain.models.hf import check_hf_dir
 from lctrain.parallel import deepspeed_engine, launch
@@ -38,7 +40,7 @@ def search_preflight(cfg: LctrainConfig) -> list[str]:
 
 def input_problems(cfg: LctrainConfig) -> list[str]:
     """The data `cfg` names, the Hugging Face directory it starts from, and the contexts the
-    needle eval needs in the model's tokens."""
+    needle and RULER-style evals need in the model's tokens."""
     problems = data_problems(cfg)
     if cfg.eval.every and "needle" in cfg.eval.tasks and not problems and not field_problems(
             cfg) and cfg.data.tokenizer is not None and has_validation(cfg):
@@ -46,6 +48,12 @@ def input_problems(cfg: LctrainConfig) -> list[str]:
         for stage in stages:  # each stage scores the lengths that fit it
             named = f"train.stages[{stage.index}]: " if len(stages) > 1 else ""
             problems += [named + p for p in needle_problems(stage.cfg)]
+    if (cfg.eval.every and ruler_tasks(cfg.eval.tasks) and not problems
+            and not field_problems(cfg) and cfg.data.tokenizer is not None):
+        stages = context_stages(cfg) if not stage_problems(cfg) else []
+        for stage in stages:
+            named = f"train.stages[{stage.index}]: " if len(stages) > 1 else ""
+            problems += [named + p for p in ruler_problems(stage.cfg)]
     init = cfg.model.init_from
     if init is not None and os.path.isdir(init):
         problems += check_hf_dir(init, cfg.model)
