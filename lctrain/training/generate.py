@@ -1,9 +1,9 @@
-"""Greedy generation on the training layout, context parallelism included: the prompt is
-prefilled across the cp group by the run's own attention algorithm and split, each rank keeps
-the keys and values of its own tokens (a sharded cache), and every new token's query attends to
-every rank's shard: each rank attends over its own (float32, with the log-sum-exp), one
-all-gather of the (output, lse) pairs per layer and token merges them, and attention sinks enter
-once, after the merge. Windows mask the cached keys by position as the prefill did. Every cp rank
+"""Greedy generation on the training layout (docs/parallelism.md §32), context parallelism
+included: the prompt is prefilled across the cp group by the run's own attention algorithm and
+split, each rank keeps the keys and values of its own tokens (a sharded cache), and every new
+token's query attends to every rank's shard: each rank attends over its own (float32, with
+the log-sum-exp), one all-gather of the (output, lse) pairs per layer and token merges them,
+and attention sinks enter once, after the merge. Windows mask the cached keys by position as the prefill did. Every cp rank
 runs every decode step on the same tokens (the new token's key and value go into one rank's
 shard, the ranks taking turns), so expert parallelism's collectives see every rank too.
 
