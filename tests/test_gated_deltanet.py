@@ -428,6 +428,9 @@ def test_the_fla_kernels_glue_keeps_the_rules_contract(monkeypatch):
     want = chunk_gated_delta_rule(*inputs, doc_ids=doc_ids, initial_state=start,
                                   transition=True)
     assert torch.count_nonzero(want[2][0]) == 0 and torch.count_nonzero(want[2][1]) > 0
+    recurrence = gated_delta_reference(*inputs, doc_ids=doc_ids, initial_state=start)
+    for a, b in zip(got[:2], recurrence):  # the token-by-token recurrence, independently
+        torch.testing.assert_close(a.to(b.dtype), b, rtol=1e-9, atol=1e-11)
     weights = [torch.randn_like(x) for x in want]
     leaves = [*inputs, start]
     grads = [torch.autograd.grad(sum((x * w).sum() for x, w in zip(result, weights)), leaves)

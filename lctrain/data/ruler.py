@@ -128,14 +128,18 @@ class RulerBuilder:
             return _uuid(rng)
         return str(int(rng.integers(1_000_000, 10_000_000)))
 
+    def _parts(self, task: RulerTask, rng: np.random.Generator, length: int) -> _Parts:
+        """The example's pieces besides its haystack, by the task's kind."""
+        build = {"niah": self._niah, "vt": self._vt, "cwe": self._cwe, "fwe": self._fwe}
+        return build[task.kind](task, rng, length)
+
     def min_length(self, task: RulerTask, seed: int, tries: int = 16) -> int:
         """Tokens of the head, the statements (the shortest word list) and the question of
         `tries` examples' draws, the longest, plus a margin of 16 for other draws' keys and
         values: the shortest length to ask for."""
-        build = {"niah": self._niah, "vt": self._vt, "cwe": self._cwe, "fwe": self._fwe}
         longest = 0
         for i in range(tries):
-            parts = build[task.kind](task, np.random.default_rng([seed, 0x313, i]), 0)
+            parts = self._parts(task, np.random.default_rng([seed, 0x313, i]), 0)
             longest = max(longest, len(parts.head) + len(parts.tail)
                           + sum(map(len, parts.statements)))
         return longest + 16
@@ -145,8 +149,7 @@ class RulerBuilder:
         index)."""
         tag = sum(map(ord, task.name))
         rng = np.random.default_rng([seed, 0x5A1E, tag, length, index])
-        build = {"niah": self._niah, "vt": self._vt, "cwe": self._cwe, "fwe": self._fwe}
-        parts = build[task.kind](task, rng, length)
+        parts = self._parts(task, rng, length)
         room = (length - len(parts.head) - len(parts.tail)
                 - sum(map(len, parts.statements)))
         if room < 0:

@@ -42,18 +42,16 @@ def input_problems(cfg: LctrainConfig) -> list[str]:
     """The data `cfg` names, the Hugging Face directory it starts from, and the contexts the
     needle and RULER-style evals need in the model's tokens."""
     problems = data_problems(cfg)
-    if cfg.eval.every and "needle" in cfg.eval.tasks and not problems and not field_problems(
-            cfg) and cfg.data.tokenizer is not None and has_validation(cfg):
+    e = cfg.eval
+    length_checks = [check for check, wanted in (
+        (needle_problems, "needle" in e.tasks and has_validation(cfg)),
+        (ruler_problems, bool(ruler_tasks(e.tasks)))) if wanted]
+    if (e.every and length_checks and not problems and not field_problems(cfg)
+            and cfg.data.tokenizer is not None):
         stages = context_stages(cfg) if not stage_problems(cfg) else []
         for stage in stages:  # each stage scores the lengths that fit it
             named = f"train.stages[{stage.index}]: " if len(stages) > 1 else ""
-            problems += [named + p for p in needle_problems(stage.cfg)]
-    if (cfg.eval.every and ruler_tasks(cfg.eval.tasks) and not problems
-            and not field_problems(cfg) and cfg.data.tokenizer is not None):
-        stages = context_stages(cfg) if not stage_problems(cfg) else []
-        for stage in stages:
-            named = f"train.stages[{stage.index}]: " if len(stages) > 1 else ""
-            problems += [named + p for p in ruler_problems(stage.cfg)]
+            problems += [named + p for check in length_checks for p in check(stage.cfg)]
     init = cfg.model.init_from
     if init is not None and os.path.isdir(init):
         problems += check_hf_dir(init, cfg.model)
